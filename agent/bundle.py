@@ -366,8 +366,8 @@ def pick_tier(tiers: List[Tier], src_hw: Tuple[int, int]) -> Tier:
 
 def _crypto():
     try:
-        from cryptography.hazmat.primitives.asymmetric import ed25519
         from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:
         raise BundleError([FieldError("manifest.sig", "signature checks need the 'cryptography' package "
                                       "(pip install atlas-edge[edge])")]) from None

@@ -193,6 +193,6 @@ def resolve_secret(value: Optional[str]) -> Optional[str]:
         if not directory:
             raise ConfigError([FieldError("mqtt.password", "cred: needs systemd LoadCredential "
                                           "($CREDENTIALS_DIRECTORY is not set)")])
-        with open(os.path.join(directory, value[5:]), "r", encoding="utf-8") as handle:
+        with open(os.path.join(directory, value[5:]), encoding="utf-8") as handle:
             return handle.read().strip()
     return value

@@ -228,7 +228,7 @@ def load_yaml(cls: Type[T], path: str) -> T:
     import yaml  # the box's one config dependency; imported here so schema stays usable without it
 
     try:
-        with open(path, "r", encoding="utf-8") as handle:
+        with open(path, encoding="utf-8") as handle:
             data = yaml.safe_load(handle)
     except FileNotFoundError:
         raise ConfigError([FieldError("", "file not found")], path) from None
