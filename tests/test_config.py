@@ -1,0 +1,113 @@
+"""Config schemas: every bad field is named, unknown keys fail, device configs load by stem."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from agent.config import load_daemon_config, merge_config, parse_daemon_config, resolve_secret
+from agent.device_config import known_devices, load_device_config
+from agent.schema import ConfigError
+
+GOOD = {"device_id": "cam-01", "model": {"bundle": "b"}}
+
+
+def errors_of(data):
+    with pytest.raises(ConfigError) as info:
+        parse_daemon_config(data)
+    return {e.path: e.message for e in info.value.errors}
+
+
+def test_minimal_config_gets_defaults():
+    config = parse_daemon_config(GOOD)
+    assert config.mqtt.port == 1883 and config.mqtt.qos == 1
+    assert config.batching.max_wait_ms == 10.0
+
+
+def test_unknown_key_and_wrong_type_are_named_together():
+    errors = errors_of({**GOOD, "mqtt": {"prot": 1883, "qos": "1"}, "batching": {"max_batch": 0}})
+    assert "unknown key" in errors["mqtt.prot"]
+    assert "expected an integer" in errors["mqtt.qos"]
+    assert ">= 1" in errors["batching.max_batch"]
+
+
+def test_missing_required_and_bool_is_not_int():
+    errors = errors_of({"model": {"bundle": "b"}, "mqtt": {"port": True}})
+    assert errors["device_id"] == "required"
+    assert "expected an integer" in errors["mqtt.port"]
+
+
+def test_cross_field_rules():
+    errors = errors_of({**GOOD, "device_id": "a/b",
+                        "sources": [{"name": "x", "uri": "u"}, {"name": "x", "uri": "v"}]})
+    assert "device_id" in errors and "sources" in errors
+
+
+def test_merge_config_validates_whole_and_rejects_non_live_sections():
+    config = parse_daemon_config(GOOD)
+    merged = merge_config(config, {"thresholds": {"conf": 0.5}})
+    assert merged.thresholds.conf == 0.5 and config.thresholds.conf is None  # the original is untouched
+    with pytest.raises(ConfigError) as info:
+        merge_config(config, {"thresholds": {"conf": 2.0}})
+    assert info.value.errors[0].path == "thresholds.conf"
+    with pytest.raises(ConfigError) as info:
+        merge_config(config, {"mqtt": {"port": 1}})
+    assert info.value.errors[0].path == "mqtt"
+
+
+def test_secrets_from_env_and_credentials(tmp_path, monkeypatch):
+    monkeypatch.setenv("MQTT_PW", "s3cret")
+    assert resolve_secret("env:MQTT_PW") == "s3cret"
+    (tmp_path / "mqtt-password").write_text("from-systemd\n")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    assert resolve_secret("cred:mqtt-password") == "from-systemd"
+    monkeypatch.delenv("MQTT_PW")
+    with pytest.raises(ConfigError, match="MQTT_PW"):
+        resolve_secret("env:MQTT_PW")
+
+
+@pytest.mark.parametrize("name", ["atlas-200dk", "atlas-200i-dk-a2", "atlas-300i-pro", "atlas-500", "cpu-dev"])
+def test_every_device_config_loads_by_stem(name):
+    device = load_device_config(name)
+    assert device.name == name
+    expected_soc = {"atlas-200dk": "Ascend310", "atlas-200i-dk-a2": "Ascend310B4", "atlas-300i-pro": "Ascend310P3",
+                    "atlas-500": "Ascend310", "cpu-dev": None}[name]
+    assert device.soc_version == expected_soc
+
+
+def test_known_devices_lists_the_card():
+    assert set(known_devices()) >= {"atlas-200dk", "atlas-200i-dk-a2", "atlas-300i-pro", "atlas-500", "cpu-dev"}
+
+
+def test_device_config_cross_rules(tmp_path):
+    bad = yaml.safe_load(open(load_device_config.__globals__["device_config_path"]("atlas-200dk")))
+    bad.update({"soc_version": None, "artifact_format": "onnx", "name": "wrong"})
+    path = tmp_path / "atlas-200dk.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError) as info:
+        load_device_config(str(path))
+    paths = {e.path for e in info.value.errors}
+    assert {"soc_version", "artifact_format"} <= paths
+
+
+def test_example_daemon_config_is_valid():
+    config = load_daemon_config("examples/daemon.yaml")
+    assert config.device == "cpu-dev" and config.batching.max_batch == 4
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_validate_cli_prints_fields_and_exit_codes(tmp_path):
+    ok = _cli("validate", "device_configs/atlas-200i-dk-a2.yaml")
+    assert ok.returncode == 0 and "Ascend310B4" in ok.stdout
+    bad = tmp_path / "daemon.yaml"
+    bad.write_text("device_id: x\nmodel: {bundle: b}\nmqtt: {port: 70000, hots: a}\n")
+    result = _cli("validate", str(bad))
+    assert result.returncode == 1
+    assert "mqtt.port: must be <= 65535" in result.stderr and "mqtt.hots: unknown key" in result.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("device_id: [unclosed\n")
+    assert _cli("validate", str(broken)).returncode != 0

@@ -1,0 +1,107 @@
+"""Sources survive bad input: corrupt images are skipped and counted, missing paths are retried, a truncated
+video ends where it breaks. The daemon never sees an exception from a source."""
+
+import os
+import queue
+import threading
+import time
+
+import cv2
+import numpy as np
+
+from agent.config import SourceConfig
+from agent.sources import SourceReader
+
+
+def run_reader(config, timeout=10.0, until=None):
+    out = queue.Queue(maxsize=1000)
+    stop = threading.Event()
+    reader = SourceReader(config, out, stop)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not reader.finished.is_set():
+        if until is not None and until(reader, out):
+            break
+        time.sleep(0.02)
+    stop.set()
+    reader.join(5)
+    assert not reader.is_alive()
+    frames = []
+    while not out.empty():
+        frames.append(out.get())
+    return reader, frames
+
+
+def write_images(folder, n, size=(48, 64)):
+    os.makedirs(folder, exist_ok=True)
+    for i in range(n):
+        cv2.imwrite(os.path.join(folder, "img_%02d.png" % i), np.full(size + (3,), i * 10, np.uint8))
+
+
+def test_folder_skips_corrupt_image_and_counts_it(tmp_path):
+    write_images(tmp_path, 3)
+    (tmp_path / "img_01b.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    reader, frames = run_reader(SourceConfig(name="cam", uri=str(tmp_path)))
+    assert [f.name for f in frames] == ["img_00.png", "img_01.png", "img_02.png"]
+    assert [f.frame_id for f in frames] == [0, 1, 2]
+    assert reader.counters.decode_errors == 1
+    assert "img_01b.png" in reader.counters.last_error
+
+
+def test_missing_folder_is_retried_until_it_appears(tmp_path):
+    folder = tmp_path / "later"
+    config = SourceConfig(name="cam", uri=str(folder), reopen_min_s=0.05, reopen_max_s=0.1)
+    threading.Timer(0.4, write_images, args=(str(folder), 2)).start()
+    reader, frames = run_reader(config)
+    assert len(frames) == 2
+    assert reader.counters.open_failures >= 2
+    assert "not found" in reader.counters.last_error and str(folder) in reader.counters.last_error
+
+
+def test_missing_video_file_is_named_and_does_not_crash(tmp_path):
+    missing = str(tmp_path / "nope.mp4")
+    config = SourceConfig(name="cam", uri=missing, reopen_min_s=0.05, reopen_max_s=0.05)
+    reader, frames = run_reader(config, timeout=0.5)
+    assert frames == [] and reader.counters.open_failures >= 2
+    assert missing in reader.counters.last_error
+
+
+def write_video(path, n, size=(64, 96)):
+    writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 10, (size[1], size[0]))
+    assert writer.isOpened()
+    for i in range(n):
+        frame = np.zeros(size + (3,), np.uint8)
+        cv2.putText(frame, str(i), (5, 40), cv2.FONT_HERSHEY_SIMPLEX, 1, (255, 255, 255), 2)
+        writer.write(frame)
+    writer.release()
+
+
+def test_truncated_video_ends_cleanly_with_the_frames_before_the_break(tmp_path):
+    path = str(tmp_path / "clip.avi")
+    write_video(path, 40)
+    _reader, whole = run_reader(SourceConfig(name="cam", uri=path))
+    assert len(whole) == 40
+    data = open(path, "rb").read()
+    truncated = str(tmp_path / "cut.avi")
+    open(truncated, "wb").write(data[: len(data) // 2])
+    reader, frames = run_reader(SourceConfig(name="cam", uri=truncated))
+    assert 0 < len(frames) < 40
+    assert reader.finished.is_set()
+
+
+def test_queue_full_drops_oldest_and_counts(tmp_path):
+    write_images(tmp_path, 6)
+    out = queue.Queue(maxsize=2)
+    stop = threading.Event()
+    reader = SourceReader(SourceConfig(name="cam", uri=str(tmp_path)), out, stop)
+    reader.run()  # synchronously: a folder ends by itself
+    kept = [out.get().name for _ in range(2)]
+    assert kept == ["img_04.png", "img_05.png"]
+    assert reader.counters.dropped_queue_full == 4
+
+
+def test_max_fps_limits_the_rate(tmp_path):
+    write_images(tmp_path, 3)
+    reader, frames = run_reader(SourceConfig(name="cam", uri=str(tmp_path), max_fps=10))
+    gaps = np.diff([f.enqueued for f in frames])
+    assert len(frames) == 3 and (gaps >= 0.09).all()  # a lower bound from the limiter, not a speed claim
