@@ -1,0 +1,252 @@
+"""The daemon end to end, as a real process, against a real Mosquitto, on the committed demo bundle.
+
+Frames with known ground truth go in; one result per frame comes out over MQTT with boxes in original pixels;
+presence is retained online and turns offline through the last will when the process is SIGKILLed; SIGTERM
+loses nothing; a bad bundle is refused with its reason.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+import yaml
+
+from agent.demo import DEMO_BUNDLE, write_sample_frames
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
+                                reason="examples/demo-bundle is missing (make demo-bundle)")
+
+SIZES = ((1080, 1920), (720, 1280), (480, 640), (640, 480), (800, 800), (540, 960), (1080, 1920), (600, 600))
+
+
+class Subscriber:
+    def __init__(self, broker, topic):
+        self.messages = []
+        self.lock = threading.Lock()
+        ready = threading.Event()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="e2e-%d-%d" % (os.getpid(), id(self)))
+        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)
+        self.client.on_subscribe = lambda *a: ready.set()
+        self.client.on_message = self._on_message
+        self.client.connect(broker.host, broker.port)
+        self.client.loop_start()
+        assert ready.wait(10), "subscription to %s not confirmed" % topic
+
+    def _on_message(self, client, userdata, message):
+        with self.lock:
+            self.messages.append((message.topic, message.payload, message.retain))
+
+    def wait(self, predicate, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if predicate(list(self.messages)):
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def json(self):
+        with self.lock:
+            return [(t, json.loads(p)) for t, p, _r in self.messages]
+
+    def close(self):
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def write_config(tmp_path, broker, frames_dir, loop=False, bundle=DEMO_BUNDLE, device="cpu-dev", **extra):
+    config = {
+        "device_id": "e2e",
+        "device": device,
+        "state_dir": str(tmp_path / "state"),
+        "model": {"bundle": str(bundle), "observation_s": 0},
+        "sources": [{"name": "cam", "uri": str(frames_dir), "loop": loop}],
+        "mqtt": {"host": broker.host, "port": broker.port, "reconnect_min_s": 0.1, "reconnect_max_s": 1.0},
+        "batching": {"max_batch": 2, "max_wait_ms": 5},
+        "publish": {"telemetry_interval_s": 1.0},
+        **extra,
+    }
+    path = tmp_path / "daemon.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def start_daemon(config_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", config_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def iou(a, b):
+    x1, y1 = max(a[0], b[0]), max(a[1], b[1])
+    x2, y2 = min(a[2], b[2]), min(a[3], b[3])
+    inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def test_frames_in_results_out_with_correct_boxes_and_presence(tmp_path, mosquitto):
+    frames_dir = tmp_path / "frames"
+    truth = {t["name"]: t for t in write_sample_frames(str(frames_dir), sizes_hw=SIZES, seed=7)}
+    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
+    status = Subscriber(mosquitto, "atlas-edge/e2e/status")
+    proc = start_daemon(write_config(tmp_path, mosquitto, frames_dir))
+    try:
+        assert results.wait(lambda m: len(m) >= len(SIZES), timeout=120), proc.stdout.read() if proc.poll() else ""
+        time.sleep(0.5)  # any extra (duplicate) message would arrive now
+        received = results.json()
+        assert len(received) == len(SIZES)
+        assert all(topic == "atlas-edge/e2e/results/cam" for topic, _ in received)
+        assert sorted(r["frame_id"] for _, r in received) == list(range(len(SIZES)))
+        matched = total = 0
+        for _, result in received:
+            gt = truth[result["name"]]
+            assert result["image_hw"] == gt["hw"]
+            assert result["model"]["name"] and set(result["timings_ms"]) >= {"preprocess", "infer", "postprocess"}
+            for box, label in zip(gt["boxes"], gt["labels"]):
+                total += 1
+                best = max((iou(box, d["box"]) for d in result["detections"] if d["label"] == label), default=0.0)
+                matched += best >= 0.5
+        assert total > 0 and matched / total >= 0.9, "only %d of %d objects found with IoU >= 0.5" % (matched, total)
+        assert status.wait(lambda m: any(json.loads(p).get("state") == "online" for _t, p, _r in m), timeout=10)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert status.wait(lambda m: json.loads(m[-1][1]).get("state") == "offline", timeout=30)
+        # The retained status a newcomer sees is offline too (the last will is retained).
+        late = Subscriber(mosquitto, "atlas-edge/e2e/status")
+        assert late.wait(lambda m: m and m[-1][2] and json.loads(m[-1][1]).get("state") == "offline", timeout=10)
+        late.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        results.close()
+        status.close()
+
+
+def test_sigterm_loses_no_result(tmp_path, mosquitto):
+    frames_dir = tmp_path / "frames"
+    write_sample_frames(str(frames_dir), sizes_hw=SIZES[:4], seed=3)
+    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
+    proc = start_daemon(write_config(tmp_path, mosquitto, frames_dir, loop=True))
+    try:
+        assert results.wait(lambda m: len(m) >= 10, timeout=120)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output[-2000:]
+        line = [ln for ln in output.splitlines() if "published" in ln and "stopped" in ln]
+        assert line, output[-2000:]
+        published = int(line[-1].split("published ")[1].split()[0])
+        time.sleep(0.5)
+        from agent.outbox import Outbox
+
+        pending = len(Outbox(str(tmp_path / "state" / "outbox.sqlite"), 1 << 26))
+        got = len(results.json())
+        assert got + pending == published, "published %d, received %d, in outbox %d" % (published, got, pending)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        results.close()
+
+
+def copy_bundle(tmp_path):
+    target = tmp_path / "bundle"
+    shutil.copytree(DEMO_BUNDLE, target)
+    return target
+
+
+def run_to_exit(config_path, timeout=120):
+    proc = start_daemon(config_path)
+    output, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, output
+
+
+def test_bundle_with_wrong_hash_is_refused_naming_the_file(tmp_path, mosquitto):
+    bundle = copy_bundle(tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    victim = manifest["artifacts"][0]["file"]
+    data = bytearray((bundle / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bundle / victim).write_bytes(bytes(data))
+    code, output = run_to_exit(write_config(tmp_path, mosquitto, tmp_path, bundle=bundle))
+    assert code != 0
+    assert "hash mismatch for %s" % victim in output
+
+
+def test_bundle_for_another_soc_is_refused_naming_both(tmp_path, mosquitto):
+    from agent.bundle import write_manifest
+
+    bundle = copy_bundle(tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for art in manifest["artifacts"]:
+        if art["format"] == "onnx":
+            art.update(format="om", target="ascend", soc_version="Ascend310P3")
+    manifest["artifacts"] = [a for a in manifest["artifacts"] if a["format"] == "om"]
+    keep = {a["file"] for a in manifest["artifacts"]}
+    for case in manifest.get("golden", {}).get("cases", []):
+        case["expected"] = {k: v for k, v in case["expected"].items() if k in keep}
+    for art in json.loads((tmp_path / "bundle" / "manifest.json").read_text())["artifacts"]:
+        if art["file"] not in keep:
+            os.remove(bundle / art["file"])
+    write_manifest(str(bundle), manifest)
+    code, output = run_to_exit(write_config(tmp_path, mosquitto, tmp_path, bundle=bundle, device="atlas-200dk"))
+    assert code != 0
+    assert "Ascend310P3" in output and "Ascend310" in output.replace("Ascend310P3", "")
+
+
+def test_unknown_config_key_is_refused_before_start(tmp_path, mosquitto):
+    path = write_config(tmp_path, mosquitto, tmp_path)
+    data = yaml.safe_load(open(path))
+    data["batching"]["max_bacth"] = 4
+    data["mqtt"]["port"] = "1883"
+    open(path, "w").write(yaml.safe_dump(data))
+    code, output = run_to_exit(path)
+    assert code == 2
+    assert "batching.max_bacth: unknown key" in output and "mqtt.port: expected an integer" in output
+
+
+def test_corrupt_frame_is_counted_and_serving_goes_on(tmp_path, mosquitto):
+    frames_dir = tmp_path / "frames"
+    write_sample_frames(str(frames_dir), sizes_hw=SIZES[:3], seed=5)
+    (frames_dir / "frame_001b_broken.png").write_bytes(b"\x89PNG\r\n\x1a\ngarbage")
+    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
+    telemetry = Subscriber(mosquitto, "atlas-edge/e2e/telemetry")
+    proc = start_daemon(write_config(tmp_path, mosquitto, frames_dir))
+    try:
+        assert results.wait(lambda m: len(m) >= 3, timeout=120)
+        assert telemetry.wait(lambda m: any(
+            json.loads(p)["sources"]["cam"]["decode_errors"] == 1 for _t, p, _r in m), timeout=30)
+        assert proc.poll() is None  # still serving
+        names = sorted(r["name"] for _, r in results.json())
+        assert names == sorted(n for n in os.listdir(frames_dir) if n.startswith("frame_0") and "broken" not in n)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        results.close()
+        telemetry.close()
+
+
+def test_detections_numeric_sanity_on_demo_model():
+    """The demo model's boxes are finite and inside the image (guards against a mis-mapped letterbox)."""
+    from agent.bundle import verify_bundle
+    from agent.device_config import load_device_config
+    from agent.model import load_model
+    from agent.shapes import generate_scene
+
+    model = load_model(verify_bundle(DEMO_BUNDLE), load_device_config("cpu-dev"), "opencv")
+    try:
+        rng = np.random.default_rng(11)
+        image, _boxes, _classes = generate_scene(rng, (1080, 1920))
+        (result,) = model.infer_frames([image])
+        dets = result.detections
+        assert np.isfinite(dets).all()
+        assert (dets[:, 0] >= 0).all() and (dets[:, 2] <= 1920).all() and (dets[:, 3] <= 1080).all()
+    finally:
+        model.close()
