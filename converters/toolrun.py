@@ -1,0 +1,216 @@
+"""Finding a conversion tool, recording its version, running it, and judging the result.
+
+Tools run as argument lists (no shell) in a temporary working directory, because ATC drops ``kernel_meta/``
+and fusion dumps into its current directory. A run counts only when the process exits 0, prints the tool's
+success line, *and* leaves a non-empty output file: both tools have been seen to exit 0 after an error.
+"""
+
+import logging
+import os
+import re
+import shlex
+import signal
+import subprocess
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Sequence, Tuple
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOOLKIT_BIN = "/usr/local/Ascend/ascend-toolkit/latest/bin"  # the CANN installer's default
+VERSION_QUERY_TIMEOUT_S = 20.0  # `converter_lite --version` only prints; anything longer is a hang
+LOG_TAIL_LINES = 40  # enough for ATC's error block (error code, op name, suggestion)
+# version.cfg keys in order of preference; the value is [internal:public], e.g. [7.6.0.1.220:8.0.0].
+CANN_VERSION_KEYS = ("compiler_running_version", "toolkit_running_version", "runtime_running_version")
+UNKNOWN_VERSION = "unknown"
+
+
+@dataclass(frozen=True)
+class ToolInfo:
+    """A conversion tool: its program name, the package that ships it, the line it prints on success."""
+
+    name: str
+    package: str
+    success_line: str
+
+
+ATC = ToolInfo(
+    name="atc",
+    package="the CANN toolkit (Ascend-cann-toolkit_<version>_linux-<arch>.run from Huawei's Ascend site; "
+            "then `source <install dir>/ascend-toolkit/set_env.sh`)",
+    success_line="ATC run success",
+)
+CONVERTER_LITE = ToolInfo(
+    name="converter_lite",
+    package="the MindSpore Lite release tarball (mindspore-lite-<version>-linux-<arch>.tar.gz from "
+            "mindspore.cn; it holds tools/converter/converter/converter_lite; set MSLITE_HOME to its root)",
+    success_line="CONVERT RESULT SUCCESS:0",
+)
+
+
+class ToolNotFound(RuntimeError):
+    """The tool is in none of the places looked at; the message lists them and the package to install."""
+
+    def __init__(self, tool: ToolInfo, places: Sequence[str]) -> None:
+        self.tool = tool
+        self.places = list(places)
+        super().__init__("%s not found. Looked in:\n%s\n%s comes with %s." % (
+            tool.name, "\n".join("  - " + p for p in self.places), tool.name, tool.package))
+
+
+class ToolFailed(RuntimeError):
+    """A run that did not produce a usable output; ``log_tail`` holds the end of what the tool printed."""
+
+    def __init__(self, tool: str, reason: str, log_tail: str = "") -> None:
+        self.tool = tool
+        self.reason = reason
+        self.log_tail = log_tail
+        super().__init__("%s: %s" % (tool, reason))
+
+
+def search_places(tool: ToolInfo, env: Mapping[str, str]) -> List[Tuple[str, Optional[str]]]:
+    """Where to look, in order: (description, directory or None when its variable is unset)."""
+    places: List[Tuple[str, Optional[str]]] = []
+    for directory in [d for d in env.get("PATH", "").split(os.pathsep) if d]:
+        places.append(("PATH entry %s" % directory, directory))
+
+    def from_env(variable: str, *parts: str) -> None:
+        suffix = "/".join(parts)
+        root = env.get(variable)
+        if root:
+            directory = os.path.join(root, *parts)
+            places.append(("$%s/%s (%s)" % (variable, suffix, directory), directory))
+        else:
+            places.append(("$%s/%s (%s is not set)" % (variable, suffix, variable), None))
+
+    if tool.name == ATC.name:
+        from_env("ASCEND_TOOLKIT_HOME", "bin")
+        from_env("ASCEND_HOME", "latest", "bin")
+        places.append((DEFAULT_TOOLKIT_BIN, DEFAULT_TOOLKIT_BIN))
+    else:
+        from_env("MSLITE_HOME", "tools", "converter", "converter")
+    if not any(desc.startswith("PATH entry") for desc, _ in places):
+        places.insert(0, ("PATH (empty)", None))
+    return places
+
+
+def find_tool(tool: ToolInfo, env: Mapping[str, str]) -> str:
+    """The absolute path of the first executable ``tool.name`` in :func:`search_places`; else ToolNotFound."""
+    places = search_places(tool, env)
+    for _description, directory in places:
+        if directory is None:
+            continue
+        candidate = os.path.join(directory, tool.name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return os.path.abspath(candidate)
+    raise ToolNotFound(tool, [description for description, _ in places])
+
+
+def child_env(tool: ToolInfo, tool_path: str, env: Mapping[str, str]) -> dict:
+    """The tool's environment. converter_lite needs its own shared libraries: ``tools/converter/lib`` beside
+    its directory (and under ``$MSLITE_HOME``) go first on LD_LIBRARY_PATH, for the child only."""
+    result = dict(env)
+    if tool.name != CONVERTER_LITE.name:
+        return result
+    libs = [os.path.join(os.path.dirname(os.path.dirname(tool_path)), "lib")]
+    if env.get("MSLITE_HOME"):
+        libs.append(os.path.join(env["MSLITE_HOME"], "tools", "converter", "lib"))
+    libs = [d for i, d in enumerate(libs) if os.path.isdir(d) and d not in libs[:i]]
+    if libs:
+        result["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [p for p in [env.get("LD_LIBRARY_PATH")] if p])
+    return result
+
+
+def _cann_from_cfg(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    for key in CANN_VERSION_KEYS:
+        match = re.search(r"^%s=\[([^\]]*)\]" % key, text, flags=re.MULTILINE)
+        if match:
+            value = match.group(1)
+            return value.split(":", 1)[1] if ":" in value else value  # the public name after the colon
+    match = re.search(r"^Version=(\S+)", text, flags=re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def cann_version(atc_path: str) -> str:
+    """The CANN version in ``<toolkit>/version.cfg`` or ``<toolkit>/../version.cfg`` (toolkit: bin's parent).
+
+    Older layouts put atc under ``latest/atc/bin``, where the file is one level higher.
+    """
+    toolkit = os.path.dirname(os.path.dirname(os.path.abspath(atc_path)))
+    for folder in (toolkit, os.path.dirname(toolkit)):
+        version = _cann_from_cfg(os.path.join(folder, "version.cfg"))
+        if version:
+            return version
+    return UNKNOWN_VERSION
+
+
+def converter_version(tool_path: str, env: Mapping[str, str]) -> str:
+    """What ``converter_lite --version`` prints (first x.y.z), else the release folder's name, or unknown."""
+    try:
+        done = subprocess.run([tool_path, "--version"], capture_output=True, text=True, errors="replace",
+                              timeout=VERSION_QUERY_TIMEOUT_S, env=dict(env), check=False)
+        match = re.search(r"(\d+\.\d+\.\d+[0-9A-Za-z.+-]*)", done.stdout + done.stderr)
+        if match:
+            return match.group(1)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("%s --version failed: %s", tool_path, exc)
+    match = re.search(r"mindspore-lite-(\d+\.\d+\.\d+[0-9A-Za-z.]*)", os.path.realpath(tool_path))
+    return match.group(1) if match else UNKNOWN_VERSION
+
+
+@dataclass(frozen=True)
+class ToolRun:
+    returncode: Optional[int]  # None when killed for the timeout
+    timed_out: bool
+    output: str  # stdout and stderr, interleaved as written
+
+
+def run_tool(cmd: Sequence[str], cwd: str, env: Mapping[str, str], timeout_s: float,
+             log_path: str) -> ToolRun:
+    """Run ``cmd`` (no shell) in ``cwd``; stdout+stderr go to ``log_path`` (first line: the command).
+
+    The tool gets its own process group so a timeout kills it and any compiler children it started.
+    """
+    log.debug("running %s (in %s, timeout %.0f s)", shlex.join(cmd), cwd, timeout_s)
+    with open(log_path, "w", encoding="utf-8") as sink:
+        sink.write("$ %s\n" % shlex.join(cmd))
+        sink.flush()
+        proc = subprocess.Popen(list(cmd), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
+        try:
+            returncode: Optional[int] = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
+            returncode = None
+    with open(log_path, encoding="utf-8", errors="replace") as handle:
+        output = handle.read()
+    return ToolRun(returncode=returncode, timed_out=timed_out, output=output)
+
+
+def tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+def check_run(tool: ToolInfo, run: ToolRun, output_path: str, timeout_s: float) -> None:
+    """Raise ToolFailed unless the run exited 0, printed the success line and wrote a non-empty output."""
+    name = os.path.basename(output_path)
+    if run.timed_out:
+        reason = "did not finish within %.0f s and was killed" % timeout_s
+    elif run.returncode != 0:
+        reason = "exited with status %s" % run.returncode
+    elif tool.success_line not in run.output:
+        reason = "exited 0 but never printed %r" % tool.success_line
+    elif not os.path.isfile(output_path):
+        reason = "printed %r but wrote no %s" % (tool.success_line, name)
+    elif os.path.getsize(output_path) == 0:
+        reason = "printed %r but %s is empty" % (tool.success_line, name)
+    else:
+        return
+    raise ToolFailed(tool.name, reason, tail(run.output))
