@@ -1,0 +1,494 @@
+"""``atlas-edge convert``: plan a conversion (dry run), then run it and add the outputs to the bundle.
+
+The plan is computed from the bundle's manifest and the device config alone and touches nothing, so
+``--dry-run`` and the "tool missing" message can show exactly what would run. Execution is all or nothing:
+every tier is converted in one staging directory first; only when all succeeded are the outputs, the
+generated configs and the tool logs copied into the bundle and the manifest rewritten, and any failure in
+that last step restores the bundle byte for byte.
+
+Paths in commands and configs are relative to the working directory, which mirrors the bundle root
+(inputs are symlinked into the staging directory), so the printed commands also work when run by hand from
+the bundle directory, and the configs kept in the bundle stay meaningful after it moves.
+"""
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from converters import aipp, atc, grammar, lite_config, toolrun
+
+log = logging.getLogger(__name__)
+
+Tier = Tuple[int, int]  # (h, w)
+
+DEFAULT_TIMEOUT_S = 1800.0  # ATC on a YOLO-sized model takes minutes; PTQ with 500 calibration inputs longer
+CONVERT_DIR = "convert"  # bundle folder of generated AIPP / converter configs
+LOGS_DIR = "logs"  # bundle folder of tool logs (kept only for successful conversions)
+# ATC precision modes that leave float16 somewhere in the graph; the artifact is labelled by its weakest part.
+FLOAT16_MODES = ("force_fp16", "allow_fp32_to_fp16", "allow_mix_precision")
+
+
+class ConvertError(ValueError):
+    """Bad input (bundle, device, options): every problem, each naming its field, option or file."""
+
+    def __init__(self, errors: Sequence[str]) -> None:
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+@dataclass(frozen=True)
+class ConvertRequest:
+    bundle: str
+    device: str
+    to: str  # "om" (ATC) | "ms" (converter_lite: .ms on CPU boxes, Ascend MindIR on NPU boxes)
+    tiers: Optional[List[Tier]] = None  # None: every tier of the bundle
+    ptq: bool = False
+    input_format: Optional[str] = None  # None: bgr where AIPP is used
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class GeneratedFile:
+    path: str  # relative to the bundle root
+    text: str
+
+
+@dataclass(frozen=True)
+class Job:
+    """One tool run: one tier in, one artifact out."""
+
+    tier: Tier
+    source: str  # the bundle artifact the tool reads
+    output: str  # the file the tool writes, relative to the working directory (= its bundle path)
+    cmd: List[str]  # program name first; replaced by the resolved path at run time
+    files: List[GeneratedFile]
+    artifact: Dict[str, Any]  # the manifest entry to add (sha256/size/toolchain filled in at commit)
+
+    @property
+    def log(self) -> str:
+        return "%s/%s.log" % (LOGS_DIR, self.output)
+
+
+@dataclass(frozen=True)
+class ConvertPlan:
+    bundle: str  # absolute
+    label: str  # "name version"
+    device_name: str
+    soc_version: Optional[str]
+    tool: toolrun.ToolInfo
+    jobs: List[Job]
+    inputs: List[str]  # bundle paths the commands read: source artifacts, the calibration folder
+    warnings: List[str] = field(default_factory=list)
+    input_format: Optional[str] = None  # what the box sends when AIPP is used
+
+    def render(self) -> str:
+        """The dry-run text: every generated file's contents and every command, exactly as they would run."""
+        lines = [
+            "# atlas-edge convert plan: bundle %s (%s), device %s (%s), tool %s" % (
+                self.bundle, self.label, self.device_name, self.soc_version or "cpu", self.tool.name),
+            "# Run the commands in the bundle directory after saving each file below at its path;",
+            "# atlas-edge convert itself runs them in a staging copy and then updates manifest.json.",
+            "cd %s" % shlex.quote(self.bundle),
+        ]
+        lines += ["# warning: " + w for w in self.warnings]
+        for job in self.jobs:
+            lines.append("")
+            lines.append("# == tier %dx%d: %s -> %s" % (job.tier[0], job.tier[1], job.source, job.output))
+            for generated in job.files:
+                lines.append("# --- %s" % generated.path)
+                lines.append(generated.text.rstrip("\n"))
+                lines.append("# --- end of %s" % generated.path)
+            lines.append(shlex.join(job.cmd))
+        return "\n".join(lines) + "\n"
+
+
+# --- planning -----------------------------------------------------------------------------------------------
+
+def _load_inputs(request: ConvertRequest, errors: List[str]) -> Tuple[Any, Any]:
+    from agent.bundle import BundleError, load_manifest
+    from agent.device_config import load_device_config
+    from agent.schema import ConfigError
+
+    manifest = device = None
+    try:
+        manifest = load_manifest(request.bundle)
+    except BundleError as exc:
+        errors += ["bundle %s: %s" % (request.bundle, e) for e in exc.errors]
+    try:
+        device = load_device_config(request.device)
+    except ConfigError as exc:
+        errors += ["device %s: %s" % (request.device, e) for e in exc.errors]
+    return manifest, device
+
+
+def _pick_tiers(request: ConvertRequest, manifest: Any, device: Any, errors: List[str]) -> List[Tier]:
+    known = [tuple(t) for t in manifest.input.tiers]
+    if request.tiers is None:
+        wanted = [t for t in known if not device.input_tiers or t in [tuple(d) for d in device.input_tiers]]
+        return wanted or known
+    tiers = []
+    for tier in request.tiers:
+        if tuple(tier) not in known:
+            errors.append("--tiers: %dx%d is not one of the bundle's input.tiers (%s)" % (
+                tier[0], tier[1], ", ".join("%dx%d" % t for t in known)))
+        elif tuple(tier) not in tiers:
+            tiers.append(tuple(tier))
+    return tiers
+
+
+def _pick_source(manifest: Any, tier: Tier, formats: Sequence[str], errors: List[str]) -> Optional[Any]:
+    """The float32 artifact of ``tier`` in the first of ``formats`` that has one (the converter's input)."""
+    for fmt in formats:
+        for art in manifest.artifacts:
+            if art.format == fmt and tuple(art.tier) == tier and art.precision == "float32" \
+                    and art.normalize_on == "host":
+                return art
+    errors.append("artifacts: no float32 %s artifact for tier %dx%d to convert from" % (
+        " or ".join(formats), tier[0], tier[1]))
+    return None
+
+
+def _check_calibration(request: ConvertRequest, manifest: Any, tiers: List[Tier], errors: List[str]
+                       ) -> Optional[Any]:
+    calibration = manifest.calibration
+    if calibration is None:
+        errors.append("--ptq: the bundle has no calibration set (manifest 'calibration')")
+        return None
+    for tier in tiers:
+        if tier != tuple(calibration.tier):
+            errors.append("--ptq: calibration.tier is %dx%d; the calibration set cannot calibrate tier %dx%d "
+                          "(convert that tier without --ptq, or pass --tiers %dx%d)" % (
+                              calibration.tier[0], calibration.tier[1], tier[0], tier[1],
+                              calibration.tier[0], calibration.tier[1]))
+    directory = os.path.join(request.bundle, calibration.dir)
+    if not os.path.isdir(directory):
+        errors.append("calibration.dir: %s is not a folder in the bundle" % calibration.dir)
+        return None
+    found = len([n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n))])
+    if found < calibration.count:
+        errors.append("calibration.count: %d, but %s holds %d files" % (
+            calibration.count, calibration.dir, found))
+    return calibration
+
+
+def _precision(device: Any, ptq: bool) -> str:
+    if ptq:
+        return "int8"
+    if device.target == "ascend" and device.precision_mode in FLOAT16_MODES:
+        return "float16"
+    return "float32"
+
+
+def _shape(manifest: Any, batch: int, tier: Tier) -> Tuple[int, int, int, int]:
+    height, width = tier
+    return (batch, 3, height, width) if manifest.input.layout == "NCHW" else (batch, height, width, 3)
+
+
+def _artifact_entry(output: str, fmt: str, device: Any, tier: Tier, batch: int, precision: str,
+                    input_format: Optional[str], color: str, config_files: List[str]) -> Dict[str, Any]:
+    """A manifest artifact in docs/bundle.md's key order (sha256/size are filled by write_manifest)."""
+    on_npu = device.target == "ascend"
+    return {
+        "file": output,
+        "format": fmt,
+        "target": device.target,
+        "soc_version": device.soc_version if on_npu else None,
+        "tier": [tier[0], tier[1]],
+        "batch": batch,
+        "precision": precision,
+        "role": "serve",
+        # With AIPP the box sends letterboxed uint8 pixels as they come; otherwise the agent normalises.
+        "input_dtype": "uint8" if input_format else "float32",
+        "input_layout": "NHWC" if input_format else "NCHW",
+        "normalize_on": "aipp" if input_format else "host",
+        "input_color": input_format or color,
+        "sha256": "",
+        "size": 0,
+        "config_files": config_files,
+        "toolchain": {},
+    }
+
+
+def _self_check(job_cmd: List[str], files: List[GeneratedFile], tool: toolrun.ToolInfo) -> None:
+    """Generated text must pass the documented grammar; a failure here is a bug in this package."""
+    try:
+        for generated in files:
+            if generated.path.endswith(".cfg"):
+                grammar.check_aipp(generated.text)
+            else:
+                grammar.check_lite_config(generated.text)
+        if tool.name == toolrun.ATC.name:
+            grammar.check_atc_args(job_cmd[1:])
+        else:
+            grammar.check_converter_args(job_cmd[1:])
+    except grammar.GrammarError as exc:
+        raise ConvertError(["internal error, generated %s breaks the documented grammar: %s" % (
+            exc.what, "; ".join(exc.errors))]) from None
+
+
+def plan_conversion(request: ConvertRequest) -> ConvertPlan:
+    """Check the request against the bundle and device config and build every file and command.
+
+    Reads only; raises :class:`ConvertError` listing every problem found.
+    """
+    errors: List[str] = []
+    if request.to not in ("om", "ms"):
+        errors.append("--to: must be om or ms (got %r)" % request.to)
+    if request.input_format is not None and request.input_format not in aipp.INPUT_FORMATS:
+        errors.append("--input-format: must be one of %s (got %r)" % ("|".join(aipp.INPUT_FORMATS),
+                                                                      request.input_format))
+    if not request.timeout_s > 0:
+        errors.append("--timeout: must be > 0 seconds (got %s)" % request.timeout_s)
+    manifest, device = _load_inputs(request, errors)
+    if manifest is None or device is None or errors:
+        raise ConvertError(errors)
+
+    warnings: List[str] = []
+    uses_aipp = device.target == "ascend"
+    if request.to == "om":
+        if device.target != "ascend":
+            errors.append("--to om: ATC builds for an Ascend NPU; device %s is a %s box (use --to ms)" % (
+                device.name, device.target))
+        if request.ptq:
+            errors.append("--ptq: ATC does not quantize (int8 .om needs CANN AMCT); use --to ms --ptq")
+    if request.input_format is not None and not uses_aipp:
+        errors.append("--input-format: applies to AIPP on Ascend targets only; device %s is %s" % (
+            device.name, device.target))
+    input_format = (request.input_format or aipp.DEFAULT_INPUT_FORMAT) if uses_aipp else None
+    tiers = _pick_tiers(request, manifest, device, errors)
+    calibration = _check_calibration(request, manifest, tiers, errors) if request.ptq else None
+    if errors:
+        raise ConvertError(errors)
+
+    tool = toolrun.ATC if request.to == "om" else toolrun.CONVERTER_LITE
+    target = lite_config.lite_target(device.target)
+    out_format = "om" if request.to == "om" else target.format
+    if out_format not in device.formats():
+        warnings.append("device %s serves %s, not %s: the artifact suits only boxes that read %s" % (
+            device.name, "/".join(device.formats()), out_format, out_format))
+    low, high = lite_config.RECOMMENDED_CALIBRATION
+    if calibration is not None and not low <= calibration.count <= high:
+        warnings.append("calibration.count %d is outside the documented %d-%d: int8 ranges may be noisy" % (
+            calibration.count, low, high))
+    if os.path.exists(os.path.join(request.bundle, "manifest.sig")):
+        warnings.append("the bundle is signed; converting rewrites manifest.json and removes manifest.sig "
+                        "(sign it again)")
+
+    prep = manifest.preprocessing
+    tag = device.soc_version if device.target == "ascend" else "cpu"
+    jobs: List[Job] = []
+    inputs: List[str] = []
+    for tier in tiers:
+        formats = ("onnx",) if request.to == "om" else ("mindir", "onnx")
+        source = _pick_source(manifest, tier, formats, errors)
+        if source is None:
+            continue
+        stem = "%s_%dx%d_%s%s" % (manifest.name, tier[0], tier[1], tag, "_int8" if request.ptq else "")
+        shape = _shape(manifest, source.batch, tier)
+        files: List[GeneratedFile] = []
+        aipp_path = None
+        if input_format is not None:
+            try:
+                params = aipp.aipp_params(prep.color, prep.mean, prep.std, tier, input_format)
+            except aipp.AippError as exc:
+                errors.append(str(exc))
+                continue
+            aipp_path = "%s/aipp_%dx%d_%s.cfg" % (CONVERT_DIR, tier[0], tier[1], input_format)
+            files.append(GeneratedFile(aipp_path, aipp.render_aipp(
+                params, aipp.describe(prep.color, prep.mean, prep.std, input_format))))
+        if request.to == "om":
+            output = stem + ".om"
+            cmd = atc.atc_args(source.file, stem, manifest.input.name, shape, device.soc_version,
+                               aipp_path or "", device.precision_mode)
+            if manifest.input.layout == "NHWC":
+                cmd = [c if c != "--input_format=NCHW" else "--input_format=NHWC" for c in cmd]
+        else:
+            output = stem + target.suffix
+            lite_calibration = None
+            if calibration is not None:
+                lite_calibration = lite_config.Calibration(manifest.input.name, calibration.dir,
+                                                           calibration.count)
+            sections = lite_config.config_sections(target, device.precision_mode, aipp_path, lite_calibration)
+            config_path = None
+            if sections:
+                config_path = "%s/converter_%s.ini" % (CONVERT_DIR, stem)
+                files.append(GeneratedFile(config_path, lite_config.render_ini(
+                    sections, ["converter_lite config written by atlas-edge convert for %s" % output,
+                               "paths are relative to the bundle root (the converter's working directory)"])))
+            cmd = lite_config.converter_args(source.format, source.file, stem, config_path,
+                                             manifest.input.name, shape, target)
+        _self_check(cmd, files, tool)
+        entry = _artifact_entry(output, out_format, device, tier, source.batch,
+                                _precision(device, request.ptq), input_format, prep.color,
+                                [f.path for f in files])
+        jobs.append(Job(tier=tier, source=source.file, output=output, cmd=cmd, files=files, artifact=entry))
+        inputs.append(source.file)
+    if errors:
+        raise ConvertError(errors)
+    if calibration is not None:
+        inputs.append(calibration.dir)
+    return ConvertPlan(bundle=os.path.abspath(request.bundle),
+                       label="%s %s" % (manifest.name, manifest.version), device_name=device.name,
+                       soc_version=device.soc_version, tool=tool, jobs=jobs,
+                       inputs=sorted(set(inputs)), warnings=warnings, input_format=input_format)
+
+
+# --- execution ----------------------------------------------------------------------------------------------
+
+def bundle_accepts_input_color(value: str) -> bool:
+    """Whether agent/bundle.py's artifact schema takes ``input_color: value`` (yuv420sp needs a change)."""
+    import dataclasses
+
+    from agent.bundle import Artifact
+
+    for f in dataclasses.fields(Artifact):
+        if f.name == "input_color":
+            choices = f.metadata.get("choices")
+            return choices is None or value in choices
+    return False
+
+
+def _toolchain(plan: ConvertPlan, tool_path: str, env: Mapping[str, str]) -> Dict[str, str]:
+    if plan.tool.name == toolrun.ATC.name:
+        return {"cann": toolrun.cann_version(tool_path)}
+    versions = {"converter_lite": toolrun.converter_version(tool_path, env)}
+    if plan.soc_version:  # the Ascend converter compiles with the host's CANN
+        versions["cann"] = _cann_near(env)
+    return versions
+
+
+def _cann_near(env: Mapping[str, str]) -> str:
+    for root in (env.get("ASCEND_TOOLKIT_HOME"), os.path.join(env.get("ASCEND_HOME", ""), "latest"),
+                 os.path.dirname(toolrun.DEFAULT_TOOLKIT_BIN)):
+        if root and os.path.isdir(root):
+            version = toolrun.cann_version(os.path.join(root, "bin", "atc"))
+            if version != toolrun.UNKNOWN_VERSION:
+                return version
+    return toolrun.UNKNOWN_VERSION
+
+
+def _stage(plan: ConvertPlan, work: str) -> None:
+    """Mirror the bundle's inputs into ``work`` (symlinks) and write the generated files there."""
+    for relative in plan.inputs:
+        link = os.path.join(work, relative)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(os.path.join(plan.bundle, relative), link)
+    os.makedirs(os.path.join(work, LOGS_DIR), exist_ok=True)
+    for job in plan.jobs:
+        for generated in job.files:
+            path = os.path.join(work, generated.path)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(generated.text)
+
+
+class BundleTransaction:
+    """Copies files into a bundle so that :meth:`rollback` can put back every byte and remove every addition.
+
+    Backups live outside the bundle (the bundle's own file list must not see them).
+    """
+
+    PROTECTED = ("manifest.json", "manifest.sig")
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.backup_dir = tempfile.mkdtemp(prefix="atlas-edge-bundle-backup-")
+        self.backups: Dict[str, str] = {}
+        self.before = self._tree()
+        for name in self.PROTECTED:
+            self._backup(name)
+
+    def _tree(self) -> set:
+        paths = set()
+        for dirpath, dirs, names in os.walk(self.root):
+            for name in dirs + names:
+                paths.add(os.path.relpath(os.path.join(dirpath, name), self.root))
+        return paths
+
+    def _backup(self, relative: str) -> None:
+        source = os.path.join(self.root, relative)
+        if relative not in self.backups and os.path.isfile(source):
+            saved = os.path.join(self.backup_dir, str(len(self.backups)))
+            shutil.copyfile(source, saved)
+            self.backups[relative] = saved
+
+    def put(self, source: str, relative: str) -> None:
+        destination = os.path.join(self.root, relative)
+        self._backup(relative)
+        os.makedirs(os.path.dirname(destination), exist_ok=True)
+        shutil.copyfile(source, destination)
+
+    def rollback(self) -> None:
+        """Remove what was added (deepest first), then restore every backed-up file."""
+        for relative in sorted(self._tree() - self.before, key=lambda p: p.count(os.sep), reverse=True):
+            path = os.path.join(self.root, relative)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.lexists(path):
+                os.remove(path)
+        for relative, saved in self.backups.items():
+            shutil.copyfile(saved, os.path.join(self.root, relative))
+        self.close()
+
+    def close(self) -> None:
+        shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+
+def _commit(plan: ConvertPlan, work: str, toolchain: Dict[str, str]) -> List[Dict[str, Any]]:
+    """Copy outputs, configs and logs into the bundle and rewrite the manifest; all or nothing."""
+    from agent.bundle import MANIFEST, write_manifest
+
+    with open(os.path.join(plan.bundle, MANIFEST), encoding="utf-8") as handle:
+        manifest = json.load(handle)  # the raw dict: other entries are written back exactly as they were
+    transaction = BundleTransaction(plan.bundle)
+    try:
+        for job in plan.jobs:
+            for relative in [job.output, job.log] + [f.path for f in job.files]:
+                transaction.put(os.path.join(work, relative), relative)
+        artifacts = list(manifest["artifacts"])
+        for job in plan.jobs:
+            entry = dict(job.artifact, toolchain=dict(toolchain))
+            index = next((i for i, a in enumerate(artifacts) if a.get("file") == job.output), None)
+            if index is None:
+                artifacts.append(entry)
+            else:
+                artifacts[index] = entry  # re-conversion of the same tier replaces its artifact
+        manifest["artifacts"] = artifacts
+        written = write_manifest(plan.bundle, manifest)
+    except BaseException:
+        transaction.rollback()
+        raise
+    transaction.close()
+    outputs = {job.output for job in plan.jobs}
+    return [a for a in written["artifacts"] if a["file"] in outputs]
+
+
+def execute(plan: ConvertPlan, env: Mapping[str, str], timeout_s: float,
+            echo: Callable[[str], None] = print) -> List[Dict[str, Any]]:
+    """Run every job of ``plan`` and add the outputs to the bundle; returns the new manifest entries.
+
+    Raises ToolNotFound before anything runs, ToolFailed (log tail included) when a run fails, and
+    ConvertError for what the bundle schema cannot hold; the bundle is unchanged in every failing case.
+    """
+    if plan.input_format and not bundle_accepts_input_color(plan.input_format):
+        raise ConvertError(["--input-format %s: the bundle schema (agent/bundle.py Artifact.input_color) "
+                            "does not accept %r yet, so the artifact could not be recorded; --dry-run prints "
+                            "the commands" % (plan.input_format, plan.input_format)])
+    tool_path = toolrun.find_tool(plan.tool, env)
+    tool_env = toolrun.child_env(plan.tool, tool_path, env)
+    toolchain = _toolchain(plan, tool_path, tool_env)
+    echo("using %s (%s)" % (tool_path, ", ".join("%s %s" % kv for kv in sorted(toolchain.items()))))
+    with tempfile.TemporaryDirectory(prefix="atlas-edge-convert-") as work:
+        _stage(plan, work)
+        for job in plan.jobs:
+            cmd = [tool_path] + job.cmd[1:]
+            echo("tier %dx%d: %s" % (job.tier[0], job.tier[1], shlex.join(cmd)))
+            run = toolrun.run_tool(cmd, cwd=work, env=tool_env, timeout_s=timeout_s,
+                                   log_path=os.path.join(work, job.log))
+            toolrun.check_run(plan.tool, run, os.path.join(work, job.output), timeout_s)
+        return _commit(plan, work, toolchain)
