@@ -1,0 +1,236 @@
+"""Shared fixtures: a real Mosquitto on a free 127.0.0.1 port, and helpers to talk MQTT in tests.
+
+``mosquitto`` is one broker for the whole session; ``fresh_broker`` is a broker of the test's own, for tests
+that stop, restart or kill it (persistence on, so a subscriber's session survives ``restart()`` the way it
+would on a production broker). Both skip, naming mosquitto, when it is not installed.
+"""
+
+import json
+import os
+import queue
+import select
+import socket
+import threading
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+
+from agent.broker import BrokerError, EmbeddedBroker, find_mosquitto, free_port
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAIT_S = 20.0  # bound on every wait for a broker round trip; generous for a loaded CI box
+
+
+def _require_mosquitto() -> None:
+    try:
+        find_mosquitto()
+    except BrokerError as exc:
+        pytest.skip("needs the mosquitto broker: %s" % exc)
+
+
+@pytest.fixture(scope="session")
+def mosquitto() -> Iterator[EmbeddedBroker]:
+    _require_mosquitto()
+    with EmbeddedBroker() as broker:
+        yield broker
+
+
+@pytest.fixture
+def fresh_broker() -> Iterator[EmbeddedBroker]:
+    _require_mosquitto()
+    with EmbeddedBroker(persistence=True) as broker:
+        yield broker
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = WAIT_S, interval: float = 0.01) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` passes (a bound, never a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+class MqttProbe:
+    """A plain paho client for tests: subscribes, records every message, publishes raw bytes."""
+
+    def __init__(self, broker: EmbeddedBroker, topics: List[str], client_id: Optional[str] = None,
+                 clean_session: bool = True, username: Optional[str] = None, password: Optional[str] = None,
+                 tls_ca: Optional[str] = None) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.messages: List[Tuple[str, bytes, bool, bool]] = []  # (topic, payload, retain, dup)
+        self._lock = threading.Lock()
+        self._subscribed = threading.Event()
+        self._topics = topics
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2,
+                                  client_id=client_id or "probe-%s" % os.urandom(4).hex(),
+                                  clean_session=clean_session)
+        if username is not None:
+            self.client.username_pw_set(username, password)
+        if tls_ca:
+            self.client.tls_set(ca_certs=tls_ca)
+        self.client.on_connect = self._on_connect
+        self.client.on_subscribe = lambda c, u, mid, codes, props: self._subscribed.set()
+        self.client.on_message = self._on_message
+        self.client.reconnect_delay_set(0.05, 0.2)
+        self.client.connect(broker.host, broker.port, keepalive=10)
+        self.client.loop_start()
+        if topics:
+            assert self._subscribed.wait(WAIT_S), "probe could not subscribe to %s" % topics
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        if not reason_code.is_failure and self._topics:
+            client.subscribe([(t, 1) for t in self._topics])
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        with self._lock:
+            self.messages.append((message.topic, bytes(message.payload), bool(message.retain),
+                                  bool(message.dup)))
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
+        info = self.client.publish(topic, payload, qos)
+        info.wait_for_publish(WAIT_S)
+
+    def on(self, topic: str) -> List[Dict[str, Any]]:
+        """JSON payloads received on ``topic`` so far, in order."""
+        with self._lock:
+            return [json.loads(p) for t, p, _, _ in self.messages if t == topic]
+
+    def count(self, topic_prefix: str = "") -> int:
+        with self._lock:
+            return sum(1 for t, _, _, _ in self.messages if t.startswith(topic_prefix))
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.fixture
+def probe_factory() -> Iterator[Callable[..., MqttProbe]]:
+    probes: List[MqttProbe] = []
+
+    def make(*args: Any, **kwargs: Any) -> MqttProbe:
+        probe = MqttProbe(*args, **kwargs)
+        probes.append(probe)
+        return probe
+
+    yield make
+    for probe in probes:
+        probe.close()
+
+
+class TcpProxy:
+    """A real TCP relay between one client and the broker, that a test can hold in one direction or cut.
+
+    Not an MQTT stand-in: bytes pass through unchanged. It lets a test create exactly the situations of a
+    bad network: messages written but not acknowledged (``hold('up')`` keeps the client's bytes from the
+    broker; ``hold('down')`` keeps the broker's PUBACKs from the client), then a dropped connection (``cut``)
+    while the broker and other clients stay up. While cut, new connections are closed at once.
+    """
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.host = "127.0.0.1"
+        self.port = free_port(self.host)
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((self.host, self.port))
+        self._listener.listen(8)
+        self._accepting = True
+        self._held = {"up": False, "down": False}
+        self._pairs: List[Tuple[socket.socket, socket.socket]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.connections = 0
+        threading.Thread(target=self._accept_loop, name="tcp-proxy", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            ready, _, _ = select.select([self._listener], [], [], 0.1)
+            if not ready:
+                continue
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._accepting:
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._pairs.append((client, upstream))
+                self.connections += 1
+            threading.Thread(target=self._pump, args=(client, upstream, "up"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, "down"), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, direction: str) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                if self._held[direction]:
+                    continue  # swallowed: as if stuck in a dead network until the cut
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def hold(self, direction: str) -> None:
+        self._held[direction] = True
+
+    def cut(self) -> None:
+        """Drop every relayed connection and refuse new ones until :meth:`resume`."""
+        self._accepting = False
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            for sock in pair:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def resume(self) -> None:
+        self._held = {"up": False, "down": False}
+        self._accepting = True
+
+    def close(self) -> None:
+        self._closed = True
+        self.cut()
+        self._listener.close()
+
+
+@pytest.fixture
+def tcp_proxy_factory() -> Iterator[Callable[[EmbeddedBroker], TcpProxy]]:
+    proxies: List[TcpProxy] = []
+
+    def make(broker: EmbeddedBroker) -> TcpProxy:
+        proxy = TcpProxy(broker.host, broker.port)
+        proxies.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in proxies:
+        proxy.close()
+
+
+def drain(q: "queue.Queue[Any]") -> List[Any]:
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
