@@ -3,7 +3,8 @@
 ``add_arguments(parser)`` and ``run(args) -> int`` are what the ``atlas-edge`` entry point wires in;
 ``python -m converters.cli`` runs the same command on its own.
 
-Exit status: 0 converted (or planned, with --dry-run), 1 the tool ran and failed, 2 bad input, 3 tool missing.
+Exit status: 0 converted (or planned, with --dry-run), 1 the conversion failed (tool or copy; rolled back),
+2 bad input, 3 tool missing.
 """
 
 import argparse
@@ -119,6 +120,9 @@ def run(args: argparse.Namespace, env: Optional[dict] = None) -> int:
     except ConvertError as exc:
         print("atlas-edge convert: " + str(exc), file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as exc:  # staging or copying into the bundle (disk full, permissions): rolled back
+        print("atlas-edge convert: %s; the bundle is unchanged." % exc, file=sys.stderr)
+        return EXIT_TOOL_FAILED
     for art in added:
         print("added %s: tier %dx%d, %s, %s, %d bytes, sha256 %s" % (
             art["file"], art["tier"][0], art["tier"][1], art["target"], art["precision"], art["size"],

@@ -387,6 +387,13 @@ def _stage(plan: ConvertPlan, work: str) -> None:
                 handle.write(generated.text)
 
 
+def _replace_file(source: str, destination: str) -> None:
+    """Copy bytes and mode; an existing file is removed first (MindSpore writes its exports read-only)."""
+    if os.path.lexists(destination):
+        os.remove(destination)
+    shutil.copy(source, destination)
+
+
 class BundleTransaction:
     """Copies files into a bundle so that :meth:`rollback` can put back every byte and remove every addition.
 
@@ -414,14 +421,14 @@ class BundleTransaction:
         source = os.path.join(self.root, relative)
         if relative not in self.backups and os.path.isfile(source):
             saved = os.path.join(self.backup_dir, str(len(self.backups)))
-            shutil.copyfile(source, saved)
+            shutil.copy2(source, saved)  # bytes and mode, restored as they were
             self.backups[relative] = saved
 
     def put(self, source: str, relative: str) -> None:
         destination = os.path.join(self.root, relative)
         self._backup(relative)
         os.makedirs(os.path.dirname(destination), exist_ok=True)
-        shutil.copyfile(source, destination)
+        _replace_file(source, destination)
 
     def rollback(self) -> None:
         """Remove what was added (deepest first), then restore every backed-up file."""
@@ -432,7 +439,7 @@ class BundleTransaction:
             elif os.path.lexists(path):
                 os.remove(path)
         for relative, saved in self.backups.items():
-            shutil.copyfile(saved, os.path.join(self.root, relative))
+            _replace_file(saved, os.path.join(self.root, relative))
         self.close()
 
     def close(self) -> None:

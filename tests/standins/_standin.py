@@ -10,7 +10,9 @@ $ATLAS_EDGE_STANDIN_MODE says, so the run path of ``atlas-edge convert`` can be 
 - ``sleep``: sleep far past any test timeout (the caller must kill it);
 - ``no-output``: print the success line and exit 0 without writing the output.
 
-With $ATLAS_EDGE_STANDIN_RECORD set, each call appends one JSON line {tool, args, cwd} to that file.
+With $ATLAS_EDGE_STANDIN_FAIL_MATCH set, a call whose arguments contain that text fails as in ``fail`` (to
+fail one tier of several). With $ATLAS_EDGE_STANDIN_RECORD set, each call appends one JSON line
+{tool, args, cwd, pid, ld_library_path} to that file.
 """
 
 import hashlib
@@ -19,7 +21,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
 from converters import grammar  # noqa: E402  (the repository root is put on sys.path just above)
 
@@ -31,7 +33,8 @@ def _record(tool, args):
     path = os.environ.get("ATLAS_EDGE_STANDIN_RECORD")
     if path:
         with open(path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"tool": tool, "args": args, "cwd": os.getcwd()}) + "\n")
+            handle.write(json.dumps({"tool": tool, "args": args, "cwd": os.getcwd(), "pid": os.getpid(),
+                                     "ld_library_path": os.environ.get("LD_LIBRARY_PATH", "")}) + "\n")
 
 
 def main(tool, version_text, check, output_of, model_of, success_line):
@@ -51,7 +54,8 @@ def main(tool, version_text, check, output_of, model_of, success_line):
         print("%s stand-in: arguments rejected by the documented grammar:\n%s" % (tool, exc), file=sys.stderr)
         return 1
     print("%s stand-in: arguments and config files match the documented grammar" % tool)
-    if mode == "fail":
+    match = os.environ.get("ATLAS_EDGE_STANDIN_FAIL_MATCH")
+    if mode == "fail" or (match and any(match in arg for arg in args)):
         print("E19999: %s stand-in failing on purpose (mode fail)" % tool, file=sys.stderr)
         return 1
     if mode == "sleep":
