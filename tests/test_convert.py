@@ -19,6 +19,7 @@ import pytest
 from agent.bundle import verify_bundle, write_manifest
 from converters import cli, toolrun
 from converters.convert import (
+    DEFAULT_TIMEOUT_S,
     ConvertError,
     ConvertRequest,
     bundle_accepts_input_color,
@@ -187,6 +188,21 @@ def test_atc_found_through_ascend_toolkit_home_records_the_cann_version(bundle, 
     (call,) = calls(tmp_path)
     assert "--input_shape=images:1,3,32,48" in call["args"]
     verify_bundle(bundle)
+
+
+def test_path_is_searched_before_the_toolkit_variables(tmp_path):
+    on_path, toolkit = tmp_path / "on-path", tmp_path / "toolkit"
+    (toolkit / "bin").mkdir(parents=True)
+    on_path.mkdir()
+    for folder in (on_path, toolkit / "bin"):
+        os.symlink(os.path.join(STANDINS, "atc"), str(folder / "atc"))
+    (tmp_path / "not-executable").mkdir()
+    (tmp_path / "not-executable" / "atc").write_text("#!/bin/sh\n")  # mode 644: skipped
+    env = {"PATH": os.pathsep.join([str(tmp_path / "not-executable"), str(on_path)]),
+           "ASCEND_TOOLKIT_HOME": str(toolkit)}
+    assert toolrun.find_tool(toolrun.ATC, env) == str(on_path / "atc")
+    env["PATH"] = str(tmp_path / "not-executable")
+    assert toolrun.find_tool(toolrun.ATC, env) == str(toolkit / "bin" / "atc")
 
 
 def test_cann_version_is_read_from_the_toolkit_or_one_level_up(tmp_path):
@@ -435,7 +451,7 @@ def _real_tool(name):
 @pytest.mark.skipif(_real_tool("atc") is None, reason="CANN atc is not on PATH (needs the CANN toolkit)")
 def test_real_atc_conversion(bundle):
     device = os.environ.get("ATLAS_EDGE_CONVERT_DEVICE", "atlas-200i-dk-a2")  # the host's SoC
-    args = args_for(bundle, device, "om", tiers=[(32, 32)], timeout=toolrun.VERSION_QUERY_TIMEOUT_S * 90)
+    args = args_for(bundle, device, "om", tiers=[(32, 32)], timeout=DEFAULT_TIMEOUT_S)
     assert cli.run(args) == cli.EXIT_OK
     verify_bundle(bundle)
 
@@ -443,5 +459,6 @@ def test_real_atc_conversion(bundle):
 @pytest.mark.skipif(_real_tool("converter_lite") is None,
                     reason="MindSpore Lite converter_lite is not on PATH (needs the MindSpore Lite tarball)")
 def test_real_converter_lite_conversion_for_cpu(bundle):
-    assert cli.run(args_for(bundle, "cpu-dev", "ms", tiers=[(32, 32)], timeout=1800.0)) == cli.EXIT_OK
+    args = args_for(bundle, "cpu-dev", "ms", tiers=[(32, 32)], timeout=DEFAULT_TIMEOUT_S)
+    assert cli.run(args) == cli.EXIT_OK
     verify_bundle(bundle)
