@@ -462,3 +462,16 @@ def test_real_converter_lite_conversion_for_cpu(bundle):
     args = args_for(bundle, "cpu-dev", "ms", tiers=[(32, 32)], timeout=DEFAULT_TIMEOUT_S)
     assert cli.run(args) == cli.EXIT_OK
     verify_bundle(bundle)
+
+
+DEMO_BUNDLE = os.path.join(REPO, "examples", "demo-bundle")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
+                    reason="examples/demo-bundle is not built (make demo-bundle)")
+@pytest.mark.parametrize("device, to", [("atlas-200dk", "om"), ("atlas-200i-dk-a2", "ms"), ("cpu-dev", "ms")])
+def test_demo_bundle_plans_for_each_box_kind(device, to):
+    before = tree(DEMO_BUNDLE)
+    plan = plan_conversion(ConvertRequest(bundle=DEMO_BUNDLE, device=device, to=to))
+    assert plan.jobs and all(job.output not in before for job in plan.jobs)
+    assert tree(DEMO_BUNDLE) == before
