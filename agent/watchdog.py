@@ -498,15 +498,16 @@ class ProgressMonitor:
             return None if self._started is None else now - self._started
 
     def healthy_since_last_ping(self, now: Optional[float] = None) -> bool:
-        """True when a ``WATCHDOG=1`` is deserved now.
+        """True when a ``WATCHDOG=1`` is deserved now: frames were completed, or the idle loop turned, since
+        the last ping, and no inference call is past its deadline.
 
-        Never while an inference call is past its deadline. Otherwise: frames completed since the last ping,
-        or the idle loop turned, or a call is in flight within its deadline (a slow model is not a hung one).
+        A call merely in flight is not progress: with ``inference_deadline_s`` below half of WatchdogSec a
+        healthy pipeline completes a frame within every ping interval anyway.
         """
         now = self.clock() if now is None else now
         with self._lock:
-            if self._started is not None:
-                return now - self._started <= self.deadline_s
+            if self._started is not None and now - self._started > self.deadline_s:
+                return False
             return self._frames_since_ping > 0 or self._idle_since_ping > 0
 
     def mark_pinged(self) -> None:
@@ -555,9 +556,9 @@ class Watchdog:
                 candidates.append(self.ping_interval_s / 2)
             tick_s = min(candidates)
         self.tick_s = tick_s
-        if self.ping_interval_s is not None and progress.deadline_s >= 2 * self.ping_interval_s:
-            log.warning("inference_deadline_s %.1f s >= WatchdogSec %.1f s: systemd will kill a slow call "
-                        "before the watchdog reports it", progress.deadline_s, 2 * self.ping_interval_s)
+        if self.ping_interval_s is not None and progress.deadline_s >= self.ping_interval_s:
+            log.warning("inference_deadline_s %.1f s is not below WatchdogSec/2 (%.1f s): systemd may kill a "
+                        "slow call before the watchdog reports it", progress.deadline_s, self.ping_interval_s)
         self.pings = 0
         self.restart_reason: Optional[str] = None
         self._last_ping: Optional[float] = None
