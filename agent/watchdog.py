@@ -269,6 +269,8 @@ class Alert:
 
 # Anything with device_used_mb / device_total_mb: agent.npu_smi.NpuMemory, or a backend's own reading.
 NpuReading = Any
+# A callable returning a reading (or None), or an object with such a read() (agent.npu_smi.NpuSmiProbe).
+NpuProbe = Any
 
 
 class MemoryWatchdog:
@@ -283,7 +285,7 @@ class MemoryWatchdog:
     """
 
     def __init__(self, config: WatchdogConfig, budget_mb: Optional[float] = None,
-                 npu_probe: Optional[Callable[[], Optional[NpuReading]]] = None,
+                 npu_probe: Optional[NpuProbe] = None,
                  clock: Callable[[], float] = time.monotonic, *, npu_budget_mb: Optional[float] = None,
                  read_rss: Callable[[], Optional[float]] = read_rss_mb,
                  read_limit: Callable[[], Optional[float]] = read_cgroup_limit_mb) -> None:
@@ -291,6 +293,8 @@ class MemoryWatchdog:
         self.budget_mb = budget_mb
         self.npu_budget_mb = npu_budget_mb
         self.npu_probe = npu_probe
+        self._read_npu: Optional[Callable[[], Optional[NpuReading]]] = getattr(npu_probe, "read", npu_probe)
+        self._npu_error = ""
         self.clock = clock
         # Proposed WatchdogConfig fields; the getattr defaults keep this working until they exist.
         min_samples = getattr(config, "leak_min_samples", DEFAULT_LEAK_MIN_SAMPLES)
@@ -318,11 +322,15 @@ class MemoryWatchdog:
 
     def sample(self) -> MemorySample:
         npu = None
-        if self.npu_probe is not None:
+        if self._read_npu is not None:
             try:
-                npu = self.npu_probe()
-            except Exception:  # a probe is outside code (a tool, a backend): it must not stop memory checks
-                log.exception("NPU memory probe failed")
+                npu = self._read_npu()
+                self._npu_error = ""
+            except Exception as exc:  # a probe is outside code (a tool, a backend): it must not stop checks
+                text = "%s: %s" % (type(exc).__name__, exc)
+                if text != self._npu_error:  # once per distinct failure, not every sample
+                    log.exception("NPU memory probe failed")
+                    self._npu_error = text
         result = MemorySample(
             rss_mb=self._read_rss(), cgroup_limit_mb=self._read_limit(),
             npu_used_mb=float(npu.device_used_mb) if npu is not None else None,

@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -16,7 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from agent.config import WatchdogConfig
-from agent.npu_smi import NpuMemory
+from agent.npu_smi import NpuMemory, NpuSmiProbe
 from agent.sdnotify import SystemdNotifier
 from agent.watchdog import (
     WINDOW_COVERAGE,
@@ -358,9 +359,24 @@ def test_a_failing_npu_probe_leaves_npu_figures_empty(caplog):
 
     memory = MemoryWatchdog(WatchdogConfig(), npu_probe=broken_probe, read_limit=lambda: None)
     with caplog.at_level(logging.ERROR, logger="agent.watchdog"):
-        sample = memory.sample()
-    assert sample.npu_used_mb is None and sample.rss_mb > 0
-    assert "NPU memory probe failed" in caplog.text
+        samples = [memory.sample() for _ in range(10)]
+    assert all(s.npu_used_mb is None and s.rss_mb > 0 for s in samples)
+    assert len([r for r in caplog.records if "NPU memory probe failed" in r.getMessage()]) == 1
+
+
+def test_an_npu_smi_probe_object_is_accepted_as_it_is():
+    """The daemon may hand over the NpuSmiProbe itself; its read() is used (runner: a canned stand-in)."""
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "npu_smi",
+                           "info-atlas-200i-dk-a2-310b4.txt")) as handle:
+        canned = handle.read()
+
+    def fake_npu_smi_runner(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 0, canned, "")
+
+    memory = MemoryWatchdog(WatchdogConfig(), npu_probe=NpuSmiProbe(runner=fake_npu_smi_runner),
+                            read_limit=lambda: None)
+    sample = memory.sample()
+    assert (sample.npu_used_mb, sample.npu_total_mb) == (2500.0, 7545.0)
 
 
 # ---------------------------------------------------------------------------------------------- progress
