@@ -113,6 +113,8 @@ class WatchdogConfig:
     soft_limit_mb: Optional[float] = setting(None, gt=0, doc="restart above this RSS; default 90% of memory.max")
     inference_deadline_s: float = setting(10.0, gt=0, doc="an inference call longer than this is a hang")
     shutdown_timeout_s: float = setting(10.0, gt=0, doc="bound on drain + flush at shutdown")
+    leak_min_samples: int = setting(12, ge=6, doc="samples in the window before a leak trend is trusted")
+    restart_on_leak: bool = setting(True, doc="a host RSS leak restarts the daemon (false: alert only)")
 
 
 @dataclass(frozen=True)

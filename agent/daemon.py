@@ -97,7 +97,8 @@ class Daemon:
         from agent.npu_smi import NpuSmiProbe
 
         npu = NpuSmiProbe(self.device.device_id) if self.device.target == "ascend" else None
-        self.memory = MemoryWatchdog(cfg.watchdog, self.device.memory_budget_mb, npu)
+        self.memory = MemoryWatchdog(cfg.watchdog, self.device.memory_budget_mb, npu,
+                                     npu_budget_mb=self.device.npu_memory_budget_mb)
         self.watchdog = Watchdog(cfg.watchdog, self.memory, self.progress, self.notifier,
                                  on_alert=self._publish_alert, request_restart=self._restart_requested)
 
@@ -124,9 +125,9 @@ class Daemon:
         self.transport.start()
         self.dispatcher.start()
         self.sources.start()
-        self.watchdog.start()
         self.notifier.ready()
         self.notifier.status("serving %s on %s" % (model.label, self.backend))
+        self.watchdog.start()
         log.info("serving %s with %s; device %s (%s)", model.label, self.backend, self.config.device_id,
                  self.device.name)
 
@@ -190,14 +191,14 @@ class Daemon:
         try:
             results = model.infer_frames([f.image for f in batch])
         except Exception as exc:  # a failing model must be reported and counted, and serving goes on
-            self.progress.end_inference()
             self.inference_errors += 1
             self.stats.error()
             self.models.record_batch(len(batch), 0.0, failed=True)
             log.exception("inference failed on a batch of %d", len(batch))
             self._publish_event({"event": "inference_error", "error": str(exc)[:200]})
             return
-        self.progress.end_inference()
+        finally:
+            self.progress.end_inference()
         infer_ms = results[0].timings_ms.get("infer", 0.0) if results else 0.0
         self.models.record_batch(len(batch), infer_ms, failed=False)
         identity = {"name": model.manifest.name, "version": model.manifest.version}
@@ -215,7 +216,7 @@ class Daemon:
             if self.on_result is not None:
                 self.on_result(frame, payload)
         self.stats.frame_done(len(batch))
-        self.progress.frame_done()
+        self.progress.frame_done(len(batch))
 
     def _rate_allows(self, source: str) -> bool:
         limit = self.config.publish.max_rate_hz
@@ -236,7 +237,8 @@ class Daemon:
     # --- status and telemetry -------------------------------------------------------------------------------
 
     def telemetry(self) -> Dict[str, Any]:
-        sample = self.memory.sample()
+        # The watchdog thread's last sample: npu-smi can take seconds, never run it on the serving thread.
+        sample = self.memory.last_sample
         return {
             "ts": time.time(),
             "fps": round(self.stats.fps(), 2),
@@ -245,8 +247,8 @@ class Daemon:
             "queue_depth": self.frames.qsize(),
             "inference_errors": self.inference_errors,
             "sources": self.sources.counters(),
-            "rss_mb": sample.rss_mb,
-            "npu_memory_mb": None if sample.npu_used_mb is None else {
+            "rss_mb": None if sample is None else sample.rss_mb,
+            "npu_memory_mb": None if sample is None or sample.npu_used_mb is None else {
                 "used": sample.npu_used_mb, "total": sample.npu_total_mb},
             "mqtt": self.transport.stats(),
         }
@@ -313,6 +315,7 @@ class Daemon:
             self.sources = SourceSet(list(new.sources), self.frames)
             self.sources.start()
         self._pending_config = None
+        self.notifier.ready()  # ends a SIGHUP's RELOADING=1 (harmless otherwise)
 
     def _apply_thresholds(self, model: LoadedModel) -> None:
         th = self.config.thresholds
@@ -372,6 +375,7 @@ class Daemon:
             return
         live = replace(self.config, thresholds=new.thresholds, batching=new.batching, publish=new.publish,
                        sources=new.sources)
+        self.notifier.reloading()
         self._pending_config = live
         log.info("SIGHUP: config reloaded (live sections applied; others need a restart)")
 
