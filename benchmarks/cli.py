@@ -14,8 +14,10 @@ import tempfile
 import time
 from typing import Any, Dict, List, Sequence
 
+from agent.schema import ConfigError
 from benchmarks.harness import DEFAULT_THREADS, FULL, QUICK, RunContext, environment, pin_threads
 from benchmarks.report import get_path, headline_table, update_readme, write_json
+from benchmarks.workload import DEFAULT_DEVICE, bench_device
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,8 @@ SECTIONS = {
     "startup": "benchmarks.startup",
 }
 NEEDS_MODEL = ("pipeline", "batching", "memory", "startup")
-BACKENDS = ("mindspore", "opencv")
+BACKENDS = ("mindspore", "opencv", "mslite", "acl")  # every backend the agent has
+DEFAULT_BACKENDS = ("mindspore", "opencv")  # the two that run on a CPU box
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The figures the issue asks for by name: the JSON of a full selection must carry each of them.
 REQUIRED_KEYS = (
@@ -78,8 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backends",
         metavar="NAME,...",
         type=_csv(BACKENDS, "backend"),
-        default=list(BACKENDS),
-        help="serving backends to measure (default: %s)" % ",".join(BACKENDS),
+        default=list(DEFAULT_BACKENDS),
+        help="serving backends to measure (default: %s)" % ",".join(DEFAULT_BACKENDS),
+    )
+    parser.add_argument(
+        "--device",
+        default=DEFAULT_DEVICE,
+        help="device config the serving sections use (device_configs/NAME.yaml; default %s)" % DEFAULT_DEVICE,
     )
     parser.add_argument(
         "--threads",
@@ -106,8 +114,10 @@ def command_line(args: argparse.Namespace) -> str:
         parts.append("--quick")
     if args.only:
         parts.append("--only " + ",".join(args.only))
-    if list(args.backends) != list(BACKENDS):
+    if list(args.backends) != list(DEFAULT_BACKENDS):
         parts.append("--backends " + ",".join(args.backends))
+    if args.device != DEFAULT_DEVICE:
+        parts.append("--device " + args.device)
     if args.threads != DEFAULT_THREADS:
         parts.append("--threads %d" % args.threads)
     for flag, value in (("--bundle", args.bundle), ("--json", args.json), ("--plots", args.plots)):
@@ -147,12 +157,18 @@ def run(args: argparse.Namespace) -> int:
     if args.threads < 1:
         print("atlas-edge bench: --threads must be >= 1 (got %d)" % args.threads, file=sys.stderr)
         return 2
+    try:
+        device = bench_device(args.threads, args.device)
+    except ConfigError as exc:  # names the file and field; nothing has run yet
+        print("atlas-edge bench: --device %s: %s" % (args.device, exc), file=sys.stderr)
+        return 2
     started = time.monotonic()
     sections = list(args.only or SECTIONS)
     profile = QUICK if args.quick else FULL
     pinned = pin_threads(args.threads)
     env = environment(REPO_ROOT)
     env["threads"] = pinned
+    env["device"] = {"name": device.name, "target": device.target, "cpu_threads": device.cpu_threads}
     with tempfile.TemporaryDirectory(prefix="atlas-edge-bench-") as work_dir:
         bundle_dir = ""
         if any(s in NEEDS_MODEL for s in sections):
@@ -173,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
             work_dir=work_dir,
             bundle_dir=bundle_dir,
             backends=tuple(args.backends),
+            device=args.device,
         )
         results = run_suite(sections, context)
     data: Dict[str, Any] = {

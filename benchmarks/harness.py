@@ -279,3 +279,4 @@ class RunContext:
     work_dir: str
     bundle_dir: str  # the model bundle the pipeline, batching, memory and start-up sections serve
     backends: Sequence[str] = ("mindspore", "opencv")
+    device: str = "cpu-dev"  # device config name (device_configs/<name>.yaml) the serving sections use

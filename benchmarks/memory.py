@@ -92,7 +92,7 @@ def swaps_slope(bundle: Any, device: Any, backend: str, frame: Any, cycles: int)
 def run(context: RunContext) -> Dict[str, Any]:
     profile = context.profile
     bundle = load_bundle(context.bundle_dir)
-    device = bench_device(context.threads)
+    device = bench_device(context.threads, context.device)
     frames = camera_frames(FRAME_POOL)
     backends = [b for b in context.backends if backend_available(b) is None]
     if not backends:

@@ -5,8 +5,9 @@
 Overhead is everything else: tier choice, letterbox into the preallocated batch, decode, NMS, box un-mapping,
 result objects. Frames are 1080p camera frames, the case where the letterbox works hardest.
 
-Batch 8 runs on a batch-8 artifact when the bundle has one; otherwise the bundle's smallest fixed batch is run
-as many times as needed, and ``artifact_batch`` in the JSON says so.
+Batch 8 means 8 frames per ``infer_frames`` call, run on the bundle's largest fixed-batch artifact of at most
+8 (the demo bundle has batch 1 and, for its square tier, batch 4): ``artifact_batch`` per tier, the tier the
+frames map to and ``backend_calls`` per call say exactly what ran.
 """
 
 import logging
@@ -21,6 +22,7 @@ from benchmarks.workload import (
     camera_frames,
     load_bundle,
     open_model,
+    serve_batch_at_most,
 )
 
 log = logging.getLogger(__name__)
@@ -50,9 +52,13 @@ def measure(model: Any, frames: List[Any], batch: int, warmup: int, repeat: int)
         postprocess.append(sum(r.timings_ms["postprocess"] for r in results) / batch)
         fractions.append((total_ms - infer_ms) / infer_ms)
     overhead = [t - b for t, b in zip(totals, backend)]
+    tier = model.tier_for(images[0].shape[:2])
+    tier_batch = model.artifacts[tier].batch
     return {
         "batch": batch,
         "artifact_batch": artifact_batches(model),
+        "tier": list(tier),
+        "backend_calls": -(-batch // tier_batch),
         "per_frame_ms": {
             "total": summarize(totals),
             "backend": summarize(backend),
@@ -68,7 +74,7 @@ def measure(model: Any, frames: List[Any], batch: int, warmup: int, repeat: int)
 def run(context: RunContext) -> Dict[str, Any]:
     profile = context.profile
     bundle = load_bundle(context.bundle_dir)
-    device = bench_device(context.threads)
+    device = bench_device(context.threads, context.device)
     frames = camera_frames(FRAME_POOL)
     per_backend: Dict[str, Any] = {}
     for backend in context.backends:
@@ -78,7 +84,7 @@ def run(context: RunContext) -> Dict[str, Any]:
             continue
         results: Dict[str, Any] = {}
         for batch in BATCHES:
-            model = open_model(bundle, device, backend, batch)
+            model = open_model(bundle, device, backend, serve_batch_at_most(bundle, backend, batch))
             try:
                 results["b%d" % batch] = measure(
                     model, frames, batch, profile.warmup, profile.pipeline_repeat

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from benchmarks.harness import RunContext, summarize
-from benchmarks.workload import backend_available, bench_device
+from benchmarks.workload import DEFAULT_DEVICE, backend_available, bench_device
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +37,23 @@ class StartupError(RuntimeError):
     """The daemon exited or stayed silent before READY=1; the message carries its log tail."""
 
 
-def _write_configs(directory: str, bundle_dir: str, backend: str, broker: Any, threads: int) -> str:
-    """A device config (cpu-dev with pinned threads) and a daemon config; returns the daemon config's path."""
+def _write_configs(
+    directory: str,
+    bundle_dir: str,
+    backend: str,
+    broker: Any,
+    threads: int,
+    device_name: str = DEFAULT_DEVICE,
+) -> str:
+    """A device config (with pinned threads) and a daemon config; returns the daemon config's path."""
     from agent.schema import to_dict
 
     devices = os.path.join(directory, "devices")
     os.makedirs(devices, exist_ok=True)
-    device_path = os.path.join(devices, "cpu-dev.yaml")  # the stem must equal the device name
+    device = bench_device(threads, device_name)
+    device_path = os.path.join(devices, device.name + ".yaml")  # the stem must equal the device name
     with open(device_path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(to_dict(bench_device(threads)), handle, sort_keys=False)
+        yaml.safe_dump(to_dict(device), handle, sort_keys=False)
     config = {
         "device_id": "bench-startup",
         "device": device_path,
@@ -171,7 +179,9 @@ def run(context: RunContext) -> Dict[str, Any]:
             exit_codes = []
             for index in range(profile.startup_runs):
                 directory = os.path.join(context.work_dir, "startup-%s-%d" % (backend, index))
-                config_path = _write_configs(directory, context.bundle_dir, backend, broker, context.threads)
+                config_path = _write_configs(
+                    directory, context.bundle_dir, backend, broker, context.threads, context.device
+                )
                 first = time_to_ready(config_path, context.root, directory)
                 fresh.append(first["seconds_to_ready"])
                 exit_codes.append(first["exit_code_after_sigterm"])

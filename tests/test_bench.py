@@ -118,6 +118,14 @@ def test_unknown_section_is_refused_and_nothing_is_written(tmp_path):
     assert not out.exists()
 
 
+def test_unknown_device_is_refused_naming_it(tmp_path):
+    out = tmp_path / "never.json"
+    done = run_bench("--quick", "--only", "preprocess", "--device", "atlas-9000", "--json", str(out))
+    assert done.returncode == 2
+    assert "no device config 'atlas-9000'" in done.stderr
+    assert not out.exists()
+
+
 # --- harness statistics: golden values ------------------------------------------------------------
 
 def test_summarize_golden_values():
@@ -198,6 +206,39 @@ def test_straightforward_preprocess_matches_the_agent_on_a_720p_frame():
     assert reference.shape == (1, 3, 320, 320)
     assert np.max(np.abs(filler.batch - reference)) <= preprocessing.AGREEMENT_ATOL
     assert reference[0, :, 0, 0] == pytest.approx([114 / 255.0] * 3)  # padding row of a 16:9 frame
+
+
+def demo_like_bundle():
+    """A parsed manifest shaped like the demo bundle's (no files: only the artifact table is read)."""
+    from agent.bundle import Bundle, parse_manifest
+
+    def art(file, fmt, tier, batch, role="serve"):
+        return {"file": file, "format": fmt, "target": "cpu", "tier": list(tier), "batch": batch,
+                "role": role, "sha256": "0" * 64, "size": 1}
+
+    artifacts = [
+        art("m256_b1.mindir", "mindir", (256, 256), 1), art("m256_b4.mindir", "mindir", (256, 256), 4),
+        art("m192_b1.mindir", "mindir", (192, 320), 1), art("m256_b1.onnx", "onnx", (256, 256), 1),
+        art("m192_b1.onnx", "onnx", (192, 320), 1), art("m256_b8.onnx", "onnx", (256, 256), 8, "convert"),
+    ]
+    manifest = parse_manifest({"name": "shapes-det", "version": "1", "created": "2026-01-01T00:00:00Z",
+                               "task": "detect-yolov8", "labels": ["a"], "artifacts": artifacts,
+                               "input": {"name": "images", "tiers": [[256, 256], [192, 320]]}})
+    return Bundle(root="/nonexistent", manifest=manifest, manifest_sha256="0" * 64, signed=False)
+
+
+def test_batch_and_tier_choice_follow_the_artifact_table():
+    from benchmarks import workload
+
+    bundle = demo_like_bundle()
+    assert workload.serve_batch_at_most(bundle, "mindspore", 8) == 4
+    assert workload.serve_batch_at_most(bundle, "mindspore", 3) == 1
+    assert workload.serve_batch_at_most(bundle, "opencv", 8) == 1  # the batch-8 ONNX is converter input only
+    assert workload.largest_batch_tier(bundle, "mindspore") == (256, 256)
+    assert workload.largest_batch_tier(bundle, "opencv") == (256, 256)  # tie on batch 1: the larger tier
+    assert workload.frame_hw_for_tier((192, 320)) == (1080, 1800)
+    with pytest.raises(ValueError, match="no serve artifact"):
+        workload.largest_batch_tier(bundle, "acl")
 
 
 # --- batching: the bound check and the feeder -----------------------------------------------------
