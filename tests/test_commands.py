@@ -1,0 +1,450 @@
+"""The command protocol end to end through a real Mosquitto: acks, idempotent retries, structured errors,
+counted drops, group topics, a bounded persistent record, and a fuzz run of thousands of bad payloads."""
+
+import itertools
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+from conftest import WAIT_S, MqttProbe, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.commands import REQUEST_ID_RE, VERBS, CommandDispatcher, CommandError, _RequestRecord
+from agent.config import MqttConfig
+from agent.outbox import Outbox
+from agent.schema import parse, setting
+from agent.transport import MqttTransport
+
+_devices = itertools.count()
+
+
+@dataclass(frozen=True)
+class DeployFields:
+    version: str = setting(doc="bundle version")
+    dry_run: bool = setting(False, doc="check only")
+
+
+@dataclass(frozen=True)
+class NoFields:
+    pass
+
+
+class Handlers:
+    """Handlers for every verb that count their calls; each behaves in one way a real one can."""
+
+    def __init__(self) -> None:
+        self.calls: Dict[str, int] = dict.fromkeys(VERBS, 0)
+        self.release = threading.Event()
+
+    def table(self) -> Dict[str, Callable[[Dict[str, Any], Callable[[str], None]], Optional[Dict[str, Any]]]]:
+        return {verb: self._counted(verb, getattr(self, verb.replace("-", "_"))) for verb in VERBS}
+
+    def _counted(self, verb: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def handler(fields: Dict[str, Any], progress: Callable[[str], None]) -> Any:
+            self.calls[verb] += 1
+            return fn(fields, progress)
+
+        return handler
+
+    def status(self, fields, progress):
+        parse(NoFields, fields)
+        return {"state": "serving", "calls": self.calls["status"]}
+
+    def validate(self, fields, progress):
+        parse(DeployFields, fields)
+        return {"valid": True}
+
+    def set_config(self, fields, progress):
+        raise CommandError("not_live", "mqtt settings need a restart", field="mqtt")
+
+    def deploy(self, fields, progress):
+        deploy = parse(DeployFields, fields)
+        progress("downloading")
+        progress("verifying")
+        return {"version": deploy.version, "dry_run": deploy.dry_run}
+
+    def rollback(self, fields, progress):
+        parse(NoFields, fields)
+        return None  # a handler may return nothing: an empty result
+
+    def pause(self, fields, progress):
+        parse(NoFields, fields)
+        return {"paused": True}
+
+    def resume(self, fields, progress):
+        parse(NoFields, fields)
+        return {"paused": False}
+
+    def snapshot(self, fields, progress):
+        parse(NoFields, fields)
+        raise RuntimeError("camera went away")
+
+    def restart(self, fields, progress):
+        parse(NoFields, fields)
+        assert self.release.wait(WAIT_S)
+        return {"restarting": True}
+
+
+class CommandSystem:
+    """A transport and a dispatcher for one device on the broker, and an operator client watching its acks."""
+
+    def __init__(self, broker, tmp_path, probe_factory, groups=(), device: Optional[str] = None,
+                 **dispatcher_args: Any) -> None:
+        self.device = device or "dev-%d" % next(_devices)
+        self.prefix = "atlas-edge"
+        self.handlers = Handlers()
+        config = MqttConfig(host=broker.host, port=broker.port, groups=list(groups), reconnect_min_s=0.05,
+                            reconnect_max_s=0.2)
+        outbox = Outbox(str(tmp_path / ("%s-%d.sqlite" % (self.device, next(_devices)))), 1 << 24)
+        self.transport = MqttTransport(config, self.device, outbox)
+        self.dispatcher = CommandDispatcher(self.transport, self.handlers.table(), **dispatcher_args)
+        self.transport.set_message_handler(self.dispatcher.submit)
+        self.operator: MqttProbe = probe_factory(broker, ["%s/%s/ack/#" % (self.prefix, self.device)])
+        self.dispatcher.start()
+        self.transport.start()
+        # Subscribed once the online status is acknowledged: the broker handles SUBSCRIBE before that PUBLISH.
+        assert wait_for(lambda: self.transport.stats()["acked"] >= 1)
+
+    def send(self, verb: str, payload: Any, group: Optional[str] = None) -> None:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        if group:
+            topic = "%s/group/%s/cmd/%s" % (self.prefix, group, verb)
+        else:
+            topic = "%s/%s/cmd/%s" % (self.prefix, self.device, verb)
+        self.operator.publish(topic, data)
+
+    def acks(self, request_id: str) -> List[Dict[str, Any]]:
+        return self.operator.on("%s/%s/ack/%s" % (self.prefix, self.device, request_id))
+
+    def final(self, request_id: str, count: int = 1) -> Dict[str, Any]:
+        """The request's ``count``-th final ack (waits for it)."""
+
+        def finals() -> List[Dict[str, Any]]:
+            return [a for a in self.acks(request_id) if a["state"] in ("succeeded", "failed")]
+
+        assert wait_for(lambda: len(finals()) >= count), "no final ack for %s: %s" % (request_id,
+                                                                                     self.acks(request_id))
+        return finals()[count - 1]
+
+    def settle(self) -> None:
+        assert self.dispatcher.wait_idle(WAIT_S)
+        assert self.transport.flush(WAIT_S)
+
+    def close(self) -> None:
+        self.dispatcher.stop(5.0)
+        self.transport.stop(5.0)
+        self.dispatcher.close()
+
+
+@pytest.fixture
+def system_factory(mosquitto, tmp_path, probe_factory):
+    made: List[CommandSystem] = []
+
+    def make(**kwargs: Any) -> CommandSystem:
+        made.append(CommandSystem(mosquitto, tmp_path, probe_factory, **kwargs))
+        return made[-1]
+
+    yield make
+    for system in made:
+        system.close()
+
+
+@pytest.fixture
+def system(system_factory) -> CommandSystem:
+    return system_factory()
+
+
+def states(acks: List[Dict[str, Any]]) -> List[str]:
+    return [a["state"] for a in acks]
+
+
+# -- the happy path ------------------------------------------------------------------------------------------
+
+
+def test_acks_move_accepted_in_progress_succeeded(system):
+    system.send("status", {"request_id": "s-1"})
+    final = system.final("s-1")
+    acks = system.acks("s-1")
+    assert states(acks) == ["accepted", "in_progress", "succeeded"]
+    assert all(a["request_id"] == "s-1" and a["verb"] == "status" for a in acks)
+    assert all(isinstance(a["ts"], float) for a in acks)
+    assert final["result"] == {"state": "serving", "calls": 1}
+    assert "error" not in final
+
+
+def test_progress_reports_and_verb_fields_reach_the_handler(system):
+    system.send("deploy", {"request_id": "d-1", "version": "2.0.0", "dry_run": True})
+    final = system.final("d-1")
+    acks = system.acks("d-1")
+    assert states(acks) == ["accepted", "in_progress", "in_progress", "in_progress", "succeeded"]
+    assert [a.get("message") for a in acks[2:4]] == ["downloading", "verifying"]
+    assert final["result"] == {"version": "2.0.0", "dry_run": True}
+
+
+def test_a_retry_is_answered_from_the_record_and_never_runs_twice(system):
+    system.send("deploy", {"request_id": "retry-1", "version": "3.1.0"})
+    first = system.final("retry-1")
+    system.send("deploy", {"request_id": "retry-1", "version": "3.1.0"})
+    again = system.final("retry-1", count=2)
+    assert system.handlers.calls["deploy"] == 1
+    assert again == dict(first, replayed=True)
+    assert states(system.acks("retry-1")) == ["accepted", "in_progress", "in_progress", "in_progress",
+                                              "succeeded", "succeeded"]
+    assert system.dispatcher.stats()["duplicates"] == 1
+
+
+def test_a_request_id_reused_for_another_verb_is_refused(system):
+    system.send("pause", {"request_id": "same"})
+    system.final("same")
+    system.send("resume", {"request_id": "same"})
+    refused = system.final("same", count=2)
+    assert refused["verb"] == "resume" and refused["error"]["code"] == "duplicate_request_id"
+    assert refused["error"]["field"] == "request_id"
+    assert (system.handlers.calls["pause"], system.handlers.calls["resume"]) == (1, 0)
+
+
+def test_group_commands_reach_members_only(system_factory):
+    system = system_factory(groups=("line-1",))
+    system.send("status", {"request_id": "g-1"}, group="line-1")
+    assert system.final("g-1")["state"] == "succeeded"
+    received = system.dispatcher.stats()["received"]
+    system.send("status", {"request_id": "g-2"}, group="line-2")  # not a member: not even delivered
+    system.send("status", {"request_id": "g-3"})  # a marker: delivered after g-2 would have been
+    assert system.final("g-3")["state"] == "succeeded"
+    assert system.dispatcher.stats()["received"] == received + 1
+    assert system.acks("g-2") == [] and system.handlers.calls["status"] == 2
+
+
+# -- structured failures -------------------------------------------------------------------------------------
+
+
+def test_config_error_lists_every_bad_field(system):
+    system.send("validate", {"request_id": "v-1", "version": 7, "dry_run": "yes", "colour": "red"})
+    final = system.final("v-1")
+    assert states(system.acks("v-1")) == ["accepted", "in_progress", "failed"]
+    error = final["error"]
+    assert error["code"] == "invalid" and error["field"] is None  # several fields: none singled out
+    assert sorted(e["field"] for e in error["errors"]) == ["colour", "dry_run", "version"]
+    assert "result" not in final
+
+
+def test_single_bad_field_is_named(system):
+    system.send("validate", {"request_id": "v-2"})
+    error = system.final("v-2")["error"]
+    assert (error["code"], error["field"], error["errors"]) == ("invalid", "version",
+                                                                [{"field": "version", "message": "required"}])
+
+
+def test_command_error_carries_code_and_field(system):
+    system.send("set-config", {"request_id": "c-1", "mqtt": {"port": 1}})
+    error = system.final("c-1")["error"]
+    assert error == {"code": "not_live", "field": "mqtt", "message": "mqtt settings need a restart"}
+
+
+def test_handler_crash_is_internal_logged_and_the_dispatcher_goes_on(system, caplog):
+    system.send("snapshot", {"request_id": "x-1"})
+    error = system.final("x-1")["error"]
+    assert error["code"] == "internal" and "RuntimeError: camera went away" in error["message"]
+    assert "Traceback" in caplog.text and "camera went away" in caplog.text
+    system.send("status", {"request_id": "x-2"})
+    assert system.final("x-2")["state"] == "succeeded"
+
+
+def test_unknown_verb_fails_naming_the_verb(system):
+    system.send("self-destruct", {"request_id": "u-1"})
+    final = system.final("u-1")
+    assert states(system.acks("u-1")) == ["failed"]
+    assert (final["verb"], final["error"]["code"]) == ("self-destruct", "unknown_verb")
+    assert final["error"]["field"] == "verb"
+
+
+def test_unparseable_input_fails_when_an_id_is_recoverable_else_is_dropped_and_counted(system_factory):
+    system = system_factory(max_payload_bytes=1024)
+    system.send("status", b'{"request_id": "j-1", "broken": ')
+    system.send("status", b'{"request_id": "j-2", "pad": "%s"}' % (b"x" * 2000))
+    assert system.final("j-1")["error"]["code"] == "bad_json"
+    assert system.final("j-2")["error"]["code"] == "too_large"
+    for payload in (b"\xff\xfe not utf-8", b"{broken", b'{"pad": "%s"}' % (b"y" * 2000),
+                    b"[1, 2]", b'"text"', b"{}", b'{"request_id": 5}', b'{"request_id": "a/b"}',
+                    b'{"request_id": "%s"}' % (b"r" * 65), b'{"request_id": ""}', b'{"request_id": null}'):
+        system.send("status", payload)
+    system.settle()
+    stats = system.dispatcher.stats()
+    assert stats["dropped"] == {"bad_json": 2, "too_large": 1, "not_object": 2, "no_request_id": 1,
+                                "bad_request_id": 5}
+    assert stats["failed"] == {"bad_json": 1, "too_large": 1}
+    assert stats["accepted"] == 0 and system.handlers.calls["status"] == 0
+
+
+def test_rate_limit_fails_the_excess(system_factory):
+    system = system_factory(rate_per_s=0.001, burst=2)  # two now, the next in ~17 minutes
+    for i in range(5):
+        system.send("pause", {"request_id": "rl-%d" % i})
+    codes = [system.final("rl-%d" % i).get("error", {}).get("code") for i in range(5)]
+    assert codes == [None, None, "rate_limited", "rate_limited", "rate_limited"]
+    assert system.handlers.calls["pause"] == 2
+
+
+def test_a_full_queue_answers_busy_and_runs_nothing_extra(system_factory):
+    system = system_factory(queue_size=1)
+    system.send("restart", {"request_id": "b-1"})  # runs, blocked in its handler
+    assert wait_for(lambda: system.dispatcher.stats()["busy"])
+    system.send("restart", {"request_id": "b-2"})  # waits in the queue
+    system.send("restart", {"request_id": "b-3"})  # no room
+    assert system.final("b-3")["error"]["code"] == "busy"
+    system.handlers.release.set()
+    assert system.final("b-1")["state"] == system.final("b-2")["state"] == "succeeded"
+    assert system.handlers.calls["restart"] == 2
+
+
+# -- the record ----------------------------------------------------------------------------------------------
+
+
+def test_the_record_survives_a_restart_and_closes_interrupted_commands(tmp_path, mosquitto, probe_factory):
+    record = str(tmp_path / "commands.sqlite")
+    first = CommandSystem(mosquitto, tmp_path, probe_factory, record_path=record)
+    try:
+        first.send("pause", {"request_id": "p-1"})
+        done = first.final("p-1")
+    finally:
+        first.close()
+    # What a crash in the middle of a command leaves behind: an entry that never reached a final state.
+    crashed = _RequestRecord(record, 16)
+    crashed.save({"request_id": "p-2", "verb": "restart", "state": "in_progress", "ts": 1.0})
+    crashed.close()
+
+    second = CommandSystem(mosquitto, tmp_path, probe_factory, device=first.device, record_path=record)
+    try:  # the same box after its restart
+        second.send("pause", {"request_id": "p-1"})
+        second.send("restart", {"request_id": "p-2"})
+        assert second.final("p-1") == dict(done, replayed=True)
+        interrupted = second.final("p-2")
+        assert interrupted["error"]["code"] == "interrupted"
+        assert second.handlers.calls["pause"] == second.handlers.calls["restart"] == 0
+    finally:
+        second.close()
+
+
+def test_the_record_keeps_only_the_newest_entries(tmp_path):
+    record = _RequestRecord(str(tmp_path / "r.sqlite"), size=3)
+    for i in range(5):
+        record.save({"request_id": "r-%d" % i, "verb": "status", "state": "succeeded", "ts": 0.0})
+    assert len(record) == 3
+    assert record.get("r-1") is None and record.get("r-4")["state"] == "succeeded"
+
+
+def test_unknown_handler_names_are_rejected(system):
+    with pytest.raises(ValueError, match="unknown verbs"):
+        CommandDispatcher(system.transport, {"status": lambda f, p: {}, "explode": lambda f, p: {}})
+
+
+# -- fuzzing through the broker ------------------------------------------------------------------------------
+
+FUZZ_MAX_PAYLOAD = 2048
+_fuzz_ids = itertools.count()
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(),
+                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=30))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                                 st.dictionaries(st.text(max_size=8), inner,
+                                                                                 max_size=4)), max_leaves=8)
+VERB_TEXT = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=24)
+ID_SUFFIX = st.from_regex(r"[A-Za-z0-9_.:-]{0,40}", fullmatch=True)
+
+
+def _rid(suffix: str) -> str:
+    return ("f%d-%s" % (next(_fuzz_ids), suffix))[:64]
+
+
+@st.composite
+def fuzz_message(draw) -> Dict[str, Any]:
+    """One bad command: its verb, its bytes, and what must come of it (a failed ack code, or a drop)."""
+    verb = draw(st.one_of(st.sampled_from(VERBS), VERB_TEXT))
+    kind = draw(st.sampled_from(["binary", "text", "non_object", "no_id", "bad_id", "bad_fields",
+                                 "unknown_verb", "oversize", "oversize_no_id", "broken_json"]))
+    expect: Optional[str] = None  # a failed ack with this code; None = dropped and counted
+    rid = None
+    if kind == "binary":
+        data = draw(st.binary(max_size=300))
+    elif kind == "text":
+        data = draw(st.text(max_size=200)).encode("utf-8")
+    elif kind == "non_object":
+        data = json.dumps(draw(st.one_of(JSON_SCALARS, st.lists(JSON_VALUES, max_size=5)))).encode()
+    elif kind == "no_id":
+        fields = draw(st.dictionaries(st.text(max_size=10).filter(lambda k: k != "request_id"), JSON_VALUES,
+                                      max_size=5))
+        data = json.dumps(fields).encode()
+    elif kind == "bad_id":
+        bad = draw(st.one_of(JSON_SCALARS, st.lists(JSON_SCALARS, max_size=3),
+                             st.text(alphabet="abc/+# \n\u00e9", min_size=1, max_size=10),
+                             st.text(alphabet="abc", min_size=65, max_size=90)))
+        if isinstance(bad, str) and REQUEST_ID_RE.match(bad):
+            bad = bad + "/"
+        data = json.dumps({"request_id": bad, "x": 1}).encode()
+    elif kind == "bad_fields":
+        verb = draw(st.sampled_from([v for v in VERBS if v != "set-config"]))  # set-config fails "not_live"
+        # no key a handler knows, so every one of these fails its handler's schema
+        known = ("request_id", "version", "dry_run")
+        keys = st.text(min_size=1, max_size=10).filter(lambda k: k not in known)
+        fields = draw(st.dictionaries(keys, JSON_VALUES, min_size=1, max_size=5))
+        rid = _rid(draw(ID_SUFFIX))
+        data = json.dumps(dict({"request_id": rid}, **fields)).encode()
+        expect = "invalid"
+    elif kind == "unknown_verb":
+        verb = draw(VERB_TEXT.filter(lambda v: v not in VERBS))
+        rid = _rid(draw(ID_SUFFIX))
+        data = json.dumps({"request_id": rid}).encode()
+        expect = "unknown_verb"
+    elif kind == "oversize":
+        rid = _rid(draw(ID_SUFFIX))
+        pad = "x" * draw(st.integers(FUZZ_MAX_PAYLOAD, 20000))
+        data = json.dumps({"request_id": rid, "pad": pad}).encode()
+        expect = "too_large"
+    elif kind == "oversize_no_id":
+        # one drawn character repeated: a huge string without asking hypothesis for thousands of draws
+        pad = draw(st.characters()) * draw(st.integers(FUZZ_MAX_PAYLOAD, 3 * FUZZ_MAX_PAYLOAD))
+        data = json.dumps({"pad": pad}).encode()
+    else:
+        rid = _rid(draw(ID_SUFFIX))
+        tail = draw(st.binary(max_size=20)).replace(b"}", b"")
+        data = b'{"request_id": "%s", "broken": ' % rid.encode() + tail
+        expect = "bad_json"
+    return {"verb": verb, "data": data, "rid": rid, "expect": expect}
+
+
+def test_fuzzed_commands_each_fail_or_are_dropped_and_status_still_works(system_factory):
+    system = system_factory(max_payload_bytes=FUZZ_MAX_PAYLOAD, rate_per_s=1e9, burst=10**9)
+    totals = {"messages": 0}
+
+    @settings(max_examples=60, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.lists(fuzz_message(), min_size=40, max_size=80))
+    def run(batch: List[Dict[str, Any]]) -> None:
+        before = system.dispatcher.stats()
+        calls_before = sum(system.handlers.calls.values())
+        for message in batch:
+            topic = "%s/%s/cmd/%s" % (system.prefix, system.device, message["verb"])
+            system.operator.client.publish(topic, message["data"], qos=1)
+        system.operator.publish("%s/%s/cmd/none" % (system.prefix, "nobody"), b"")  # waits for the queue
+        assert wait_for(lambda: system.dispatcher.stats()["received"] - before["received"] == len(batch))
+        system.settle()
+        answered = [m for m in batch if m["expect"]]
+        for message in answered:
+            final = system.final(message["rid"])
+            assert (final["state"], final["error"]["code"]) == ("failed", message["expect"]), message
+        after = system.dispatcher.stats()
+        dropped = sum(after["dropped"].values()) - sum(before["dropped"].values())
+        assert dropped == len(batch) - len(answered)
+        failed = sum(after["failed"].values()) - sum(before["failed"].values())
+        assert failed == len(answered)
+        assert after["succeeded"] == before["succeeded"]
+        invalid = sum(1 for m in answered if m["expect"] == "invalid")
+        assert sum(system.handlers.calls.values()) - calls_before == invalid  # only those reached a handler
+        totals["messages"] += len(batch)
+
+    run()
+    assert totals["messages"] >= 2400  # 60 batches of 40 to 80
+    system.send("status", {"request_id": "after-fuzz"})
+    assert system.final("after-fuzz")["state"] == "succeeded"
