@@ -1,0 +1,132 @@
+"""``atlas-edge ctl`` against a running dispatcher on a real Mosquitto: exit codes, printed acks, retries."""
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Dict, List, Tuple
+
+import pytest
+from conftest import REPO_ROOT, WAIT_S, wait_for
+
+from agent import ctl
+from agent.broker import free_port
+from agent.commands import CommandDispatcher, CommandError
+from agent.config import MqttConfig
+from agent.outbox import Outbox
+from agent.schema import ConfigError, FieldError
+from agent.transport import MqttTransport
+
+DEVICE = "ctl-box"
+
+
+@pytest.fixture(scope="module")
+def box(mosquitto, tmp_path_factory):
+    """A device serving three verbs, in group ``line-1``; ``calls`` counts handler runs."""
+    calls: Dict[str, int] = {"status": 0, "pause": 0, "deploy": 0}
+
+    def status(fields: Dict[str, Any], progress) -> Dict[str, Any]:
+        calls["status"] += 1
+        return {"state": "serving"}
+
+    def pause(fields: Dict[str, Any], progress) -> Dict[str, Any]:
+        calls["pause"] += 1
+        raise CommandError("not_allowed", "cannot pause during a deploy", field="state")
+
+    def deploy(fields: Dict[str, Any], progress) -> Dict[str, Any]:
+        calls["deploy"] += 1
+        raise ConfigError([FieldError("bundle", "required"), FieldError("sha256", "expected a string")])
+
+    config = MqttConfig(host=mosquitto.host, port=mosquitto.port, groups=["line-1"])
+    outbox = Outbox(str(tmp_path_factory.mktemp("ctl") / "outbox.sqlite"), 1 << 20)
+    transport = MqttTransport(config, DEVICE, outbox)
+    dispatcher = CommandDispatcher(transport, {"status": status, "pause": pause, "deploy": deploy})
+    transport.set_message_handler(dispatcher.submit)
+    dispatcher.start()
+    transport.start()
+    assert wait_for(lambda: transport.stats()["acked"] >= 1)  # subscribed (see test_commands)
+    yield calls
+    dispatcher.stop(5.0)
+    transport.stop(5.0)
+    dispatcher.close()
+
+
+def run_ctl(argv: List[str]) -> Tuple[int, List[Dict[str, Any]], str]:
+    parser = argparse.ArgumentParser()
+    ctl.add_arguments(parser)
+    out, err = io.StringIO(), io.StringIO()
+    code = ctl.run(parser.parse_args(argv), out=out, err=err)
+    acks = [json.loads(line) for line in out.getvalue().splitlines()]
+    return code, acks, err.getvalue()
+
+
+def test_success_exits_zero_and_prints_every_ack(mosquitto, box):
+    code, acks, err = run_ctl(["--broker", mosquitto.url, DEVICE, "status"])
+    assert code == ctl.EXIT_OK, err
+    assert [a["state"] for a in acks] == ["accepted", "in_progress", "succeeded"]
+    assert acks[-1]["result"] == {"state": "serving"}
+    assert acks[0]["request_id"].startswith("ctl-")
+
+
+def test_failure_exits_one_and_prints_the_structured_error(mosquitto, box):
+    code, acks, err = run_ctl(["--broker", mosquitto.url, DEVICE, "pause"])
+    assert code == ctl.EXIT_FAILED
+    assert acks[-1]["state"] == "failed"
+    assert "failed: not_allowed (field state): cannot pause during a deploy" in err
+
+    code, acks, err = run_ctl(["--broker", mosquitto.url, DEVICE, "deploy", "--json", '{"bundle": 1}'])
+    assert code == ctl.EXIT_FAILED
+    assert "  bundle: required" in err and "  sha256: expected a string" in err
+
+
+def test_unknown_to_the_device_fails_fast(mosquitto, box):
+    code, acks, err = run_ctl(["--broker", mosquitto.url, DEVICE, "snapshot"])
+    assert code == ctl.EXIT_FAILED and acks[-1]["error"]["code"] == "unknown_verb"
+
+
+def test_retry_with_the_same_request_id_does_not_run_twice(mosquitto, box):
+    before = box["status"]
+    first = run_ctl(["--broker", mosquitto.url, DEVICE, "status", "--request-id", "ctl-retry-1"])
+    second = run_ctl(["--broker", mosquitto.url, DEVICE, "status", "--request-id", "ctl-retry-1"])
+    assert first[0] == second[0] == ctl.EXIT_OK
+    assert second[1] == [dict(first[1][-1], replayed=True)]
+    assert box["status"] == before + 1
+
+
+def test_group_command_waits_for_the_named_device(mosquitto, box):
+    code, acks, err = run_ctl(["--broker", mosquitto.url, "--group", "line-1", DEVICE, "status"])
+    assert code == ctl.EXIT_OK, err
+    assert acks[-1]["state"] == "succeeded"
+
+
+def test_no_answer_times_out(mosquitto, box):
+    code, acks, err = run_ctl(["--broker", mosquitto.url, "no-such-box", "status", "--timeout", "0.5"])
+    assert code == ctl.EXIT_TIMEOUT and acks == []
+    assert "no final ack from no-such-box" in err and "is the device online?" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--json", "{bad"], "--json is not valid JSON"),
+    (["--json", "[1, 2]"], "--json must be a JSON object"),
+    (["--broker", "http://x:1"], "--broker must look like"),
+    (["--request-id", "a/b"], "--request-id must be"),
+    (["--group", "a+b"], "--group 'a+b' is not a valid topic part"),
+])
+def test_bad_arguments_exit_two_before_connecting(argv, message):
+    code, acks, err = run_ctl(argv + [DEVICE, "status"])
+    assert code == ctl.EXIT_USAGE and message in err and acks == []
+
+
+def test_unreachable_broker_exits_four():
+    code, acks, err = run_ctl(["--broker", "mqtt://127.0.0.1:%d" % free_port(), DEVICE, "status"])
+    assert code == ctl.EXIT_BROKER and "cannot connect" in err
+
+
+def test_module_entry_point(mosquitto, box):
+    done = subprocess.run([sys.executable, "-m", "agent.ctl", "--broker", mosquitto.url, DEVICE, "status"],
+                          capture_output=True, text=True, timeout=WAIT_S, cwd=REPO_ROOT,
+                          env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["state"] == "succeeded"
