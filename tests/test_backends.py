@@ -1,0 +1,709 @@
+"""Inference backends: the registry, one contract suite over every backend we can drive here, MindSpore vs
+OpenCV on a real exported CNN, and the mslite / acl adapters against stand-ins.
+
+The mslite and acl cases run against FAKES (tests/fakes: FakeMindSporeLite, FakeAcl), never the real
+runtimes, and their test ids say so; the tests that need the real tools skip with a reason naming them.
+"""
+
+import gc
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import pytest
+
+from agent.backends import BACKENDS, backend_status, create_backend
+from agent.backends import acl_backend as acl_mod
+from agent.backends.base import Backend, BackendError, BackendOptions, BackendUnavailable, TensorSpec
+from agent.device_config import BACKEND_FORMATS, load_device_config
+from tests.fakes import write_toy_model
+from tests.fakes.fake_acl import ACL_DEVICE, FakeAcl
+from tests.fakes.fake_mslite import FakeMindSporeLite, FakeModelType
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_BUNDLE = os.path.join(REPO_ROOT, "examples", "demo-bundle")
+PARITY_ATOL = 1e-4  # MindSpore vs OpenCV on the same float32 network; measured ~1e-6 on the test CNN
+NET_INPUT = (3, 64, 64)  # (C, H, W) of the exported test network
+NET_OUTPUTS = [(6, 16, 16), (8,)]  # per-sample output shapes: sigmoid head, pooled features
+
+# toy networks run by the stand-ins
+MSLITE_INPUT = (1, 3, 8, 8)
+MSLITE_OUTPUTS = ({"op": "sum_axis1"}, {"op": "mean"})
+ACL_INPUT = (1, 8, 8, 3)  # uint8 NHWC, as a static-AIPP .om takes it
+ACL_OUTPUTS = ({"op": "sum_last"}, {"op": "mean"})
+
+
+# -- the real network ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exported_net(tmp_path_factory: pytest.TempPathFactory) -> Dict[int, Dict[str, str]]:
+    """A small real CNN exported by MindSpore to MINDIR and ONNX at batch 1 and 4: {batch: {fmt: path}}."""
+    ms = pytest.importorskip("mindspore", reason="needs MindSpore to build the test network")
+    from mindspore import nn, ops
+
+    class TwoHeadNet(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 8, 3, stride=2, pad_mode="pad", padding=1, has_bias=True)
+            self.conv2 = nn.Conv2d(8, 6, 3, stride=2, pad_mode="pad", padding=1, has_bias=True)
+            self.relu = nn.ReLU()
+            self.sigmoid = nn.Sigmoid()
+
+        def construct(self, x):  # noqa: ANN001, ANN201 - MindSpore graph code
+            features = self.relu(self.conv1(x))
+            return self.sigmoid(self.conv2(features)), ops.mean(features, (2, 3))
+
+    ms.set_seed(7)
+    net = TwoHeadNet()
+    out_dir = tmp_path_factory.mktemp("net")
+    paths: Dict[int, Dict[str, str]] = {}
+    for batch in (1, 4):
+        dummy = ms.Tensor(np.zeros((batch,) + NET_INPUT, np.float32))
+        stem = str(out_dir / ("net_b%d" % batch))
+        ms.export(net, dummy, file_name=stem, file_format="MINDIR")
+        ms.export(net, dummy, file_name=stem, file_format="ONNX")
+        paths[batch] = {"mindir": stem + ".mindir", "onnx": stem + ".onnx"}
+    return paths
+
+
+def net_spec(batch: int, name: str = "images") -> TensorSpec:
+    return TensorSpec(name, (batch,) + NET_INPUT, "float32")
+
+
+def random_batch(shape: Tuple[int, ...], dtype: str = "float32", seed: int = 0) -> np.ndarray:
+    rng = np.random.RandomState(seed)
+    if dtype == "uint8":
+        return rng.randint(0, 256, size=shape).astype(np.uint8)
+    return rng.rand(*shape).astype(dtype)
+
+
+# -- the contract suite --------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    make: Callable[[], Backend]
+    shape: Tuple[int, ...]
+    dtype: str
+    output_shapes: List[Tuple[int, ...]]
+    output_dtypes: List[str]
+
+
+CASE_IDS = ["mindspore-real", "opencv-real", "mslite-FAKE-stand-in", "acl-FAKE-stand-in"]
+
+
+@pytest.fixture(params=CASE_IDS)
+def case(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPatch) -> Case:
+    kind = request.param
+    if kind in ("mindspore-real", "opencv-real"):
+        net = request.getfixturevalue("exported_net")
+        name, fmt = ("mindspore", "mindir") if kind == "mindspore-real" else ("opencv", "onnx")
+        return Case(lambda: create_backend(name, net[1][fmt], net_spec(1)), (1,) + NET_INPUT, "float32",
+                    [(1,) + s for s in NET_OUTPUTS], ["float32", "float32"])
+    if kind == "mslite-FAKE-stand-in":
+        monkeypatch.setitem(sys.modules, "mindspore_lite", FakeMindSporeLite())
+        path = write_toy_model(str(tmp_path / "toy.ms"), "mslite-toy", MSLITE_INPUT, outputs=MSLITE_OUTPUTS)
+        return Case(lambda: create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32")),
+                    MSLITE_INPUT, "float32", [(1, 8, 8), (1, 1)], ["float32", "float32"])
+    monkeypatch.setitem(sys.modules, "acl", FakeAcl())
+    path = write_toy_model(str(tmp_path / "toy.om"), "acl-toy", ACL_INPUT, "uint8", outputs=ACL_OUTPUTS)
+    return Case(lambda: create_backend("acl", path, TensorSpec("images", ACL_INPUT, "uint8")),
+                ACL_INPUT, "uint8", [(1, 8, 8), (1, 1)], ["float32", "float32"])
+
+
+def test_contract_load_and_infer_give_declared_shapes_and_dtypes(case: Case) -> None:
+    backend = case.make()
+    assert not backend.loaded
+    backend.load()
+    backend.load()  # idempotent: heavy work happens once
+    outputs = backend.infer(random_batch(case.shape, case.dtype))
+    assert [o.shape for o in outputs] == case.output_shapes
+    assert [str(o.dtype) for o in outputs] == case.output_dtypes
+    backend.close()
+
+
+def test_contract_repeated_infer_is_identical_and_outputs_belong_to_the_caller(case: Case) -> None:
+    with case.make() as backend:
+        batch = random_batch(case.shape, case.dtype, seed=1)
+        first = backend.infer(batch)
+        kept = [o.copy() for o in first]
+        for _ in range(3):
+            again = backend.infer(batch)
+            for a, b in zip(again, kept):
+                np.testing.assert_array_equal(a, b)
+        other = backend.infer(random_batch(case.shape, case.dtype, seed=2))
+        assert any(not np.array_equal(a, b) for a, b in zip(other, kept)), "another batch must change outputs"
+        for a, b in zip(first, kept):  # a later run must not overwrite what the caller kept
+            np.testing.assert_array_equal(a, b)
+        for out in first:
+            out[...] = 0  # the caller may scribble on its outputs
+        for a, b in zip(backend.infer(batch), kept):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_contract_wrong_batch_shape_names_expected_and_got(case: Case) -> None:
+    with case.make() as backend:
+        wrong = (case.shape[0] + 1,) + case.shape[1:]
+        with pytest.raises(BackendError) as err:
+            backend.infer(random_batch(wrong, case.dtype))
+        text = str(err.value)
+        assert os.path.basename(backend.artifact_path) in text
+        assert "expected %s, got %s" % (case.shape, wrong) in text
+        assert backend.infer(random_batch(case.shape, case.dtype))  # still serving after the refusal
+
+
+def test_contract_wrong_dtype_names_expected_and_got(case: Case) -> None:
+    with case.make() as backend:
+        wrong_dtype = "float64" if case.dtype != "float64" else "float32"
+        with pytest.raises(BackendError, match="expected %s, got %s" % (case.dtype, wrong_dtype)):
+            backend.infer(np.zeros(case.shape, dtype=wrong_dtype))
+
+
+def test_contract_close_is_idempotent_and_infer_after_close_raises(case: Case) -> None:
+    backend = case.make()
+    with pytest.raises(BackendError, match="not loaded"):
+        backend.infer(random_batch(case.shape, case.dtype))
+    backend.load()
+    backend.close()
+    backend.close()
+    assert backend.closed and not backend.loaded
+    with pytest.raises(BackendError, match="closed"):
+        backend.infer(random_batch(case.shape, case.dtype))
+    with pytest.raises(BackendError, match="closed"):
+        backend.load()
+
+
+# -- registry and shared checks ------------------------------------------------------------------------------
+def test_registry_names_and_formats_match_device_config() -> None:
+    assert set(BACKENDS) == set(BACKEND_FORMATS)
+    for name, cls in BACKENDS.items():
+        assert cls.name == name
+        assert cls.formats == BACKEND_FORMATS[name]
+
+
+def test_backend_status_reports_ok_or_the_missing_module_and_its_provider() -> None:
+    status = backend_status()
+    assert status["mindspore"] == "ok" and status["opencv"] == "ok"
+    for name, module, word in (("mslite", "mindspore_lite", "MindSpore Lite"), ("acl", "acl", "CANN")):
+        if importlib.util.find_spec(module) is not None:
+            assert status[name] == "ok"
+        else:
+            assert repr(module) in status[name] and word in status[name]
+
+
+def test_importing_the_registry_imports_no_runtime() -> None:
+    code = ("import sys, agent.backends; "
+            "print(sorted(m for m in ('mindspore', 'mindspore_lite', 'acl', 'cv2') if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name,module,provider_word", [
+    ("mindspore", "mindspore", "mindspore"), ("opencv", "cv2", "opencv-python"),
+    ("mslite", "mindspore_lite", "MindSpore Lite"), ("acl", "acl", "CANN"),
+])
+def test_missing_runtime_raises_backend_unavailable_naming_module_and_package(
+        name: str, module: str, provider_word: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fmt = BACKEND_FORMATS[name][0]
+    path = tmp_path / ("model." + fmt)
+    path.write_text("{}")
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    backend = create_backend(name, str(path), TensorSpec("images", (1, 3, 8, 8), "float32"))
+    with pytest.raises(BackendUnavailable) as err:
+        backend.load()
+    assert repr(module) in str(err.value) and provider_word in str(err.value)
+    assert not backend.loaded
+
+
+def test_create_backend_refuses_unknown_names_and_wrong_formats(tmp_path) -> None:
+    spec = TensorSpec("images", (1, 3, 8, 8), "float32")
+    with pytest.raises(ValueError, match="unknown backend 'tensorrt'.*acl, mindspore, mslite, opencv"):
+        create_backend("tensorrt", "m.onnx", spec)
+    with pytest.raises(BackendError, match=r"model\.mindir: backend opencv reads onnx artifacts, not mindir"):
+        create_backend("opencv", str(tmp_path / "model.mindir"), spec)
+    with pytest.raises(BackendError, match=r"model\.pt: unknown artifact suffix"):
+        create_backend("opencv", str(tmp_path / "model.pt"), spec)
+
+
+def test_missing_artifact_file_is_named(tmp_path) -> None:
+    missing = str(tmp_path / "gone.onnx")
+    backend = create_backend("opencv", missing, TensorSpec("images", (1, 3, 8, 8), "float32"))
+    with pytest.raises(BackendError, match="gone.onnx: artifact file not found"):
+        backend.load()
+
+
+def test_options_and_spec_reject_bad_values_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="cpu_threads"):
+        BackendOptions(cpu_threads=0)
+    with pytest.raises(ValueError, match="target"):
+        BackendOptions(target="gpu")
+    with pytest.raises(ValueError, match="device_id"):
+        BackendOptions(device_id=-1)
+    with pytest.raises(ValueError, match="shape"):
+        TensorSpec("images", (1, 3, -1, 64), "float32")
+    with pytest.raises(ValueError, match="dtype"):
+        TensorSpec("images", (1, 3, 8, 8), "int64")
+    assert TensorSpec("images", [1, 3, 8, 8], "uint8").nbytes == 192
+
+
+def test_options_for_device_take_the_device_config() -> None:
+    device = load_device_config("atlas-200i-dk-a2")
+    options = BackendOptions.for_device(device)
+    assert options == BackendOptions(device_id=0, cpu_threads=2, precision_mode="force_fp16", target="ascend")
+    assert BackendOptions.for_device(device, target="cpu").target == "cpu"
+
+
+# -- MindSpore and OpenCV, real ------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch", [1, 4])
+def test_mindspore_and_opencv_agree_on_the_exported_network(exported_net, batch: int) -> None:
+    data = random_batch((batch,) + NET_INPUT, seed=batch)
+    with create_backend("mindspore", exported_net[batch]["mindir"], net_spec(batch)) as ms_backend, \
+            create_backend("opencv", exported_net[batch]["onnx"], net_spec(batch)) as cv_backend:
+        ms_out = ms_backend.infer(data)
+        cv_out = cv_backend.infer(data)
+    assert [o.shape for o in ms_out] == [(batch,) + s for s in NET_OUTPUTS]
+    assert [o.shape for o in cv_out] == [o.shape for o in ms_out]
+    for a, b in zip(ms_out, cv_out):
+        assert float(np.abs(a - b).max()) < PARITY_ATOL
+    # the pooled head is the spatial mean of positive features: an independent sanity bound
+    assert (ms_out[1] >= 0).all() and ((ms_out[0] > 0) & (ms_out[0] < 1)).all()
+
+
+def _demo_pairs() -> List[Tuple[dict, dict, dict]]:
+    with open(os.path.join(DEMO_BUNDLE, "manifest.json")) as f:
+        manifest = json.load(f)
+    by_key: Dict[tuple, Dict[str, dict]] = {}
+    for art in manifest["artifacts"]:
+        if art["format"] in ("mindir", "onnx") and art.get("input_dtype", "float32") == "float32":
+            key = (tuple(art["tier"]), art["batch"], art.get("precision"), art.get("input_layout", "NCHW"))
+            by_key.setdefault(key, {})[art["format"]] = art
+    return [(manifest, p["mindir"], p["onnx"]) for p in by_key.values() if len(p) == 2]
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(DEMO_BUNDLE, "manifest.json")),
+                    reason="examples/demo-bundle is not there yet (made by the demo bundle helper)")
+def test_mindspore_and_opencv_agree_on_the_demo_bundle() -> None:
+    pairs = _demo_pairs()
+    if not pairs:
+        pytest.skip("examples/demo-bundle has no MindIR/ONNX artifact pair with the same tier and batch")
+    for manifest, mindir, onnx in pairs:
+        h, w = mindir["tier"]
+        layout_shape = (mindir["batch"], 3, h, w) if mindir.get("input_layout", "NCHW") == "NCHW" else (
+            mindir["batch"], h, w, 3)
+        spec = TensorSpec(manifest["input"]["name"], layout_shape, "float32")
+        data = random_batch(spec.shape, seed=5)
+        with create_backend("mindspore", os.path.join(DEMO_BUNDLE, mindir["file"]), spec) as ms_backend, \
+                create_backend("opencv", os.path.join(DEMO_BUNDLE, onnx["file"]), spec) as cv_backend:
+            for a, b in zip(ms_backend.infer(data), cv_backend.infer(data)):
+                assert a.shape == b.shape
+                assert float(np.abs(a - b).max()) < PARITY_ATOL, (mindir["file"], onnx["file"])
+
+
+def test_mindspore_reuses_compiled_graphs_across_swaps(exported_net, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mindspore
+
+    from agent.backends import mindspore_backend
+
+    loads: List[str] = []
+    real_load = mindspore.load
+    monkeypatch.setattr(mindspore, "load", lambda path, **kw: loads.append(path) or real_load(path, **kw))
+    mindspore_backend.release_compiled_graphs()
+    data = random_batch((1,) + NET_INPUT, seed=3)
+    reference: Optional[List[np.ndarray]] = None
+    for cycle in range(6):  # an A/B swap back and forth: B1 -> B4 -> B1 -> ...
+        batch = 1 if cycle % 2 == 0 else 4
+        with create_backend("mindspore", exported_net[batch]["mindir"], net_spec(batch)) as backend:
+            if batch == 1:
+                out = backend.infer(data)
+                reference = reference or out
+                for a, b in zip(out, reference):
+                    np.testing.assert_array_equal(a, b)
+    assert loads == [exported_net[1]["mindir"], exported_net[4]["mindir"]]  # compiled once each
+    assert mindspore_backend.compiled_graph_count() == 2
+    assert mindspore_backend.release_compiled_graphs() == 2
+    with create_backend("mindspore", exported_net[1]["mindir"], net_spec(1)):
+        pass
+    assert len(loads) == 3  # released: compiled again
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2.0 ** 20
+
+
+# allocator noise; measured 0.0 MB with the compiled-graph cache, 11.5 MB without it for this network
+RSS_MARGIN_MB = 6.0
+
+
+def test_mindspore_swap_cycles_keep_rss_flat(exported_net) -> None:
+    data = {b: random_batch((b,) + NET_INPUT) for b in (1, 4)}
+    for batch in (1, 4):  # warm both compiled graphs first
+        with create_backend("mindspore", exported_net[batch]["mindir"], net_spec(batch)) as backend:
+            backend.infer(data[batch])
+    gc.collect()
+    before = _rss_mb()
+    for cycle in range(20):
+        batch = 1 if cycle % 2 == 0 else 4
+        with create_backend("mindspore", exported_net[batch]["mindir"], net_spec(batch)) as backend:
+            backend.infer(data[batch])
+    gc.collect()
+    assert _rss_mb() - before < RSS_MARGIN_MB
+
+
+def test_mindspore_thread_count_is_fixed_per_process_and_a_change_is_warned(
+        exported_net, caplog: pytest.LogCaptureFixture) -> None:
+    from agent.backends import mindspore_backend
+
+    with create_backend("mindspore", exported_net[1]["mindir"], net_spec(1)):
+        pass
+    fixed = mindspore_backend._process_threads
+    assert fixed is not None
+    with caplog.at_level(logging.WARNING, logger="agent.backends.mindspore_backend"):
+        with create_backend("mindspore", exported_net[1]["mindir"], net_spec(1),
+                            BackendOptions(cpu_threads=fixed + 1)):
+            pass
+    assert "fixed per process at %d; ignoring %d" % (fixed, fixed + 1) in caplog.text
+
+
+def test_mindspore_rejects_a_spec_the_graph_cannot_take(exported_net) -> None:
+    spec = TensorSpec("images", (1, 3, 32, 32), "float32")
+    backend = create_backend("mindspore", exported_net[1]["mindir"], spec)
+    with pytest.raises(BackendError, match=r"net_b1\.mindir: input shape mismatch for 'images': expected "
+                                           r"\(1, 3, 32, 32\), got \(1, 3, 64, 64\) from the MindIR"):
+        backend.load()
+    assert not backend.loaded
+
+
+def test_opencv_feeds_the_named_input_or_the_first_one_and_sets_threads(exported_net) -> None:
+    import cv2
+
+    before = cv2.getNumThreads()
+    try:
+        # MindSpore names the ONNX input after construct's argument ("x"); a spec named "images" still works
+        for name in ("x", "images"):
+            with create_backend("opencv", exported_net[1]["onnx"], net_spec(1, name=name),
+                                BackendOptions(cpu_threads=1)) as backend:
+                assert backend._input_name == ("x" if name == "x" else "")
+                assert len(backend.infer(random_batch((1,) + NET_INPUT))) == 2
+                assert cv2.getNumThreads() == 1
+    finally:
+        cv2.setNumThreads(before)
+
+
+def test_opencv_reports_a_broken_artifact_by_name(tmp_path) -> None:
+    path = tmp_path / "broken.onnx"
+    path.write_bytes(b"not an onnx file")
+    backend = create_backend("opencv", str(path), TensorSpec("images", (1, 3, 8, 8), "float32"))
+    with pytest.raises(BackendError, match="broken.onnx: cv2.dnn.readNetFromONNX failed"):
+        backend.load()
+
+
+# -- MindSpore Lite against the FAKE stand-in ----------------------------------------------------------------
+@pytest.fixture
+def fake_mslite(monkeypatch: pytest.MonkeyPatch) -> FakeMindSporeLite:
+    """FAKE mindspore_lite (tests/fakes/fake_mslite.py), not MindSpore Lite."""
+    fake = FakeMindSporeLite()
+    monkeypatch.setitem(sys.modules, "mindspore_lite", fake)
+    return fake
+
+
+def test_mslite_fake_builds_once_and_feeds_the_prebuilt_inputs(fake_mslite: FakeMindSporeLite,
+                                                               tmp_path) -> None:
+    path = write_toy_model(str(tmp_path / "m.ms"), "mslite-toy", MSLITE_INPUT, outputs=MSLITE_OUTPUTS)
+    batch = random_batch(MSLITE_INPUT)
+    with create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32")) as backend:
+        assert fake_mslite.calls == [
+            ("Context()",), ("Context.target", ["cpu"]), ("Context.cpu.thread_num", 2), ("Model()",),
+            ("Model.build_from_file", path, FakeModelType.MINDIR_LITE, ["cpu"]), ("Model.get_inputs",)]
+        for _ in range(50):
+            outputs = backend.infer(batch)
+    np.testing.assert_allclose(outputs[0], batch.sum(axis=1), rtol=1e-6)
+    np.testing.assert_allclose(outputs[1], batch.reshape(1, -1).mean(axis=1, keepdims=True), rtol=1e-6)
+    names = fake_mslite.names()
+    assert names.count("Model.build_from_file") == 1 and names.count("Model.get_inputs") == 1
+    assert names.count("Model()") == 1 and names.count("Model.resize") == 0
+    assert names.count("Model.predict") == 50 and names.count("Tensor.set_data_from_numpy") == 50
+    feeds = [c for c in fake_mslite.calls if c[0] == "Tensor.set_data_from_numpy"]
+    assert set(feeds) == {("Tensor.set_data_from_numpy", "images", MSLITE_INPUT, "float32", batch.nbytes)}
+
+
+def test_mslite_fake_ascend_context_maps_device_and_precision(fake_mslite: FakeMindSporeLite,
+                                                              tmp_path) -> None:
+    path = write_toy_model(str(tmp_path / "m.mindir"), "mslite-toy", MSLITE_INPUT)
+    options = BackendOptions(device_id=1, cpu_threads=3, precision_mode="force_fp16", target="ascend")
+    with create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32"), options):
+        pass
+    assert ("Context.target", ["ascend"]) in fake_mslite.calls
+    assert ("Context.ascend.device_id", 1) in fake_mslite.calls
+    assert ("Context.ascend.precision_mode", "enforce_fp16") in fake_mslite.calls
+    assert ("Context.cpu.thread_num", 3) in fake_mslite.calls  # cpu is the backup target
+    assert ("Model.build_from_file", path, FakeModelType.MINDIR, ["ascend"]) in fake_mslite.calls
+
+
+def test_mslite_fake_bad_precision_mode_is_named(fake_mslite: FakeMindSporeLite, tmp_path) -> None:
+    path = write_toy_model(str(tmp_path / "m.ms"), "mslite-toy", MSLITE_INPUT)
+    options = BackendOptions(precision_mode="fastest", target="ascend")
+    backend = create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32"), options)
+    with pytest.raises(BackendError, match="m.ms: options.precision_mode: precision_mode 'fastest' is not"):
+        backend.load()
+    assert "Model.build_from_file" not in fake_mslite.names()
+
+
+def test_mslite_fake_resizes_only_when_the_model_shape_differs(fake_mslite: FakeMindSporeLite,
+                                                               tmp_path) -> None:
+    path = write_toy_model(str(tmp_path / "m.ms"), "mslite-toy", (1, 3, 16, 16))
+    with create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32")) as backend:
+        assert backend.infer(random_batch(MSLITE_INPUT))[0].shape == (1, 8, 8)
+    resizes = [c for c in fake_mslite.calls if c[0] == "Model.resize"]
+    assert resizes == [("Model.resize", [list(MSLITE_INPUT)])]
+
+
+def test_mslite_fake_dtype_mismatch_at_load_names_expected_and_got(fake_mslite, tmp_path) -> None:
+    path = write_toy_model(str(tmp_path / "m.ms"), "mslite-toy", MSLITE_INPUT, input_dtype="uint8")
+    backend = create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32"))
+    with pytest.raises(BackendError, match="m.ms: input dtype mismatch for 'images': expected float32, "
+                                           "got uint8"):
+        backend.load()
+    assert not backend.loaded
+
+
+def test_mslite_fake_per_call_size_checks_name_expected_and_got(fake_mslite, tmp_path) -> None:
+    path = write_toy_model(str(tmp_path / "m.ms"), "mslite-toy", MSLITE_INPUT)
+    batch = random_batch(MSLITE_INPUT)
+    with create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32")) as backend:
+        backend._inputs[0]._shape = [1, 3, 8, 4]  # the runtime's tensor shrank: its own check refuses
+        with pytest.raises(BackendError, match="m.ms: mslite inference failed: data size not equal! "
+                                               "Numpy size: 768, Tensor size: 384"):
+            backend.infer(batch)
+        backend._input_nbytes = 384  # and our check refuses before calling the runtime
+        with pytest.raises(BackendError, match="m.ms: input size mismatch for 'images': expected 384 bytes, "
+                                               "got 768"):
+            backend.infer(batch)
+
+
+def test_mslite_fake_build_failure_names_the_file(fake_mslite: FakeMindSporeLite, tmp_path) -> None:
+    path = write_toy_model(str(tmp_path / "m.ms"), "mslite-toy", MSLITE_INPUT)
+    fake_mslite.fail("Model.build_from_file", RuntimeError("build_from_file failed! Error is Ascend oom"))
+    backend = create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32"))
+    with pytest.raises(BackendError, match="m.ms: mindspore_lite build_from_file .* failed: .*Ascend oom"):
+        backend.load()
+    assert backend._model is None and backend._inputs == []
+
+
+def test_mslite_pre_2_api_is_refused_as_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "mindspore_lite", FakeMindSporeLite(api="1.x"))
+    path = write_toy_model(str(tmp_path / "m.ms"), "mslite-toy", MSLITE_INPUT)
+    backend = create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32"))
+    with pytest.raises(BackendUnavailable, match=r"MindSpore Lite >= 2.0 .*found 1.9.0"):
+        backend.load()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mindspore_lite") is None,
+                    reason="needs the real mindspore_lite (MindSpore Lite 2.x; no PyPI wheel for py3.11)")
+def test_mslite_real_runtime_matches_mindspore(exported_net) -> None:  # pragma: no cover - not run here
+    data = random_batch((1,) + NET_INPUT, seed=9)
+    with create_backend("mslite", exported_net[1]["mindir"], net_spec(1)) as lite, \
+            create_backend("mindspore", exported_net[1]["mindir"], net_spec(1)) as ms_backend:
+        for a, b in zip(lite.infer(data), ms_backend.infer(data)):
+            assert float(np.abs(a - b).max()) < PARITY_ATOL
+
+
+# -- pyACL against the FAKE stand-in -------------------------------------------------------------------------
+@pytest.fixture
+def fake_acl(monkeypatch: pytest.MonkeyPatch) -> FakeAcl:
+    """FAKE pyACL (tests/fakes/fake_acl.py), not pyACL."""
+    fake = FakeAcl()
+    monkeypatch.setitem(sys.modules, "acl", fake)
+    return fake
+
+
+def acl_toy(tmp_path, outputs=ACL_OUTPUTS, shape=ACL_INPUT, dtype="uint8") -> str:
+    return write_toy_model(str(tmp_path / "toy.om"), "acl-toy", shape, dtype, outputs=outputs)
+
+
+def acl_spec(shape=ACL_INPUT, dtype="uint8") -> TensorSpec:
+    return TensorSpec("images", shape, dtype)
+
+
+OUTPUT_BINDING = ["acl.mdl.get_output_size_by_index", "acl.mdl.get_output_dims",
+                  "acl.mdl.get_output_data_type", "acl.rt.malloc", "acl.util.bytes_to_ptr"]
+LOAD_SEQUENCE = [
+    "acl.init", "acl.rt.set_device", "acl.rt.create_context", "acl.rt.get_run_mode", "acl.mdl.load_from_file",
+    "acl.mdl.create_desc", "acl.mdl.get_desc",
+    "acl.mdl.get_num_inputs", "acl.mdl.get_input_size_by_index", "acl.rt.malloc",
+    "acl.mdl.create_dataset", "acl.create_data_buffer", "acl.mdl.add_dataset_buffer",
+    "acl.mdl.get_num_outputs", *OUTPUT_BINDING, *OUTPUT_BINDING,
+    "acl.mdl.create_dataset", "acl.create_data_buffer", "acl.mdl.add_dataset_buffer",
+    "acl.create_data_buffer", "acl.mdl.add_dataset_buffer",
+]
+TEARDOWN_SEQUENCE = [  # exact reverse of what LOAD_SEQUENCE created
+    "acl.destroy_data_buffer", "acl.destroy_data_buffer", "acl.mdl.destroy_dataset", "acl.rt.free",
+    "acl.rt.free", "acl.destroy_data_buffer", "acl.mdl.destroy_dataset", "acl.rt.free",
+    "acl.mdl.destroy_desc", "acl.mdl.unload", "acl.rt.destroy_context", "acl.rt.reset_device",
+]
+
+
+def test_acl_fake_load_sequence_buffers_once_and_copy_kinds(fake_acl: FakeAcl, tmp_path) -> None:
+    path = acl_toy(tmp_path)
+    acl_mod.shutdown_acl()
+    backend = create_backend("acl", path, acl_spec())
+    backend.load()
+    assert fake_acl.names() == LOAD_SEQUENCE
+    mark = len(fake_acl.calls)
+    batch = random_batch(ACL_INPUT, "uint8")
+    for _ in range(100):
+        outputs = backend.infer(batch)
+    per_infer = fake_acl.names()[mark:]
+    assert per_infer == ["acl.util.bytes_to_ptr", "acl.rt.memcpy", "acl.mdl.execute", "acl.rt.memcpy",
+                         "acl.rt.memcpy"] * 100
+    assert fake_acl.count("acl.rt.malloc") == 3 and fake_acl.executions == 100
+    copies = fake_acl.calls_to("acl.rt.memcpy")[:3]
+    in_size, sum_size, mean_size = batch.nbytes, 8 * 8 * 4, 1 * 4
+    assert [(c.args[1], c.args[3], c.args[4]) for c in copies] == [
+        (in_size, in_size, 1), (sum_size, sum_size, 2), (mean_size, mean_size, 2)]
+    np.testing.assert_array_equal(outputs[0], batch.astype(np.float32).sum(axis=-1))
+    np.testing.assert_allclose(outputs[1], [[batch.mean()]], rtol=1e-6)
+    mark = len(fake_acl.calls)
+    backend.close()
+    assert fake_acl.names()[mark:] == TEARDOWN_SEQUENCE
+    assert set(fake_acl.live().values()) == {0}
+    assert fake_acl.violations == []
+    acl_mod.shutdown_acl()
+    acl_mod.shutdown_acl()
+    assert fake_acl.count("acl.finalize") == 1  # at process end, not per model
+
+
+def test_acl_fake_device_run_mode_copies_device_to_device(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    fake = FakeAcl(run_mode=ACL_DEVICE)
+    monkeypatch.setitem(sys.modules, "acl", fake)
+    batch = random_batch(ACL_INPUT, "uint8")
+    with create_backend("acl", acl_toy(tmp_path), acl_spec()) as backend:
+        out = backend.infer(batch)
+    assert {c.args[4] for c in fake.calls_to("acl.rt.memcpy")} == {3}
+    np.testing.assert_array_equal(out[0], batch.astype(np.float32).sum(axis=-1))
+
+
+def test_acl_fake_old_cann_numpy_to_ptr_and_default_output_dtype(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path) -> None:
+    fake = FakeAcl(legacy_pointers=True, output_data_type=False)
+    monkeypatch.setitem(sys.modules, "acl", fake)
+    batch = random_batch(ACL_INPUT, "uint8", seed=4)
+    with create_backend("acl", acl_toy(tmp_path), acl_spec()) as backend:
+        out = backend.infer(batch)
+    assert "acl.util.numpy_to_ptr" in fake.names() and "acl.mdl.get_output_data_type" not in fake.names()
+    assert out[0].dtype == np.float32
+    np.testing.assert_array_equal(out[0], batch.astype(np.float32).sum(axis=-1))
+    assert fake.violations == []
+
+
+def test_acl_fake_float16_outputs_keep_the_models_dtype(fake_acl: FakeAcl, tmp_path) -> None:
+    path = acl_toy(tmp_path, outputs=({"op": "sum_last", "dtype": "float16"},))
+    batch = random_batch(ACL_INPUT, "uint8", seed=6)
+    with create_backend("acl", path, acl_spec()) as backend:
+        (out,) = backend.infer(batch)
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(out, batch.astype(np.float32).sum(axis=-1).astype(np.float16))
+
+
+def test_acl_fake_float_spec_against_a_uint8_aipp_model_is_refused_at_load(fake_acl: FakeAcl,
+                                                                           tmp_path) -> None:
+    backend = create_backend("acl", acl_toy(tmp_path), acl_spec(dtype="float32"))
+    with pytest.raises(BackendError, match=r"toy.om: input size mismatch for 'images': expected 768 bytes "
+                                           r"\(\(1, 8, 8, 3\) float32\), got 192 from the model"):
+        backend.load()
+    assert set(fake_acl.live().values()) == {0}
+
+
+@pytest.mark.parametrize("code,meaning", sorted(acl_mod.ACL_ERRORS.items()))
+def test_acl_fake_execute_error_codes_become_backend_errors(fake_acl: FakeAcl, tmp_path, code: int,
+                                                            meaning: str) -> None:
+    with create_backend("acl", acl_toy(tmp_path), acl_spec()) as backend:
+        fake_acl.fail_on("acl.mdl.execute", code, call=fake_acl.count("acl.mdl.execute") + 1)
+        with pytest.raises(BackendError) as err:
+            backend.infer(random_batch(ACL_INPUT, "uint8"))
+        expected = "%s: acl.mdl.execute failed: error %d: %s" % (backend.artifact_path, code, meaning)
+        assert str(err.value) == expected
+        assert backend.infer(random_batch(ACL_INPUT, "uint8"))  # a failed run leaves the model serving
+
+
+@pytest.mark.parametrize("call,nth,code,text", [
+    ("acl.rt.set_device", 1, 207004, "no device"),
+    ("acl.mdl.load_from_file", 1, 100000, "invalid parameter"),
+    ("acl.rt.malloc", 1, 207001, "device memory allocation failed"),
+    ("acl.rt.malloc", 3, 207001, "device memory allocation failed"),
+    ("acl.mdl.add_dataset_buffer", 2, 100000, "invalid parameter"),
+])
+def test_acl_fake_failed_load_releases_what_it_made_in_reverse(fake_acl: FakeAcl, tmp_path, call: str,
+                                                               nth: int, code: int, text: str) -> None:
+    fake_acl.fail_on(call, code, call=nth)
+    backend = create_backend("acl", acl_toy(tmp_path), acl_spec())
+    with pytest.raises(BackendError, match="toy.om: %s.* failed: error %d: %s" % (call, code, text)):
+        backend.load()
+    assert set(fake_acl.live().values()) == {0}, fake_acl.live()
+    undo_of = {"acl.rt.set_device": "acl.rt.reset_device", "acl.rt.create_context": "acl.rt.destroy_context",
+               "acl.mdl.load_from_file": "acl.mdl.unload", "acl.mdl.create_desc": "acl.mdl.destroy_desc",
+               "acl.rt.malloc": "acl.rt.free", "acl.mdl.create_dataset": "acl.mdl.destroy_dataset",
+               "acl.create_data_buffer": "acl.destroy_data_buffer"}
+    names = fake_acl.names()
+    failed_at = [i for i, n in enumerate(names) if n == call][nth - 1]
+    made = [undo_of[n] for n in names[:failed_at] if n in undo_of]
+    undone = [n for n in names[failed_at + 1:] if n in undo_of.values()]
+    assert undone == made[::-1]
+    assert not backend.loaded
+    # the failure changed nothing: a retry with the fault gone loads and serves
+    fake_acl.failures.clear()
+    backend.load()
+    assert len(backend.infer(random_batch(ACL_INPUT, "uint8"))) == 2
+    backend.close()
+
+
+def test_acl_fake_init_repeat_is_harmless_and_shared(fake_acl: FakeAcl, tmp_path) -> None:
+    acl_mod.shutdown_acl()
+    assert fake_acl.init() == 0  # someone else in the process initialised ACL first
+    path = acl_toy(tmp_path)
+    first = create_backend("acl", path, acl_spec())
+    second = create_backend("acl", path, acl_spec())
+    first.load()
+    second.load()
+    assert fake_acl.count("acl.init") == 2 and fake_acl.count("acl.rt.set_device") == 2
+    first.close()
+    assert len(second.infer(random_batch(ACL_INPUT, "uint8"))) == 2  # closing one model leaves the other
+    second.close()
+    assert set(fake_acl.live().values()) == {0}
+    acl_mod.shutdown_acl()
+
+
+def test_acl_fake_infer_on_another_thread_binds_the_context(fake_acl: FakeAcl, tmp_path) -> None:
+    backend = create_backend("acl", acl_toy(tmp_path), acl_spec())
+    backend.load()
+    batch = random_batch(ACL_INPUT, "uint8", seed=8)
+    results: List[object] = []
+    worker = threading.Thread(target=lambda: results.extend(backend.infer(batch) for _ in range(3)))
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and len(results) == 3
+    assert fake_acl.count("acl.rt.set_context") == 1  # once for the worker thread, not per batch
+    np.testing.assert_array_equal(results[0][0], batch.astype(np.float32).sum(axis=-1))
+    backend.close()
+    assert set(fake_acl.live().values()) == {0} and fake_acl.violations == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("acl") is None,
+                    reason="needs pyACL (acl module from the Ascend CANN toolkit) and an Ascend NPU")
+def test_acl_real_runtime_runs_an_om(tmp_path) -> None:  # pragma: no cover - not run here
+    om = os.environ.get("ATLAS_EDGE_TEST_OM")
+    if not om:
+        pytest.skip("set ATLAS_EDGE_TEST_OM=model.om and ATLAS_EDGE_TEST_OM_INPUT='1,640,640,3:uint8'")
+    dims, dtype = os.environ.get("ATLAS_EDGE_TEST_OM_INPUT", "1,640,640,3:uint8").split(":")
+    spec = TensorSpec("images", tuple(int(d) for d in dims.split(",")), dtype)
+    with create_backend("acl", om, spec) as backend:
+        first = backend.infer(random_batch(spec.shape, dtype))
+        again = backend.infer(random_batch(spec.shape, dtype))
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
