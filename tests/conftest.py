@@ -7,7 +7,6 @@ would on a production broker). Both skip, naming mosquitto, when it is not insta
 
 import json
 import os
-import queue
 import select
 import socket
 import threading
@@ -225,12 +224,3 @@ def tcp_proxy_factory() -> Iterator[Callable[[EmbeddedBroker], TcpProxy]]:
     yield make
     for proxy in proxies:
         proxy.close()
-
-
-def drain(q: "queue.Queue[Any]") -> List[Any]:
-    items = []
-    while True:
-        try:
-            items.append(q.get_nowait())
-        except queue.Empty:
-            return items
