@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO_ROOT, WAIT_S
 
 from agent.outbox import Outbox, OutboxError, message_size
-from conftest import REPO_ROOT, WAIT_S
 
 TOPIC = "atlas-edge/cam-01/results/front"  # 31 bytes
 
