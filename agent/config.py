@@ -136,6 +136,9 @@ class DaemonConfig:
         problems = []
         if not self.device_id or any(c in self.device_id for c in "/+#"):
             problems.append(("device_id", "must be non-empty without '/', '+' or '#'"))
+        if self.mqtt.username is not None and self.mqtt.username != self.device_id:
+            # The broker ACL (systemd/mosquitto-acl.example) grants a box its topics by username.
+            problems.append(("mqtt.username", "must equal device_id %r for the per-device ACL" % self.device_id))
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             problems.append(("sources", "source names must be unique (got %s)" % names))

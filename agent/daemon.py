@@ -89,7 +89,7 @@ class Daemon:
         self.transport = MqttTransport(cfg.mqtt, cfg.device_id, self.outbox, on_message=self._on_message,
                                        replay_rate_hz=cfg.outbox.replay_rate_hz)
         self.dispatcher = CommandDispatcher(self.transport, self._handlers(),
-                                            record_path=cfg.state_path("requests.json"))
+                                            record_path=cfg.state_path("requests.sqlite"))
         self.models = ModelManager(cfg, self.device, self.backend, on_event=self._publish_event)
         self.sources = SourceSet(list(cfg.sources), self.frames)
         self.notifier = SystemdNotifier()
@@ -174,6 +174,7 @@ class Daemon:
         self.sources.stop(timeout=1.0)
         self.watchdog.stop()
         self.dispatcher.stop()
+        self.dispatcher.close()
         flushed = self.transport.flush(timeout)
         if not flushed:
             log.warning("broker did not confirm every result within %.1fs; the rest is in the outbox", timeout)
