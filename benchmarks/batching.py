@@ -17,13 +17,16 @@ when the queue is full, as the daemon's sources do); the measuring thread is the
 
 Frames have the aspect ratio of the tier with the largest fixed-batch artifact (the demo bundle: 256x256,
 batch 4), so batches can reach the model whole; ``max_batch`` 8 then runs as two calls of that artifact. The
-quick profile runs ``max_wait_ms`` 0 and 10 only; the full profile runs the whole grid.
+cells are run in interleaved rounds (every cell once per round, in rotating order), so a slow spell of the
+shared machine does not land on one cell. The quick profile runs ``max_wait_ms`` 0 and 10 only; the full
+profile runs the whole grid.
 """
 
 import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -128,17 +131,32 @@ def _in_flight(batches: List[Tuple[float, float]], at: float) -> Optional[float]
     return None
 
 
-def run_cell(
+@dataclass
+class CellSamples:
+    """Everything one grid cell recorded, over all its segments (see :func:`run_grid`)."""
+
+    frames: int = 0
+    served: int = 0
+    dropped: int = 0
+    stalled: bool = False
+    span_s: float = 0.0  # summed over segments: first frame queued -> last frame served
+    latency_ms: List[float] = field(default_factory=list)  # queued -> inference done, per frame
+    added_ms: List[float] = field(default_factory=list)  # queued -> handed to the model, per frame
+    excess_ms: List[float] = field(default_factory=list)  # added_ms minus what the bound allows, per frame
+    sizes: List[int] = field(default_factory=list)
+    batch_ms: List[float] = field(default_factory=list)
+
+
+def run_segment(
     model: Any,
     frames: List[np.ndarray],
     max_batch: int,
     max_wait_ms: float,
     rate_hz: float,
     count: int,
-    slack_ms: Optional[float],
-) -> Dict[str, Any]:
-    """Feed ``count`` frames at ``rate_hz`` through a Batcher into ``model``; latency, throughput, and the
-    bound check when ``slack_ms`` is given."""
+    samples: CellSamples,
+) -> None:
+    """Feed ``count`` frames at ``rate_hz`` through a fresh Batcher into ``model``; add to ``samples``."""
     frame_queue: queue.Queue = queue.Queue(maxsize=QUEUE_SIZE)
     batcher: Batcher[_Fed] = Batcher(frame_queue, max_batch, max_wait_ms)
     stop = threading.Event()
@@ -150,12 +168,9 @@ def run_cell(
         daemon=True,
     )
     batches: List[Tuple[float, float]] = []
-    added_ms: List[float] = []
-    latency_ms: List[float] = []
-    sizes: List[int] = []
-    handed_at: List[Tuple[float, float]] = []  # (enqueued, handed) per frame, checked after the run
+    handed_at: List[Tuple[float, float]] = []  # (queued, handed) per frame, checked after the segment
     done = 0
-    first_enqueued: Optional[float] = None
+    first_queued: Optional[float] = None
     last_done = 0.0
     deadline = time.monotonic() + RUN_TIMEOUT_S
     feeder.start()
@@ -168,65 +183,121 @@ def run_cell(
             model.infer_frames([item.image for item in batch])
             finished = time.monotonic()
             batches.append((handed, finished))
-            sizes.append(len(batch))
+            samples.sizes.append(len(batch))
+            samples.batch_ms.append((finished - handed) * 1e3)
             for item in batch:
-                first_enqueued = (
-                    item.enqueued if first_enqueued is None else min(first_enqueued, item.enqueued)
-                )
-                added_ms.append((handed - item.enqueued) * 1e3)
-                latency_ms.append((finished - item.enqueued) * 1e3)
-                handed_at.append((item.enqueued, handed))
+                queued = item.enqueued
+                first_queued = queued if first_queued is None else min(first_queued, queued)
+                samples.added_ms.append((handed - queued) * 1e3)
+                samples.latency_ms.append((finished - queued) * 1e3)
+                handed_at.append((queued, handed))
             done += len(batch)
             last_done = finished
     finally:
         stop.set()
         feeder.join(timeout=5.0)
+    samples.frames += count
+    samples.served += done
+    samples.dropped += drops[0]
+    samples.stalled = samples.stalled or done + drops[0] < count
+    if first_queued is not None:
+        samples.span_s += max(last_done - first_queued, 1e-9)
+    for queued, handed in handed_at:
+        running = _in_flight(batches, queued)
+        allowed_ms = max_wait_ms + (running or 0.0) * 1e3
+        samples.excess_ms.append((handed - queued) * 1e3 - allowed_ms)
+
+
+def cell_result(
+    samples: CellSamples, max_batch: int, max_wait_ms: float, rate_hz: float, slack_ms: Optional[float]
+) -> Dict[str, Any]:
+    """A cell's figures; the bound check only when ``slack_ms`` is given (the paced load)."""
     result: Dict[str, Any] = {
         "max_batch": max_batch,
         "max_wait_ms": max_wait_ms,
         "offered_hz": rate_hz,
-        "frames": count,
-        "served": done,
-        "dropped": drops[0],
-        "stalled": done + drops[0] < count,
+        "frames": samples.frames,
+        "served": samples.served,
+        "dropped": samples.dropped,
+        "stalled": samples.stalled,
     }
-    if not latency_ms or first_enqueued is None:
+    if not samples.latency_ms:
         return result
-    span = max(last_done - first_enqueued, 1e-9)
     result.update(
         {
-            "throughput_fps": done / span,
-            "latency_ms": _percentiles(latency_ms),
-            "batcher_added_ms": _percentiles(added_ms),
-            "mean_batch": float(np.mean(sizes)),
-            "batch_ms": summarize([(end - start) * 1e3 for start, end in batches]),
+            "throughput_fps": samples.served / samples.span_s,
+            "latency_ms": _percentiles(samples.latency_ms),
+            "batcher_added_ms": _percentiles(samples.added_ms),
+            "mean_batch": float(np.mean(samples.sizes)),
+            "batch_ms": summarize(samples.batch_ms),
         }
     )
     if slack_ms is not None:
-        result["bound"] = _check_bound(handed_at, batches, max_wait_ms, slack_ms)
+        result["bound"] = _bound_report(samples.excess_ms, slack_ms)
     return result
 
 
-def _check_bound(
-    handed_at: List[Tuple[float, float]],
-    batches: List[Tuple[float, float]],
+def run_cell(
+    model: Any,
+    frames: List[np.ndarray],
+    max_batch: int,
     max_wait_ms: float,
-    slack_ms: float,
+    rate_hz: float,
+    count: int,
+    slack_ms: Optional[float],
 ) -> Dict[str, Any]:
+    """One cell in one segment: ``count`` frames at ``rate_hz``, then its figures."""
+    samples = CellSamples()
+    run_segment(model, frames, max_batch, max_wait_ms, rate_hz, count, samples)
+    return cell_result(samples, max_batch, max_wait_ms, rate_hz, slack_ms)
+
+
+def run_grid(
+    models: Dict[int, Any],
+    frames: List[np.ndarray],
+    grid: List[Tuple[int, float]],
+    rate_hz: float,
+    count: int,
+    rounds: int,
+    slack_ms: Optional[float],
+) -> List[Dict[str, Any]]:
+    """Every (max_batch, max_wait_ms) cell, ``count`` frames each, in ``rounds`` interleaved segments.
+
+    Round r runs every cell once, starting at cell r (rotation), so a slow spell of the shared machine is
+    spread over the cells instead of landing on whichever ran then.
+    """
+    samples = {cell: CellSamples() for cell in grid}
+    per_round = [count // rounds + (1 if r < count % rounds else 0) for r in range(rounds)]
+    for round_index, segment_frames in enumerate(per_round):
+        shift = round_index % len(grid)
+        for max_batch, max_wait_ms in grid[shift:] + grid[:shift]:
+            run_segment(
+                models[max_batch],
+                frames,
+                max_batch,
+                max_wait_ms,
+                rate_hz,
+                segment_frames,
+                samples[(max_batch, max_wait_ms)],
+            )
+    results = []
+    for max_batch, max_wait_ms in grid:
+        cell = cell_result(samples[(max_batch, max_wait_ms)], max_batch, max_wait_ms, rate_hz, slack_ms)
+        model = models[max_batch]
+        cell["artifact_batch"] = model.artifacts[model.tier_for(frames[0].shape[:2])].batch
+        results.append(cell)
+    return results
+
+
+def _bound_report(excess: List[float], slack_ms: float) -> Dict[str, Any]:
     """Count frames whose wait exceeded ``max_wait_ms`` + the batch in flight when they arrived."""
-    excess = []
-    for enqueued, handed in handed_at:
-        running = _in_flight(batches, enqueued)
-        allowed_ms = max_wait_ms + (running or 0.0) * 1e3
-        excess.append((handed - enqueued) * 1e3 - allowed_ms)
-    worst = max(excess)
     return {
         "rule": "queue -> model <= max_wait_ms + duration of the batch in flight at arrival",
         "frames_checked": len(excess),
         "violations": int(sum(e > 0 for e in excess)),
         "violations_beyond_slack": int(sum(e > slack_ms for e in excess)),
         "slack_ms": slack_ms,
-        "worst_excess_ms": float(worst),
+        "worst_excess_ms": float(max(excess)),
         "largest_excesses_ms": [
             round(e, 3) for e in sorted(excess, reverse=True)[:EXCESSES_REPORTED] if e > 0
         ],
@@ -291,19 +362,15 @@ def run(context: RunContext) -> Dict[str, Any]:
                     rate_hz = PACED_FRACTION * max(reached)
                     handoff = thread_handoff_ms()
                 slack_ms = max(MIN_SLACK_MS, handoff["p99"]) if load == "paced" else None
-                cells = []
-                for max_batch in MAX_BATCHES:
-                    model = models[max_batch]
-                    for max_wait_ms in waits:
-                        cell = run_cell(
-                            model, frames, max_batch, max_wait_ms, rate_hz, profile.batching_frames, slack_ms
-                        )
-                        cell["artifact_batch"] = model.artifacts[model.tier_for(frames[0].shape[:2])].batch
-                        cells.append(cell)
-                        if "bound" in cell:
-                            violations += cell["bound"]["violations"]
-                            beyond_slack += cell["bound"]["violations_beyond_slack"]
-                            checked += cell["bound"]["frames_checked"]
+                grid = [(max_batch, max_wait_ms) for max_batch in MAX_BATCHES for max_wait_ms in waits]
+                cells = run_grid(
+                    models, frames, grid, rate_hz, profile.batching_frames, profile.batching_rounds, slack_ms
+                )
+                for cell in cells:
+                    if "bound" in cell:
+                        violations += cell["bound"]["violations"]
+                        beyond_slack += cell["bound"]["violations_beyond_slack"]
+                        checked += cell["bound"]["frames_checked"]
                 loads[load] = {"offered_hz": rate_hz, "cells": cells}
                 if slack_ms is not None:
                     loads[load].update(thread_handoff_ms=handoff, slack_ms=slack_ms)

@@ -39,6 +39,7 @@ class Profile:
     postprocess_repeat: int
     pipeline_repeat: int
     batching_frames: int  # frames fed per (backend, max_batch, max_wait_ms) cell
+    batching_rounds: int  # interleaved rounds those frames are split into
     mqtt_messages: int  # results per publishing round
     mqtt_rounds: int  # interleaved agent/paho rounds
     replay_messages: int  # results parked in the outbox while the broker is down
@@ -54,6 +55,7 @@ QUICK = Profile(
     postprocess_repeat=30,
     pipeline_repeat=15,
     batching_frames=24,
+    batching_rounds=3,
     mqtt_messages=1000,
     mqtt_rounds=4,
     replay_messages=500,
@@ -68,6 +70,7 @@ FULL = Profile(
     postprocess_repeat=100,
     pipeline_repeat=60,
     batching_frames=120,
+    batching_rounds=4,
     mqtt_messages=5000,
     mqtt_rounds=6,
     replay_messages=3000,

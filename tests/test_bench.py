@@ -244,17 +244,21 @@ def test_batch_and_tier_choice_follow_the_artifact_table():
 # --- batching: the bound check and the feeder -----------------------------------------------------
 
 def test_bound_check_counts_exact_violations():
+    samples = batching.CellSamples()
     batches = [(0.000, 0.020), (0.030, 0.050)]  # two batches of 20 ms
-    handed_at = [
+    for queued, handed in [
         (0.005, 0.020),  # arrived during batch 1 (20 ms): waited 15 ms <= 10 + 20
         (0.021, 0.032),  # idle loop: waited 11 ms > 10 ms by 1 ms
         (0.035, 0.081),  # during batch 2 (20 ms): waited 46 ms > 30 ms by 16 ms
-    ]
-    bound = batching._check_bound(handed_at, batches, max_wait_ms=10.0, slack_ms=2.0)
+    ]:
+        running = batching._in_flight(batches, queued)
+        samples.excess_ms.append((handed - queued) * 1e3 - (10.0 + (running or 0.0) * 1e3))
+    bound = batching._bound_report(samples.excess_ms, slack_ms=2.0)
     assert bound["frames_checked"] == 3
     assert bound["violations"] == 2
     assert bound["violations_beyond_slack"] == 1
     assert bound["worst_excess_ms"] == pytest.approx(16.0)
+    assert bound["largest_excesses_ms"] == [pytest.approx(16.0), pytest.approx(1.0)]
 
 
 class StandInModel:
@@ -283,6 +287,23 @@ def test_run_cell_accounts_for_every_frame_and_respects_max_batch():
     assert cell["stalled"] is False
     assert cell["bound"]["frames_checked"] == cell["served"]
     assert cell["latency_ms"]["p50"] <= cell["latency_ms"]["p99"] <= cell["latency_ms"]["max"]
+
+
+def test_run_grid_splits_every_cell_into_rounds():
+    models = {1: StandInModel(0.001), 4: StandInModel(0.001)}
+    for model in models.values():
+        model.artifacts = {(4, 4): type("Art", (), {"batch": 1})()}
+        model.tier_for = lambda hw: (4, 4)
+    grid = [(1, 0.0), (1, 5.0), (4, 0.0), (4, 5.0)]
+    frames = [np.zeros((4, 4, 3), np.uint8)]
+    cells = batching.run_grid(models, frames, grid, rate_hz=500.0, count=10, rounds=3, slack_ms=None)
+    assert [(c["max_batch"], c["max_wait_ms"]) for c in cells] == grid
+    for cell in cells:
+        assert cell["frames"] == 10 and cell["served"] + cell["dropped"] == 10
+        assert "bound" not in cell and cell["artifact_batch"] == 1
+    for max_batch, model in models.items():
+        assert sum(model.sizes) == sum(c["served"] for c in cells if c["max_batch"] == max_batch)
+        assert max(model.sizes) <= max_batch
 
 
 # --- report and JSON ------------------------------------------------------------------------------
