@@ -11,6 +11,10 @@ load/close cycle), so swapping models back and forth would grow RSS without boun
 therefore kept in a small LRU keyed by the file's identity (path, size, mtime, inode) and the input spec: an
 A/B swap or a rollback to a model seen before reuses its compiled graph instead of compiling it again.
 ``close()`` drops the backend's hold; :func:`release_compiled_graphs` empties the cache.
+
+One process-wide lock serialises every MindSpore call (load, compile, run, freeing a graph): MindSpore 2.7
+raises "Nested execution during JIT execution" (or deadlocks) when one thread compiles a graph while another
+runs one, which is exactly what deploying a model while the current one serves does.
 """
 
 import gc
@@ -31,33 +35,32 @@ MINDIR_DTYPES = {1: "float32", 2: "uint8", 10: "float16"}
 # the serving model and the pending one during an A/B swap; a third distinct model evicts the oldest
 COMPILED_GRAPH_CACHE_SIZE = 2
 
-_process_lock = threading.Lock()
+# held around every MindSpore call: compiling on one thread while another runs a graph is not supported
+_execution_lock = threading.RLock()
 _process_threads: Optional[int] = None  # the CPU kernel thread count this process was fixed to
 
 
 class _CompiledGraph:
-    """A GraphCell compiled for one input shape; ``lock`` serialises calls from backends sharing it."""
+    """A GraphCell compiled for one input shape (shared by backends serving the same file)."""
 
     def __init__(self, cell: Any) -> None:
         self.cell = cell
-        self.lock = threading.Lock()
 
 
-_cache_lock = threading.Lock()
-_compiled: "OrderedDict[Tuple[Any, ...], _CompiledGraph]" = OrderedDict()
+_compiled: "OrderedDict[Tuple[Any, ...], _CompiledGraph]" = OrderedDict()  # guarded by _execution_lock
 
 
 def release_compiled_graphs() -> int:
     """Drop every cached compiled graph (what MindSpore still holds for them stays); returns how many."""
-    with _cache_lock:
+    with _execution_lock:
         count = len(_compiled)
         _compiled.clear()
-    gc.collect()
+        gc.collect()  # a GraphCell's finaliser calls into MindSpore: run it under the lock
     return count
 
 
 def compiled_graph_count() -> int:
-    with _cache_lock:
+    with _execution_lock:
         return len(_compiled)
 
 
@@ -69,7 +72,7 @@ def _file_key(path: str) -> Tuple[Any, ...]:
 def _configure_process(ms: Any, cpu_threads: int) -> None:
     """Set the process-wide mode, device and thread count once; later calls only check and warn."""
     global _process_threads
-    with _process_lock:
+    with _execution_lock:
         if _process_threads is not None:
             if cpu_threads != _process_threads:
                 logger.warning("mindspore: CPU threads are fixed per process at %d; ignoring %d",
@@ -113,15 +116,14 @@ class MindSporeBackend(Backend):
         _configure_process(ms, self.options.cpu_threads)
         spec = self.input_spec
         key = _file_key(self.artifact_path) + (spec.shape, spec.dtype)
-        with _cache_lock:
+        with _execution_lock:
             graph = _compiled.get(key)
             if graph is not None:
                 _compiled.move_to_end(key)
-        if graph is None:
-            graph = self._compile(ms)
-            self._store(key, graph)
-        else:
-            logger.info("mindspore: reusing the compiled graph of %s", self.artifact_path)
+                logger.info("mindspore: reusing the compiled graph of %s", self.artifact_path)
+            else:
+                graph = self._compile(ms)
+                self._store(key, graph)
         self._ms = ms
         self._graph = graph
 
@@ -161,18 +163,18 @@ class MindSporeBackend(Backend):
 
     @staticmethod
     def _store(key: Tuple[Any, ...], graph: _CompiledGraph) -> None:
+        """Cache ``graph``; called under the execution lock, so an evicted graph is freed under it too."""
         if COMPILED_GRAPH_CACHE_SIZE <= 0:
             return
-        with _cache_lock:
-            _compiled[key] = graph
-            _compiled.move_to_end(key)
-            while len(_compiled) > COMPILED_GRAPH_CACHE_SIZE:
-                evicted, _ = _compiled.popitem(last=False)
-                logger.info("mindspore: evicted the compiled graph of %s", evicted[0])
+        _compiled[key] = graph
+        _compiled.move_to_end(key)
+        while len(_compiled) > COMPILED_GRAPH_CACHE_SIZE:
+            evicted, _ = _compiled.popitem(last=False)
+            logger.info("mindspore: evicted the compiled graph of %s", evicted[0])
 
     @staticmethod
     def _run(ms: Any, graph: _CompiledGraph, batch: np.ndarray) -> List[np.ndarray]:
-        with graph.lock:
+        with _execution_lock:
             result = graph.cell(ms.Tensor.from_numpy(batch))
             outputs = result if isinstance(result, (tuple, list)) else (result,)
             # asnumpy() views memory the runtime owns: copy so the caller may keep it
@@ -182,6 +184,7 @@ class MindSporeBackend(Backend):
         return self._run(self._ms, self._graph, batch)
 
     def _release(self) -> None:
-        self._graph = None
-        self._ms = None
-        gc.collect()
+        with _execution_lock:  # dropping the last reference to a GraphCell calls into MindSpore
+            self._graph = None
+            self._ms = None
+            gc.collect()
