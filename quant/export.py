@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 
 INPUT_NAME = "images"
 OUTPUT_NAME = "output0"
-# Read-back tolerance of an export against its source network (float32, same ops).
+# Read-back tolerance of an export against its source network (float32, same ops, another runtime): box
+# coordinates of a few hundred pixels carry float32 rounding of ~3e-5.
 EXPORT_ATOL = 1e-4
+EXPORT_RTOL = 1e-5
 
 
 def export_mindir(network: nn.Cell, input_shape: Tuple[int, ...], path: str) -> str:
@@ -72,10 +74,12 @@ def check_export(path: str, inputs: np.ndarray, expected: np.ndarray, atol: floa
     got = runner(path, inputs)
     if got.shape != expected.shape:
         raise RuntimeError("%s: output shape %s, network gives %s" % (path, got.shape, expected.shape))
-    difference = float(np.max(np.abs(got - expected)))
-    if not difference <= atol:
+    error = np.abs(got - expected)
+    difference = float(np.max(error))
+    if not np.all(error <= atol + EXPORT_RTOL * np.abs(expected)):
         raise RuntimeError(
-            "%s: output differs from the network by %.3g (tolerance %.3g)" % (path, difference, atol)
+            "%s: output differs from the network by up to %.3g (tolerance %.3g + %.1g x |value|)"
+            % (path, difference, atol, EXPORT_RTOL)
         )
     log.info("checked %s: max |diff| %.2g", os.path.basename(path), difference)
     return difference

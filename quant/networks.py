@@ -79,7 +79,6 @@ class YoloV8Decode(nn.Cell):
         self.exp = ops.Exp()
         self.minimum = ops.Minimum()
         self.maximum = ops.Maximum()
-        self.stack = ops.Stack(axis=1)
         self.concat_channels = ops.Concat(axis=1)
         self.concat_cells = ops.Concat(axis=2)
         # Copied onto the cell: rewrite regenerates construct() in a new module without this module's globals.
@@ -93,14 +92,14 @@ class YoloV8Decode(nn.Cell):
         cy = (grid_y + self.sigmoid(raw[:, 1]) * 2.0 - 0.5) * stride
         log_wh = self.maximum(self.minimum(raw[:, 2:4], self.log_size_max), self.log_size_min)
         wh = self.exp(log_wh) * stride
-        boxes = self.stack([cx, cy, wh[:, 0], wh[:, 1]])  # 4 x (B, H, W) -> (B, 4, H, W)
+        boxes = self.concat_channels((cx.expand_dims(1), cy.expand_dims(1), wh))  # (B, 4, H, W)
         scores = self.sigmoid(raw[:, 4:])
-        return self.concat_channels([boxes, scores]).reshape(batch, channels, height * width)
+        return self.concat_channels((boxes, scores)).reshape(batch, channels, height * width)
 
     def construct(self, raw_fine: ms.Tensor, raw_coarse: ms.Tensor) -> ms.Tensor:
         fine = self._level(raw_fine, self.strides[0])
         coarse = self._level(raw_coarse, self.strides[1])
-        return self.concat_cells([fine, coarse])  # (B, 4 + nc, N_fine + N_coarse)
+        return self.concat_cells((fine, coarse))  # (B, 4 + nc, N_fine + N_coarse)
 
 
 # Initial score of every class: a prior of 1 % keeps the thousands of background cells from swamping the loss
