@@ -179,8 +179,9 @@ def _make_quantizer_class():
             low = (self._qmin - zero_point) * scale
             high = (self._qmax - zero_point) * scale
             clipped = ops.minimum(ops.maximum(x, low), high)
-            quantized = ops.clip(ops.round(x / scale) + zero_point, self._qmin, self._qmax)
-            dequantized = (quantized - zero_point) * scale
+            # (clip(round(x / s) + zp, qmin, qmax) - zp) * s, shortened: zp is an integer, so clipping to the
+            # integer range commutes with rounding. Seven passes over the tensor instead of eleven.
+            dequantized = ops.round(clipped / scale) * scale
             # Straight-through: forward gives the dequantized value, backward the gradient of the clip.
             return clipped + ops.stop_gradient(dequantized - clipped)
 
@@ -221,7 +222,24 @@ def _make_policy_mixin():
     from mindspore_gs.quantization.layer_policy import PerChannelArgs
 
     class CpuQuantizerPolicyMixin:
-        """Overrides the three quantizer factories of Golden Stick's SimulatedLayerPolicy."""
+        """Overrides the three quantizer factories of Golden Stick's SimulatedLayerPolicy, and where
+        activations are quantized.
+
+        Activations are quantized where an int8 tensor exists once the converter has fused convolution, batch
+        norm and activation: at the input of every convolution and dense layer (the network input, or the
+        previous fused block's activated output) and at the output of dense layers, not between a convolution
+        and its batch norm. ``quantize_input`` / ``quantize_output`` say which ends of a layer kind get one.
+        """
+
+        quantize_input = True
+        quantize_output = True
+
+        def __init__(self, weight_names, act_names, config):
+            super().__init__(weight_names, act_names, config)
+            if not self.quantize_input:
+                self.set_input_not_insert_fq()
+            if not self.quantize_output:
+                self.set_output_not_insert_fq()
 
         def get_weight_quantizer(self, weight_name="", perchannel_args=PerChannelArgs(), **kwargs):
             config = self._config
@@ -269,21 +287,30 @@ def _make_policy_mixin():
 def _make_cpu_algorithm_class():
     _, policies, SimulatedQuantizationAwareTraining, SimulatedNetPolicy = _golden_stick_classes()
     mixin = _make_policy_mixin()
+    # Which ends of each layer kind carry an activation quantizer (see CpuQuantizerPolicyMixin). Activation
+    # layers get no policy at all: their output is the next convolution's quantized input.
+    ends = {
+        "ConvLayerPolicy": {"quantize_output": False},
+        "ConvBnLayerPolicy": {"quantize_output": False},
+        "DenseLayerPolicy": {},
+    }
     cpu_policies = {
-        name: type("Cpu" + name, (mixin, getattr(policies, name)), {})
-        for name in ("ConvLayerPolicy", "DenseLayerPolicy", "ConvBnLayerPolicy", "ActLayerPolicy")
+        name: type("Cpu" + name, (mixin, getattr(policies, name)), attrs) for name, attrs in ends.items()
     }
 
     class CpuSimulatedNetPolicy(SimulatedNetPolicy):
-        """Golden Stick's SimQAT net policy with every layer policy swapped for its CPU-quantizer twin."""
+        """Golden Stick's SimQAT net policy with its layer policies swapped for CPU-quantizer twins."""
 
         def build(self):
             if self._build:
                 return
             super().build()
             for layer_type, policy in list(self._layer_policy_map.items()):
-                twin = cpu_policies[type(policy).__name__]
-                self._layer_policy_map[layer_type] = twin([], [], self._config)
+                twin = cpu_policies.get(type(policy).__name__)
+                if twin is None:  # activation layers
+                    del self._layer_policy_map[layer_type]
+                else:
+                    self._layer_policy_map[layer_type] = twin([], [], self._config)
 
     class CpuSimulatedQuantizationAwareTraining(SimulatedQuantizationAwareTraining):
         """SimQAT whose fake quantizers run on CPU; ``apply``/``convert`` are Golden Stick's."""
