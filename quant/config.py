@@ -92,6 +92,9 @@ class ExportConfig:
         min_len=1, doc="fixed input shapes [h, w]; the first is the main tier"
     )
     extra_batches: List[int] = setting(factory=list, doc="more batch sizes exported for the main tier")
+    extra_batch_formats: List[str] = setting(
+        factory=lambda: ["onnx", "mindir"], doc="formats of the extra-batch float exports (onnx, mindir)"
+    )
     onnx: bool = setting(True, doc="float ONNX per tier (ATC input, OpenCV backend)")
     float_mindir: bool = setting(True)
 
@@ -102,6 +105,9 @@ class ExportConfig:
         for i, tier in enumerate(self.tiers):
             if min(tier) < 16:
                 problems.append(("tiers[%d]" % i, "sides must be >= 16 (got %s)" % (list(tier),)))
+        for i, fmt in enumerate(self.extra_batch_formats):
+            if fmt not in ("onnx", "mindir"):
+                problems.append(("extra_batch_formats[%d]" % i, "must be onnx or mindir (got %r)" % fmt))
         for i, batch in enumerate(self.extra_batches):
             if not 2 <= batch <= 64:
                 problems.append(("extra_batches[%d]" % i, "must be in 2..64 (got %d)" % batch))

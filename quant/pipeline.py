@@ -18,24 +18,21 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import shutil
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from agent.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
+from agent.preprocess import BatchPreprocessor, PreprocessSpec
+from quant.bundle_writer import ArtifactPlan, write_bundle_manifest, write_calibration, write_golden
 from quant.config import RunConfig
 from quant.datasets import DatasetError, SplitData
+from quant.report import metric_delta, metric_line, toolchain_versions, write_report
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_DIR = "calibration"
-GOLDEN_DIR = "golden"
-REPORT_JSON = "report.json"
-REPORT_TEXT = "report.txt"
-INFERENCE_BATCH = 32
+INFERENCE_BATCH = 32  # images per inference call in evaluation (fixed, so each network compiles once)
 
 
 class PipelineError(RuntimeError):
@@ -54,33 +51,6 @@ class RunOptions:
     qat_epochs: Optional[int] = None  # overrides qat.epochs
     resume: bool = False
     work_dir: Optional[str] = None  # checkpoints; default: a cache directory keyed by the output path
-
-
-@dataclasses.dataclass
-class ArtifactPlan:
-    file: str
-    tier: Tuple[int, int]
-    batch: int
-    format: str
-    precision: str
-    role: str
-
-    def manifest_entry(self) -> Dict[str, Any]:
-        return {
-            "file": self.file,
-            "format": self.format,
-            "target": "cpu",
-            "soc_version": None,
-            "tier": list(self.tier),
-            "batch": self.batch,
-            "precision": self.precision,
-            "role": self.role,
-            "input_dtype": "float32",
-            "input_layout": "NCHW",
-            "normalize_on": "host",
-            "config_files": [],
-            "toolchain": {},
-        }
 
 
 def preprocess_spec(config: RunConfig) -> PreprocessSpec:
@@ -313,14 +283,22 @@ class QatRun:
         self._timed("export", started)
         # 5. Calibration set and golden set.
         started = time.monotonic()
-        calibration = self._write_calibration(data)
-        golden = self._write_golden(data)
+        calibration = write_calibration(
+            self.out, data.train.images, self.spec, config.calibration.count, config.seed + 2
+        )
+        tiers = [tuple(t) for t in config.export.tiers]
+        g = config.golden
+        golden = write_golden(
+            self.out, data.originals, self.artifacts, self.spec, tiers, g.cases_per_tier, g.atol, g.rtol
+        )
         self._timed("calibration_and_golden", started)
         # 6. Report and manifest (last: it hashes everything written above).
         self.seconds["total"] = round(time.monotonic() - started_all, 2)
         report = self._report(network, float_metrics, qat_metrics)
-        self._write_report(report)
-        self._write_manifest(calibration, golden)
+        print(write_report(self.out, report), end="")
+        write_bundle_manifest(
+            self.out, config, self.labels, self.artifacts, calibration, golden, report["toolchain"]
+        )
         self._publish()
         log.info("bundle written to %s", self.final_out)
         return report
@@ -365,7 +343,7 @@ class QatRun:
         metrics["loss_history"] = [round(v, 5) for v in history]
         self._timed("float_eval", started)
         self._save_checkpoint(network, "float", metrics)
-        log.info("float: %s", _metric_line(metrics))
+        log.info("float: %s", metric_line(metrics))
         return metrics
 
     def _qat_phase(self, network: Any, data: SplitData) -> Tuple[Any, Optional[Dict[str, Any]]]:
@@ -401,7 +379,7 @@ class QatRun:
         metrics["loss_history"] = [round(v, 5) for v in history]
         self._timed("qat_eval", started)
         self._save_checkpoint(qat_network, "qat", metrics)
-        log.info("qat (simulated int8): %s", _metric_line(metrics))
+        log.info("qat (simulated int8): %s", metric_line(metrics))
         return qat_network, metrics
 
     # --- exports --------------------------------------------------------------------------------------------
@@ -426,7 +404,8 @@ class QatRun:
                 suffix = tier_name(tier) + ("" if batch == 1 else "_b%d" % batch)
                 sample = self._sample_input(data, tier, batch, rng)
                 expected = float_network(ms.Tensor(sample)).asnumpy()
-                if config.export.float_mindir:
+                formats = ("onnx", "mindir") if batch == 1 else tuple(config.export.extra_batch_formats)
+                if config.export.float_mindir and "mindir" in formats:
                     path = export_mindir(
                         float_network, sample.shape, os.path.join(self.out, "model_%s.mindir" % suffix)
                     )
@@ -434,7 +413,7 @@ class QatRun:
                     self.artifacts.append(
                         ArtifactPlan(os.path.basename(path), tier, batch, "mindir", "float32", "serve")
                     )
-                if config.export.onnx:
+                if config.export.onnx and "onnx" in formats:
                     path = export_onnx(
                         float_network, sample.shape, os.path.join(self.out, "model_%s.onnx" % suffix)
                     )
@@ -518,61 +497,6 @@ class QatRun:
         )
         return result
 
-    # --- calibration and golden set -------------------------------------------------------------------------
-
-    def _write_calibration(self, data: SplitData) -> Dict[str, Any]:
-        """NHWC float32 .bin files at the main tier, normalised as the bundle says (converter_lite input)."""
-        from quant.datasets import network_input
-
-        count = min(self.config.calibration.count, len(data.train))
-        directory = os.path.join(self.out, CALIBRATION_DIR)
-        os.makedirs(directory, exist_ok=True)
-        picks = np.random.default_rng(self.config.seed + 2).choice(len(data.train), size=count, replace=False)
-        tensors = network_input(data.train.images[np.sort(picks)], self.spec, layout="NHWC")
-        for i, tensor in enumerate(tensors):
-            tensor.astype(np.float32).tofile(os.path.join(directory, "calib_%04d.bin" % i))
-        return {
-            "dir": CALIBRATION_DIR,
-            "layout": "NHWC",
-            "dtype": "float32",
-            "tier": list(self.config.export.tiers[0]),
-            "count": count,
-        }
-
-    def _write_golden(self, data: SplitData) -> Dict[str, Any]:
-        """Per tier: letterboxed uint8 BGR held-out images and each runnable batch-1 artifact output 0."""
-        from quant.export import run_mindir, run_onnx_opencv
-
-        g = self.config.golden
-        directory = os.path.join(self.out, GOLDEN_DIR)
-        os.makedirs(directory, exist_ok=True)
-        cases = []
-        index = 0
-        for tier in [tuple(t) for t in self.config.export.tiers]:
-            runnable = [a for a in self.artifacts if a.tier == tier and a.batch == 1 and a.role == "serve"]
-            for original in data.originals[: g.cases_per_tier]:
-                image, _ = letterbox(
-                    original,
-                    tier,
-                    pad_value=self.spec.pad_value,
-                    scaleup=self.spec.scaleup,
-                    center=self.spec.center,
-                )
-                image_file = "%s/case%d.npy" % (GOLDEN_DIR, index)
-                np.save(os.path.join(self.out, image_file), image)
-                batcher = BatchPreprocessor(self.spec, tier, max_batch=1)
-                batcher.fill_letterboxed(0, image)
-                expected = {}
-                for art in runnable:
-                    runner = run_onnx_opencv if art.format == "onnx" else run_mindir
-                    output = runner(os.path.join(self.out, art.file), batcher.batch)
-                    out_file = "%s/case%d.%s.npy" % (GOLDEN_DIR, index, art.file)
-                    np.save(os.path.join(self.out, out_file), output.astype(np.float32))
-                    expected[art.file] = out_file
-                cases.append({"image": image_file, "tier": list(tier), "expected": expected})
-                index += 1
-        return {"atol": g.atol, "rtol": g.rtol, "cases": cases}
-
     # --- report and manifest --------------------------------------------------------------------------------
 
     def _report(
@@ -610,54 +534,13 @@ class QatRun:
             },
             "float": float_metrics,
             "qat": qat_metrics,
-            "delta": _delta(float_metrics, qat_metrics),
+            "delta": metric_delta(float_metrics, qat_metrics),
             "tiers": shapes,
             "artifacts": {a.file: _size(os.path.join(self.out, a.file)) for a in self.artifacts},
             "checks": self.checks,
             "seconds": self.seconds,
             "toolchain": toolchain_versions(),
         }
-
-    def _write_report(self, report: Dict[str, Any]) -> None:
-        with open(os.path.join(self.out, REPORT_JSON), "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=2)
-            handle.write("\n")
-        text = summary_text(report)
-        with open(os.path.join(self.out, REPORT_TEXT), "w", encoding="utf-8") as handle:
-            handle.write(text)
-        print(text, end="")
-
-    def _write_manifest(self, calibration: Dict[str, Any], golden: Dict[str, Any]) -> None:
-        from agent.bundle import write_manifest
-
-        config = self.config
-        p = config.preprocessing
-        manifest = {
-            "schema": 1,
-            "name": config.name,
-            "version": config.version,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "task": config.task,
-            "labels": self.labels,
-            "input": {
-                "name": "images",
-                "layout": "NCHW",
-                "dtype": "float32",
-                "tiers": [list(t) for t in config.export.tiers],
-            },
-            "preprocessing": {
-                "letterbox": {"pad_value": p.pad_value, "center": p.center, "scaleup": p.scaleup},
-                "color": p.color,
-                "mean": list(p.mean),
-                "std": list(p.std),
-            },
-            "postprocessing": dataclasses.asdict(config.postprocessing),
-            "artifacts": [dict(a.manifest_entry(), input_color=p.color) for a in self.artifacts],
-            "toolchain": toolchain_versions(),
-            "golden": golden,
-            "calibration": calibration,
-        }
-        write_manifest(self.out, manifest)
 
 
 def _parameter_count(network: Any) -> int:
@@ -670,67 +553,4 @@ def _size(path: str) -> Optional[int]:
     return os.path.getsize(path) if os.path.isfile(path) else None
 
 
-def _metric_line(metrics: Dict[str, Any]) -> str:
-    if "top1" in metrics:
-        return "top-1 %.2f %% on %d held-out images" % (100 * metrics["top1"], metrics["images"])
-    return "mAP@0.5 %.4f on %d held-out images" % (metrics["map50"], metrics["images"])
-
-
-def _delta(
-    float_metrics: Dict[str, Any], qat_metrics: Optional[Dict[str, Any]]
-) -> Optional[Dict[str, float]]:
-    if not qat_metrics:
-        return None
-    key = "top1" if "top1" in float_metrics else "map50"
-    return {key + "_points": round(100 * (qat_metrics[key] - float_metrics[key]), 3)}
-
-
-def toolchain_versions() -> Dict[str, Optional[str]]:
-    import cv2
-    import mindspore
-
-    try:
-        from mindspore_gs.version import __version__ as gs_version
-    except ImportError:
-        gs_version = None
-    return {
-        "mindspore": mindspore.__version__,
-        "mindspore_gs": gs_version,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "opencv": cv2.__version__,
-    }
-
-
-def summary_text(report: Dict[str, Any]) -> str:
-    """The readable summary printed at the end of a run and saved as report.txt."""
-    lines = ["atlas-edge qat: %s %s (%s)" % (report["name"], report["version"], report["task"])]
-    net = report["network"]
-    lines.append(
-        "network   %s (%s), %d parameters, float MindIR %s bytes"
-        % (net["class"], net["kind"], net["parameters"], net["float_mindir_bytes"])
-    )
-    lines.append("float     " + _metric_line(report["float"]))
-    if report["qat"]:
-        lines.append("qat int8  " + _metric_line(report["qat"]) + "  (%s)" % report["delta"])
-    sim = report["checks"].get("int8sim_test_split")
-    if sim:
-        agreement = sim.get("top1_agreement")
-        lines.append(
-            "int8-sim MindIR vs QAT network: max |diff| %.3g%s"
-            % (
-                sim["max_abs_diff"],
-                "" if agreement is None else ", top-1 agreement %.2f %%" % (100 * agreement),
-            )
-        )
-    for tier, shape in report["tiers"].items():
-        lines.append("tier %-9s input %s -> output0 %s" % (tier, shape["input"], shape["output0"]))
-    lines.append("artifacts:")
-    for name, size in report["artifacts"].items():
-        lines.append("  %-40s %10s bytes" % (name, size))
-    lines.append("seconds   " + ", ".join("%s %.1f" % kv for kv in report["seconds"].items()))
-    lines.append("toolchain " + ", ".join("%s %s" % kv for kv in report["toolchain"].items()))
-    return "\n".join(lines) + "\n"
-
-
-__all__ = ["BadInput", "DatasetError", "PipelineError", "QatRun", "RunOptions", "summary_text"]
+__all__ = ["BadInput", "DatasetError", "PipelineError", "QatRun", "RunOptions"]
