@@ -6,7 +6,7 @@ load fixes them (GRAPH_MODE, CPU, ``options.cpu_threads``); a later backend aski
 gets a warning and the first value. CPU core pinning is left to systemd (``CPUAffinity=``), not done here.
 
 Compiled graphs are cached per process. MindSpore 2.7.1 keeps memory for every graph it compiles and runs
-that no public API returns (measured here: about 0.45 MB for a 2-conv net, 10.8 MB for a 17-conv net, per
+that no public API returns (measured here: about 0.5 MB for a 2-conv net, 10.8 MB for a 17-conv net, per
 load/close cycle), so swapping models back and forth would grow RSS without bound. Compiled graphs are
 therefore kept in a small LRU keyed by the file's identity (path, size, mtime, inode) and the input spec: an
 A/B swap or a rollback to a model seen before reuses its compiled graph instead of compiling it again.
