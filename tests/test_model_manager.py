@@ -1,0 +1,866 @@
+"""ModelManager: hot swap between batches, refusals that change nothing, automatic rollback, crash recovery.
+
+Real inference throughout: a tiny network exported by MindSpore (session fixture) to ONNX and MindIR,
+served by OpenCV's DNN (fast loads) and, in one test, by MindSpore itself. MindSpore also computes the golden
+outputs, so the golden self-test compares OpenCV against an independent reference. A small loop in the tests
+plays the daemon's serving thread: ``between_batches(); current.infer_frames(...); record_batch(...)``.
+"""
+
+import functools
+import http.server
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from agent import backends
+from agent.backends.opencv_backend import OpenCvBackend
+from agent.bundle import MANIFEST, BundleError, sha256_file, sign_bundle, write_manifest
+from agent.bundle_cli import make_key_pair
+from agent.commands import CommandError
+from agent.config import parse_daemon_config
+from agent.device_config import load_device_config
+from agent.fetch import FetchError, download, fetch_bundle
+from agent.model_manager import STAGING_DIR, ModelManager, _Window
+from agent.schema import ConfigError, parse
+from agent.slots import CONFIRMED, EMPTY, PENDING, STANDBY, load_slots
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIER = 32
+LONG_WINDOW_S = 600.0  # an observation window no test outlives: the model stays pending
+WAIT_S = 30.0  # bound on anything that should take a few batches
+BATCH = 2  # frames per batch fed by the test's serving loop
+RSS_MARGIN_MB = 60.0  # 50 deploy/rollback cycles must not grow the process by more than this
+# The tiny model infers in well under a millisecond, where scheduling noise on two shared cores can double a
+# median: tests that do not test the latency rule set a factor no noise reaches.
+NOISE_PROOF_FACTOR = 1000.0
+
+
+# --- fixtures: a real tiny model, its versions, a manager ---------------------------------------------------
+
+def _build_bundle(root):
+    """A classify bundle: conv -> pool -> dense exported by MindSpore to ONNX and MindIR, one golden case."""
+    import mindspore as ms
+    from mindspore import nn
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_seed(7)
+
+    class Tiny(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, stride=2, has_bias=True, weight_init="normal")
+            self.relu = nn.ReLU()
+            self.pool = nn.AvgPool2d(15, 15)  # 15x15 feature map -> 1x1 (AdaptiveAvgPool has no ONNX export)
+            self.flat = nn.Flatten()
+            self.fc = nn.Dense(4, 3)
+
+        def construct(self, x):
+            return self.fc(self.flat(self.pool(self.relu(self.conv(x)))))
+
+    net = Tiny()
+    net.set_train(False)
+    os.makedirs(os.path.join(root, "golden"))
+    dummy = ms.Tensor(np.zeros((1, 3, TIER, TIER), np.float32))
+    stem = os.path.join(root, "model_%dx%d" % (TIER, TIER))
+    ms.export(net, dummy, file_name=stem, file_format="ONNX")
+    ms.export(net, dummy, file_name=stem, file_format="MINDIR")
+    image = np.random.default_rng(3).integers(0, 256, size=(TIER, TIER, 3), dtype=np.uint8)
+    # The reference preprocessing written out independently of agent.preprocess: BGR->RGB, /255, HWC->CHW.
+    x = (image[:, :, ::-1].astype(np.float32) / 255.0).transpose(2, 0, 1)[None]
+    expected = net(ms.Tensor(x)).asnumpy()
+    np.save(os.path.join(root, "golden", "case0.npy"), image)
+    files = ("model_32x32.onnx", "model_32x32.mindir")
+    for name in files:
+        np.save(os.path.join(root, "golden", "case0.%s.npy" % name), expected)
+    _writable(root)
+    arts = [{"file": f, "format": f.rsplit(".", 1)[1], "target": "cpu", "tier": [TIER, TIER], "sha256": "",
+             "size": 0} for f in files]
+    write_manifest(root, {
+        "name": "tiny", "version": "1.0.0", "created": "2026-01-01T00:00:00Z", "task": "classify",
+        "labels": ["a", "b", "c"], "input": {"name": "x", "tiers": [[TIER, TIER]]}, "artifacts": arts,
+        "golden": {"atol": 1e-4, "rtol": 1e-4, "cases": [
+            {"image": "golden/case0.npy", "tier": [TIER, TIER],
+             "expected": {f: "golden/case0.%s.npy" % f for f in files}}]},
+    })
+
+
+def _writable(root):
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            os.chmod(os.path.join(dirpath, name), 0o644)  # MindSpore writes its exports read-only
+
+
+@pytest.fixture(scope="session")
+def base_bundle(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("tiny") / "tiny-1.0.0")
+    _build_bundle(root)
+    return root
+
+
+def new_version(src, dst, version, mutate=None):
+    """Copy ``src`` to ``dst`` as ``version``, changed by ``mutate(data, dst)`` if given; returns its sha."""
+    shutil.copytree(src, dst)
+    _writable(dst)
+    for extra in ("manifest.sig",):
+        if os.path.exists(os.path.join(dst, extra)):
+            os.remove(os.path.join(dst, extra))
+    with open(os.path.join(dst, MANIFEST)) as handle:
+        data = json.load(handle)
+    data["version"] = version
+    if mutate is not None:
+        mutate(data, dst)
+    write_manifest(dst, data)
+    return sha256_file(os.path.join(dst, MANIFEST))
+
+
+class Harness:
+    """A manager on a fresh state dir, with its events recorded."""
+
+    def __init__(self, tmp_path, bundle, device="cpu-dev", backend="opencv", switch_timeout_s=WAIT_S,
+                 **model):
+        settings = {"bundle": bundle, "backend": backend, "observation_s": LONG_WINDOW_S,
+                    "latency_regression": NOISE_PROOF_FACTOR}
+        settings.update(model)
+        self.config = parse_daemon_config({"device_id": "t1", "state_dir": str(tmp_path / "state"),
+                                           "model": settings})
+        self.device = load_device_config(device) if isinstance(device, str) else device
+        self.events = []
+        self.manager = ModelManager(self.config, self.device, backend, on_event=self.events.append,
+                                    switch_timeout_s=switch_timeout_s)
+        self.store = os.path.join(str(tmp_path / "state"), "bundles")
+        self.state_file = os.path.join(str(tmp_path / "state"), "slots.json")
+
+    def incoming(self, name):
+        path = os.path.join(self.store, "incoming", name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
+
+    def slot_dirs(self):
+        return sorted(os.listdir(os.path.join(self.store, "slots")))
+
+    def events_named(self, name):
+        return [e for e in self.events if e["event"] == name]
+
+    def wait_for_event(self, name, timeout=WAIT_S):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.events_named(name)
+            if found:
+                return found[0]
+            time.sleep(0.01)
+        raise AssertionError("no %r event within %.0f s; events: %s" % (name, timeout, self.events))
+
+
+@pytest.fixture
+def harness(tmp_path, base_bundle):
+    made = []
+
+    def make(**kwargs):
+        h = Harness(tmp_path, base_bundle, **kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.manager.close()
+
+
+class ServingLoop(threading.Thread):
+    """Plays the daemon's serving thread; logs (model label, frames fed, results got) per batch."""
+
+    def __init__(self, manager):
+        super().__init__(name="test-serving-loop", daemon=True)
+        self.manager = manager
+        self.stop_event = threading.Event()
+        self.inference = threading.Event()  # cleared: the loop only calls between_batches
+        self.inference.set()
+        self.log = []
+        self.errors = 0
+        rng = np.random.default_rng(11)
+        self.frames = [rng.integers(0, 256, size=(48, 64, 3), dtype=np.uint8) for _ in range(BATCH)]
+
+    def run(self):
+        while not self.stop_event.is_set():
+            self.manager.between_batches()
+            if not self.inference.is_set():
+                self.stop_event.wait(0.001)
+                continue
+            model = self.manager.current
+            try:
+                results = model.infer_frames(self.frames)
+            except Exception:  # like the daemon: count it, report it to the manager, go on
+                self.errors += 1
+                self.manager.record_batch(BATCH, 0.0, failed=True)
+                self.log.append((model.label, BATCH, 0))
+                self.stop_event.wait(0.001)
+                continue
+            self.manager.record_batch(BATCH, results[0].timings_ms["infer"], failed=False)
+            self.log.append((model.label, BATCH, len(results)))
+            self.stop_event.wait(0.001)  # two shared cores: leave the command thread some room
+
+    def wait_batches(self, count, timeout=WAIT_S):
+        target = len(self.log) + count
+        deadline = time.monotonic() + timeout
+        while len(self.log) < target:
+            assert time.monotonic() < deadline, "serving loop made no progress"
+            time.sleep(0.005)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_event.set()
+        self.join(timeout=WAIT_S)
+        assert not self.is_alive()
+
+
+def snapshot(h):
+    return (h.manager.current, open(h.state_file, "rb").read(), h.slot_dirs())
+
+
+def assert_unchanged(h, before):
+    model, state, dirs = before
+    assert h.manager.current is model
+    assert h.manager.current.manifest.version == "1.0.0"
+    assert open(h.state_file, "rb").read() == state
+    assert h.slot_dirs() == dirs
+    assert os.listdir(os.path.join(h.store, STAGING_DIR)) == []
+    assert h.manager.status()["slots"]["b"]["state"] == EMPTY
+
+
+def no_progress(_message):
+    return None
+
+
+# --- start ------------------------------------------------------------------------------------------------
+
+def test_first_start_imports_the_bundle_into_slot_a_and_a_restart_keeps_it(harness, base_bundle):
+    h = harness()
+    model = h.manager.start()
+    assert model.label == "tiny 1.0.0" and model.backend_name == "opencv"
+    status = h.manager.status()
+    assert status["serving"] == "a"
+    assert status["slots"]["a"]["state"] == CONFIRMED
+    assert status["slots"]["a"]["manifest_sha256"] == sha256_file(os.path.join(base_bundle, MANIFEST))
+    assert status["slots"]["b"]["state"] == EMPTY
+    [slot_dir] = h.slot_dirs()
+    assert slot_dir.startswith("a-")
+    h.manager.close()
+
+    again = harness()
+    assert again.manager.start().label == "tiny 1.0.0"
+    assert again.slot_dirs() == [slot_dir]
+    assert again.events == []
+
+
+def test_a_corrupt_slot_file_is_set_aside_and_the_configured_bundle_serves(harness):
+    h = harness()
+    h.manager.start()
+    h.manager.close()
+    with open(h.state_file, "w") as handle:
+        handle.write("{half a table")
+    again = harness()
+    assert again.manager.start().label == "tiny 1.0.0"
+    [event] = again.events_named("slots_reset")
+    assert "not valid JSON" in event["reason"]
+    assert os.path.exists(event["moved_to"])
+    assert load_slots(again.state_file).serving == "a"
+
+
+# --- deploy: the switch ------------------------------------------------------------------------------------
+
+def test_deploy_switches_between_batches_without_losing_a_frame(harness, base_bundle):
+    h = harness()
+    old = h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    messages = []
+    with ServingLoop(h.manager) as loop:
+        loop.wait_batches(10)
+        result = h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, messages.append)
+        assert h.manager.current.label == "tiny 2.0.0"  # switched before deploy returned
+        loop.wait_batches(10)
+    assert result == {"slot": "b", "state": "pending",
+                      "model": {"name": "tiny", "version": "2.0.0", "manifest_sha256": sha},
+                      "previous": {"name": "tiny", "version": "1.0.0",
+                                   "manifest_sha256": old.bundle.manifest_sha256},
+                      "observation_s": LONG_WINDOW_S}
+    assert loop.errors == 0
+    assert all(fed == got for _label, fed, got in loop.log)  # every frame fed got a result
+    labels = [label for label, _fed, _got in loop.log]
+    assert set(labels) == {"tiny 1.0.0", "tiny 2.0.0"}
+    first_new = labels.index("tiny 2.0.0")
+    assert labels[:first_new] == ["tiny 1.0.0"] * first_new  # old, then new: exactly one change
+    assert labels[first_new:] == ["tiny 2.0.0"] * (len(labels) - first_new)
+    assert first_new >= 10
+    assert [m.split(" ")[0] for m in messages] == ["fetching", "verifying", "loading", "switching"]
+    table = load_slots(h.state_file)
+    assert (table.serving, table.slots["b"].state, table.slots["a"].state) == ("b", PENDING, CONFIRMED)
+    [switched] = h.events_named("switched")
+    assert switched["slot"] == "b" and switched["state"] == "pending"
+    assert h.manager.status()["pending"]["frames"] > 0
+    assert len(h.slot_dirs()) == 2
+
+
+def test_a_healthy_window_confirms_and_the_store_keeps_two_bundles(harness, base_bundle):
+    h = harness(observation_s=0.3)
+    h.manager.start()
+    v1_dir = h.slot_dirs()
+    sha2 = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    sha3 = new_version(base_bundle, h.incoming("tiny-3"), "3.0.0")
+    with ServingLoop(h.manager) as loop:
+        loop.wait_batches(6)
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha2}, no_progress)
+        confirmed = h.wait_for_event("confirmed")
+        assert confirmed["slot"] == "b" and confirmed["model"]["version"] == "2.0.0"
+        assert confirmed["figures"]["frames"] >= 1 and confirmed["figures"]["observed_s"] >= 0.3
+        status = h.manager.status()
+        assert (status["slots"]["a"]["state"], status["slots"]["b"]["state"]) == (STANDBY, CONFIRMED)
+
+        h.events.clear()
+        assert h.manager.deploy({"bundle": "incoming/tiny-3", "sha256": sha3}, no_progress)["slot"] == "a"
+        h.wait_for_event("confirmed")
+        assert len(h.slot_dirs()) == 2 and not set(v1_dir) & set(h.slot_dirs())  # 1.0.0 removed
+
+        h.events.clear()
+        result = h.manager.rollback()  # nothing pending: back to the previous confirmed model
+        assert result["model"]["version"] == "2.0.0" and result["rolled_back"]["version"] == "3.0.0"
+        loop.wait_batches(3)
+        assert loop.log[-1][0] == "tiny 2.0.0"
+    [event] = h.events_named("rollback")
+    assert event["trigger"] == "operator" and event["to"]["version"] == "2.0.0"
+    status = h.manager.status()
+    assert status["serving"] == "b"
+    assert (status["slots"]["a"]["state"], status["slots"]["b"]["state"]) == (STANDBY, CONFIRMED)
+    assert loop.errors == 0 and all(fed == got for _l, fed, got in loop.log)
+
+
+def test_deploy_from_an_http_url(harness, base_bundle, tmp_path):
+    h = harness()
+    h.manager.start()
+    served = tmp_path / "www"
+    served.mkdir()
+    sha = new_version(base_bundle, str(tmp_path / "tiny-2"), "2.0.0")
+    with tarfile.open(str(served / "tiny-2.tar.gz"), "w:gz") as tar:
+        tar.add(str(tmp_path / "tiny-2"), arcname="tiny-2")
+    with _http_server(str(served)) as base_url, ServingLoop(h.manager) as loop:
+        loop.wait_batches(3)
+        result = h.manager.deploy({"bundle": base_url + "/tiny-2.tar.gz", "sha256": sha}, no_progress)
+    assert result["model"]["version"] == "2.0.0"
+    assert h.manager.current.label == "tiny 2.0.0"
+
+
+# MindSpore 2.7 cannot compile or run one GraphCell while another thread runs a GraphCell: it raises
+# "Nested execution during JIT execution" or deadlocks (both seen here). Loading a model off the serving
+# thread therefore needs agent/backends/mindspore_backend.py to serialise every compile and call process-wide.
+MINDSPORE_CONCURRENCY = ("MindSpore 2.7 raises 'Nested execution during JIT execution' or deadlocks when a "
+                         "model compiles while another thread infers; needs a process-wide execution lock in "
+                         "agent/backends/mindspore_backend.py")
+
+
+def test_deploy_and_rollback_with_the_mindspore_backend(harness, base_bundle):
+    """MindSpore end to end through the manager, with inference paused while the new model compiles."""
+    h = harness(backend="mindspore")
+    old = h.manager.start()
+    assert old.backend_name == "mindspore"
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    with ServingLoop(h.manager) as loop:
+        loop.wait_batches(3)
+        loop.inference.clear()  # the loop keeps calling between_batches, without inference
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        loop.inference.set()
+        loop.wait_batches(3)
+        assert loop.log[-1][0] == "tiny 2.0.0"
+        assert h.manager.current.describe()["artifacts"] == {"32x32": "model_32x32.mindir"}
+        h.manager.rollback()
+        loop.wait_batches(3)
+    assert loop.errors == 0 and loop.log[-1][0] == "tiny 1.0.0"
+    assert h.manager.current is old
+
+
+@pytest.mark.skip(reason=MINDSPORE_CONCURRENCY)
+def test_deploy_with_the_mindspore_backend_while_serving(harness, base_bundle):
+    h = harness(backend="mindspore")
+    h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    with ServingLoop(h.manager) as loop:
+        loop.wait_batches(3)
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        loop.wait_batches(3)
+    assert loop.errors == 0 and loop.log[-1][0] == "tiny 2.0.0"
+
+
+# --- deploy: refusals change nothing -----------------------------------------------------------------------
+
+def _tamper_file(data, root):
+    pass  # the manifest is rewritten first; the file is changed after (see _bad_bundle)
+
+
+def _fail_golden(data, root):
+    path = os.path.join(root, "golden", "case0.model_32x32.onnx.npy")
+    np.save(path, np.load(path) + 1.0)  # write_manifest then re-hashes it: a consistent bundle that is wrong
+
+
+def _ascend_only(data, root):
+    for art in data["artifacts"]:
+        art.update(target="ascend", soc_version="Ascend310B4")
+
+
+def _bad_bundle(h, base_bundle, kind):
+    """(payload, expected exception type, text the reason must contain, field it must name)."""
+    name = "tiny-" + kind
+    path = h.incoming(name)
+    if kind == "wrong-sha":
+        new_version(base_bundle, path, "2.0.0")
+        payload = {"bundle": "incoming/" + name, "sha256": "ab" * 32}
+        return payload, CommandError, "the command pinned", "sha256"
+    if kind == "tampered":
+        sha = new_version(base_bundle, path, "2.0.0")
+        with open(os.path.join(path, "model_32x32.onnx"), "r+b") as handle:
+            first = handle.read(1)
+            handle.seek(0)
+            handle.write(bytes([first[0] ^ 0xFF]))
+        return ({"bundle": "incoming/" + name, "sha256": sha}, BundleError,
+                "hash mismatch for model_32x32.onnx", "artifacts[0].sha256")
+    if kind == "golden":
+        sha = new_version(base_bundle, path, "2.0.0", _fail_golden)
+        return {"bundle": "incoming/" + name, "sha256": sha}, BundleError, "case 0: max abs diff 1", "golden"
+    if kind == "ascend-only":
+        sha = new_version(base_bundle, path, "2.0.0", _ascend_only)
+        return ({"bundle": "incoming/" + name, "sha256": sha}, BundleError,
+                "model_32x32.onnx is for ascend, device cpu-dev is cpu", "artifacts[0].target")
+    if kind == "outside":
+        sha = new_version(base_bundle, path + "-elsewhere", "2.0.0")
+        outside = os.path.join(os.path.dirname(h.store), "outside")
+        shutil.move(path + "-elsewhere", outside)
+        return {"bundle": outside, "sha256": sha}, FetchError, "is outside the bundle store", "bundle"
+    if kind == "dotdot":
+        sha = new_version(base_bundle, path, "2.0.0")
+        return {"bundle": "incoming/../../" + os.path.basename(base_bundle.rstrip("/")) + "/../x",
+                "sha256": sha}, FetchError, "outside the bundle store", "bundle"
+    if kind == "symlink-out":
+        outside = os.path.join(os.path.dirname(h.store), "outside-2")
+        sha = new_version(base_bundle, outside, "2.0.0")
+        os.symlink(outside, path)  # a link inside the store to a bundle outside it
+        return {"bundle": "incoming/" + name, "sha256": sha}, FetchError, "outside the bundle store", "bundle"
+    if kind == "tar-dotdot":
+        archive = path + ".tar.gz"
+        sha = new_version(base_bundle, path, "2.0.0")
+        with tarfile.open(archive, "w:gz") as tar:
+            tar.add(path, arcname="tiny")
+            tar.add(os.path.join(path, MANIFEST), arcname="../escaped.json")
+        return ({"bundle": "incoming/%s.tar.gz" % name, "sha256": sha}, BundleError,
+                "archive member escapes the bundle: ../escaped.json", "bundle")
+    if kind == "missing-sha":
+        return {"bundle": "incoming/x"}, ConfigError, "required", "sha256"
+    if kind == "bad-sha":
+        return {"bundle": "incoming/x", "sha256": "xyz"}, ConfigError, "64 hex digits", "sha256"
+    if kind == "unknown-key":
+        payload = {"bundle": "incoming/x", "sha256": "ab" * 32, "force": True}
+        return payload, ConfigError, "unknown key", "force"
+    if kind == "already-serving":
+        sha = sha256_file(os.path.join(base_bundle, MANIFEST))
+        return {"bundle": "incoming/x", "sha256": sha}, CommandError, "already serving", "sha256"
+    raise AssertionError(kind)
+
+
+BAD_KINDS = ["wrong-sha", "tampered", "golden", "ascend-only", "outside", "dotdot", "symlink-out",
+             "tar-dotdot", "missing-sha", "bad-sha", "unknown-key", "already-serving"]
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+def test_a_bad_deploy_raises_with_its_reason_and_changes_nothing(harness, base_bundle, kind):
+    h = harness()
+    h.manager.start()
+    payload, error_type, reason, field_name = _bad_bundle(h, base_bundle, kind)
+    before = snapshot(h)
+    with ServingLoop(h.manager) as loop:
+        loop.wait_batches(2)
+        with pytest.raises(error_type) as info:
+            h.manager.deploy(payload, no_progress)
+        loop.wait_batches(2)
+    error = info.value
+    if isinstance(error, CommandError):
+        assert reason in error.message and error.field == field_name
+    else:
+        assert reason in str(error)
+        assert field_name in [e.path for e in error.errors]
+    assert_unchanged(h, before)
+    assert {label for label, _f, _g in loop.log} == {"tiny 1.0.0"}
+    assert h.events == []
+
+
+def test_a_bundle_for_another_soc_is_refused_naming_both_on_a_stand_in_ascend_box(base_bundle, tmp_path):
+    """A stand-in Ascend310B4 box runs the ONNX artifact with OpenCV (no NPU here); the SoC check is real."""
+    from agent.device_config import DeviceConfig
+
+    stand_in_box = parse(DeviceConfig, {
+        "name": "stand-in-310b4", "target": "ascend", "soc_version": "Ascend310B4", "backend": "opencv",
+        "artifact_format": "onnx", "memory_budget_mb": 512})
+    first = str(tmp_path / "tiny-310b4")
+    new_version(base_bundle, first, "1.0.0", _ascend_only)
+    h = Harness(tmp_path, first, device=stand_in_box)
+    try:
+        assert h.manager.start().label == "tiny 1.0.0"
+
+        def for_310p3(data, root):
+            for art in data["artifacts"]:
+                art.update(target="ascend", soc_version="Ascend310P3")
+
+        sha = new_version(first, h.incoming("tiny-310p3"), "2.0.0", for_310p3)
+        before = snapshot(h)
+        with pytest.raises(BundleError) as info:
+            h.manager.deploy({"bundle": "incoming/tiny-310p3", "sha256": sha}, no_progress)
+        expected = "model_32x32.onnx was built for Ascend310P3, device stand-in-310b4 is Ascend310B4"
+        assert expected in str(info.value)
+        assert [e.path for e in info.value.errors] == ["artifacts[0].soc_version"]
+        assert_unchanged(h, before)
+    finally:
+        h.manager.close()
+
+
+def test_signatures_are_required_when_a_key_is_configured(harness, base_bundle, tmp_path):
+    private_pem, _public_pem, public_hex = make_key_pair()
+    other_private = make_key_pair()[0]
+    signed_first = str(tmp_path / "tiny-signed")
+    new_version(base_bundle, signed_first, "1.0.0")
+    sign_bundle(signed_first, private_pem)
+    h = Harness(tmp_path, signed_first, public_key=public_hex)
+    try:
+        h.manager.start()
+        unsigned_sha = new_version(signed_first, h.incoming("unsigned"), "2.0.0")
+        wrong_sha = new_version(signed_first, h.incoming("wrong-key"), "2.0.1")
+        sign_bundle(h.incoming("wrong-key"), other_private)
+        good_sha = new_version(signed_first, h.incoming("good"), "2.0.2")
+        sign_bundle(h.incoming("good"), private_pem)
+        before = snapshot(h)
+        with pytest.raises(BundleError, match="manifest.sig: missing: this box requires signed bundles"):
+            h.manager.deploy({"bundle": "incoming/unsigned", "sha256": unsigned_sha}, no_progress)
+        with pytest.raises(BundleError, match="signature does not match the manifest and key"):
+            h.manager.deploy({"bundle": "incoming/wrong-key", "sha256": wrong_sha}, no_progress)
+        assert_unchanged(h, before)
+        with ServingLoop(h.manager):
+            h.manager.deploy({"bundle": "incoming/good", "sha256": good_sha}, no_progress)
+        assert h.manager.current.label == "tiny 2.0.2" and h.manager.current.bundle.signed
+    finally:
+        h.manager.close()
+
+
+def test_a_deploy_the_serving_loop_never_takes_is_withdrawn(harness, base_bundle):
+    h = harness(switch_timeout_s=0.5)
+    h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    before = snapshot(h)
+    with pytest.raises(CommandError) as info:  # no serving loop runs
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+    assert info.value.code == "switch_timeout"
+    assert_unchanged(h, before)
+
+
+# --- the observation window ------------------------------------------------------------------------------
+
+class SlowBackendForTests(OpenCvBackend):
+    """Test-only: the real OpenCV backend plus a fixed sleep per inference, to make a latency regression."""
+
+    DELAY_S = 0.03
+
+    def _infer(self, batch):
+        time.sleep(self.DELAY_S)
+        return super()._infer(batch)
+
+
+class FailingBackendForTests(OpenCvBackend):
+    """Test-only: the real OpenCV backend that raises on every inference once ``failing`` is set."""
+
+    failing = False
+
+    def _infer(self, batch):
+        if FailingBackendForTests.failing:
+            raise RuntimeError("stand-in runtime failure")
+        return super()._infer(batch)
+
+
+def test_a_slower_pending_model_is_rolled_back_within_the_window(harness, base_bundle, monkeypatch):
+    h = harness(latency_regression=2.0)
+    old = h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    with ServingLoop(h.manager) as loop:
+        loop.wait_batches(20)  # the confirmed model's baseline
+        # only models loaded from now on get the slow class: the serving one keeps its real backend
+        monkeypatch.setitem(backends.BACKENDS, "opencv", SlowBackendForTests)
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        event = h.wait_for_event("rollback")
+        loop.wait_batches(3)
+    assert event["trigger"] == "latency"
+    assert "median inference" in event["reason"] and "exceeds 2.0 x baseline" in event["reason"]
+    figures = event["figures"]
+    assert figures["p50_ms"] > 2.0 * figures["baseline_ms"]
+    assert figures["p50_ms"] >= SlowBackendForTests.DELAY_S * 1e3  # the sleep alone, per chunk of one frame
+    assert figures["batches"] >= 10 and figures["observed_s"] < LONG_WINDOW_S
+    assert event["from"]["version"] == "2.0.0" and event["to"]["version"] == "1.0.0"
+    assert h.manager.current is old  # kept loaded during the window: the rollback is a reference swap
+    assert loop.log[-1][0] == "tiny 1.0.0" and loop.errors == 0
+    status = h.manager.status()
+    assert status["serving"] == "a" and status["slots"]["b"]["state"] == EMPTY
+    assert status["last_rollback"]["reason"] == event["reason"]
+    assert len(h.slot_dirs()) == 1  # the rejected bundle left the store
+
+
+def test_a_failing_pending_model_is_rolled_back_on_its_error_rate(harness, base_bundle, monkeypatch):
+    h = harness()
+    old = h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    monkeypatch.setattr(FailingBackendForTests, "failing", False)
+    with ServingLoop(h.manager) as loop:
+        loop.wait_batches(5)
+        monkeypatch.setitem(backends.BACKENDS, "opencv", FailingBackendForTests)
+        loop.inference.clear()  # so that every batch the new model serves fails
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)  # self-test passes
+        FailingBackendForTests.failing = True
+        loop.inference.set()
+        event = h.wait_for_event("rollback")
+        loop.wait_batches(3)
+    assert event["trigger"] == "errors"
+    assert "above max_error_rate 0.050" in event["reason"]
+    assert event["figures"]["failed_frames"] == event["figures"]["frames"] >= 10
+    assert h.manager.current is old and loop.log[-1] == ("tiny 1.0.0", BATCH, BATCH)
+
+
+def test_operator_rollback_while_pending_and_no_second_deploy_meanwhile(harness, base_bundle):
+    h = harness()
+    old = h.manager.start()
+    sha2 = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    sha3 = new_version(base_bundle, h.incoming("tiny-3"), "3.0.0")
+    with ServingLoop(h.manager) as loop:
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha2}, no_progress)
+        with pytest.raises(CommandError) as info:
+            h.manager.deploy({"bundle": "incoming/tiny-3", "sha256": sha3}, no_progress)
+        assert info.value.code == "busy" and "tiny 2.0.0 is pending in slot b" in info.value.message
+        result = h.manager.rollback("operator saw false positives")
+        loop.wait_batches(2)
+    assert result["model"]["version"] == "1.0.0" and result["rolled_back"]["version"] == "2.0.0"
+    assert result["reason"] == "operator: operator saw false positives"
+    assert h.manager.current is old
+    [event] = h.events_named("rollback")
+    assert event["trigger"] == "operator"
+    with pytest.raises(CommandError) as info:  # slot b was emptied: there is nothing further back
+        h.manager.rollback()
+    assert info.value.code == "nothing_to_roll_back"
+
+
+@pytest.mark.parametrize("latencies, failed, elapsed, expected", [
+    ([4.1] * 10, 0, 1.0, "rollback"),  # p50 4.1 > 2.0 x 2.0
+    ([3.9] * 10, 0, 1.0, None),  # within the factor, window not over
+    ([3.9] * 10, 0, 60.0, "confirm"),
+    ([9.0] * 9, 0, 1.0, None),  # too few batches to judge latency yet
+    ([9.0] * 9, 0, 60.0, "rollback"),  # ... but the window's end judges what it has
+    ([2.0] * 9, 1, 1.0, "rollback"),  # 2 failed frames of 20: 0.10 > 0.05
+    ([], 0, 60.0, None),  # served nothing: not shown healthy, stays pending
+])
+def test_window_verdicts_golden_values(latencies, failed, elapsed, expected):
+    window = _Window(slot="b", started=100.0, baseline_ms=2.0, baseline_samples=[2.0] * 10)
+    for value in latencies:
+        window.add(2, value, False)
+    for _ in range(failed):
+        window.add(2, 0.0, True)
+    decision, reason, figures = window.verdict(100.0 + elapsed, 60.0, 2.0, 0.05)
+    assert decision == expected, reason
+    assert figures["frames"] == 2 * (len(latencies) + failed)
+
+
+def test_without_a_baseline_latency_is_not_judged():
+    window = _Window(slot="b", started=0.0, baseline_ms=None, baseline_samples=[])
+    for _ in range(20):
+        window.add(1, 1000.0, False)
+    assert window.verdict(1.0, 60.0, 2.0, 0.05)[0] is None
+    assert window.verdict(61.0, 60.0, 2.0, 0.05)[0] == "confirm"
+
+
+# --- crash while pending ----------------------------------------------------------------------------------
+
+CRASH_CHILD = r"""
+import json, sys, threading
+import numpy as np
+from agent.config import parse_daemon_config
+from agent.device_config import load_device_config
+from agent.model_manager import ModelManager
+
+config = parse_daemon_config(json.loads(sys.argv[1]))
+manager = ModelManager(config, load_device_config("cpu-dev"), "opencv", on_event=lambda event: None)
+manager.start()
+frame = np.zeros((32, 32, 3), np.uint8)
+
+def serve():
+    while True:
+        manager.between_batches()
+        results = manager.current.infer_frames([frame])
+        manager.record_batch(1, results[0].timings_ms["infer"], False)
+
+threading.Thread(target=serve, daemon=True).start()
+manager.deploy({"bundle": sys.argv[2], "sha256": sys.argv[3]}, lambda message: None)
+print("PENDING", manager.current.manifest.version, flush=True)
+threading.Event().wait(120)
+"""
+
+
+def test_a_crash_while_pending_comes_back_on_the_confirmed_model(harness, base_bundle, tmp_path):
+    h = harness()
+    h.manager.start()
+    h.manager.close()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    config = {"device_id": "t1", "state_dir": str(tmp_path / "state"),
+              "model": {"bundle": base_bundle, "backend": "opencv", "observation_s": LONG_WINDOW_S,
+                        "latency_regression": NOISE_PROOF_FACTOR}}
+    env = dict(os.environ, PYTHONPATH=REPO)
+    child = subprocess.Popen([sys.executable, "-c", CRASH_CHILD, json.dumps(config), "incoming/tiny-2", sha],
+                             stdout=subprocess.PIPE, env=env, cwd=REPO)
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], 120)
+        assert ready, "the child never reported its deploy"
+        assert child.stdout.readline().decode().split() == ["PENDING", "2.0.0"]
+    finally:
+        os.kill(child.pid, signal.SIGKILL)  # no shutdown code runs: as if the box lost power
+        child.wait(timeout=WAIT_S)
+        child.stdout.close()
+    assert load_slots(h.state_file).pending == "b"
+
+    again = harness()
+    model = again.manager.start()
+    assert model.label == "tiny 1.0.0"
+    [event] = again.events_named("rollback")
+    assert event["trigger"] == "restart" and event["from"]["version"] == "2.0.0"
+    assert "restarted while tiny 2.0.0 was pending" in event["reason"]
+    status = again.manager.status()
+    assert status["serving"] == "a" and status["slots"]["b"]["state"] == EMPTY
+    assert len(again.slot_dirs()) == 1
+
+
+# --- resources -------------------------------------------------------------------------------------------
+
+def _rss_mb():
+    with open("/proc/self/statm") as handle:
+        resident_pages = int(handle.read().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_fifty_deploy_rollback_cycles_do_not_leak(harness, base_bundle):
+    h = harness()
+    h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    payload = {"bundle": "incoming/tiny-2", "sha256": sha}
+    with ServingLoop(h.manager) as loop:
+        for _ in range(3):  # allocator and import warm-up, not counted
+            h.manager.deploy(payload, no_progress)
+            h.manager.rollback()
+        before = _rss_mb()
+        started = time.monotonic()
+        for _ in range(50):
+            h.manager.deploy(payload, no_progress)
+            h.manager.rollback()
+        after = _rss_mb()
+        elapsed = time.monotonic() - started
+    print("\n50 deploy/rollback cycles: RSS %.1f MB -> %.1f MB (%+.1f MB), %.1f s, %d batches served" % (
+        before, after, after - before, elapsed, len(loop.log)))
+    assert after - before < RSS_MARGIN_MB
+    assert len(h.events_named("rollback")) == 53 and len(h.events_named("switched")) == 53
+    assert loop.errors == 0 and all(fed == got for _l, fed, got in loop.log)
+    assert h.manager.current.label == "tiny 1.0.0" and len(h.slot_dirs()) == 1
+
+
+# --- fetch ------------------------------------------------------------------------------------------------
+
+class _http_server:
+    """A real HTTP server on 127.0.0.1 serving ``directory``; yields its base URL."""
+
+    def __init__(self, directory, handler=None):
+        handler = handler or functools.partial(_QuietHandler, directory=directory)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return "http://127.0.0.1:%d" % self.server.server_address[1]
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=WAIT_S)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+class _NoLengthHandler(http.server.BaseHTTPRequestHandler):
+    """Streams 64 KiB without a Content-Length (HTTP/1.0: the end is the close), as a lying server might."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"\0" * 65536)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_download_refuses_more_than_the_limit_with_or_without_a_length(tmp_path):
+    (tmp_path / "big.tar").write_bytes(b"\0" * 10000)
+    with _http_server(str(tmp_path)) as url:
+        with pytest.raises(FetchError, match="is 10000 bytes, over the limit of 1000"):
+            download(url + "/big.tar", str(tmp_path / "out"), max_bytes=1000)
+    with _http_server(str(tmp_path), handler=_NoLengthHandler) as url:
+        with pytest.raises(FetchError, match="over the limit of 1000 bytes"):
+            download(url + "/x", str(tmp_path / "out"), max_bytes=1000)
+        assert download(url + "/x", str(tmp_path / "out")) == 65536
+
+
+def test_download_of_a_silent_server_times_out(tmp_path):
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # accepts the connection in the kernel, never answers
+    try:
+        with pytest.raises(FetchError, match="download of http://127.0.0.1:%d/b.tar failed" %
+                           silent.getsockname()[1]):
+            download("http://127.0.0.1:%d/b.tar" % silent.getsockname()[1], str(tmp_path / "out"),
+                     timeout_s=0.5)
+    finally:
+        silent.close()
+
+
+def test_download_errors_hide_a_presigned_token_and_name_the_status(tmp_path):
+    with _http_server(str(tmp_path)) as url:
+        with pytest.raises(FetchError) as info:
+            download(url + "/missing.tar?token=s3cr3t", str(tmp_path / "out"))
+    assert "download of %s/missing.tar failed: HTTP 404" % url in str(info.value)
+    assert "s3cr3t" not in str(info.value)
+
+
+def test_fetch_refuses_other_schemes_and_non_bundles(tmp_path):
+    store = tmp_path / "store"
+    (store / "incoming").mkdir(parents=True)
+    (store / "incoming" / "notes.txt").write_text("x")
+    (store / "incoming" / "empty").mkdir()
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    with pytest.raises(FetchError, match="unsupported scheme"):
+        fetch_bundle("ftp://example/b.tar", str(store), str(staging))
+    with pytest.raises(FetchError, match="neither a bundle directory nor"):
+        fetch_bundle("incoming/notes.txt", str(store), str(staging))
+    with pytest.raises(FetchError, match="has no manifest.json at its root"):
+        fetch_bundle("incoming/empty", str(store), str(staging))
+    with pytest.raises(FetchError, match="does not exist in the bundle store"):
+        fetch_bundle("incoming/nothing", str(store), str(staging))
+    with pytest.raises(FetchError, match="outside the bundle store"):
+        fetch_bundle(".", str(store), str(staging))  # the store itself is not a bundle
