@@ -35,8 +35,9 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("digits")
     config = load_config(os.path.join(REPO, "quant", "examples", "digits.yaml"))
     config = dataclasses.replace(config, calibration=dataclasses.replace(config.calibration, count=8))
-    options = RunOptions(out_dir=str(base / "bundle"), epochs=FLOAT_EPOCHS, qat_epochs=QAT_EPOCHS,
-                         work_dir=str(base / "work"))
+    options = RunOptions(
+        out_dir=str(base / "bundle"), epochs=FLOAT_EPOCHS, qat_epochs=QAT_EPOCHS, work_dir=str(base / "work")
+    )
     report = QatRun(config, options).run()
     return {"config": config, "report": report, "bundle": str(base / "bundle"), "work": str(base / "work")}
 
@@ -50,8 +51,12 @@ def test_report_meets_the_reduced_thresholds(run):
     with open(os.path.join(run["bundle"], "report.json"), encoding="utf-8") as handle:
         on_disk = json.load(handle)
     assert on_disk["float"]["top1"] == report["float"]["top1"]
-    assert set(on_disk["artifacts"]) == {"model_32x32.mindir", "model_32x32.onnx", "model_32x32.int8sim.mindir",
-                                         "model_32x32.deploy.mindir"}
+    assert set(on_disk["artifacts"]) == {
+        "model_32x32.mindir",
+        "model_32x32.onnx",
+        "model_32x32.int8sim.mindir",
+        "model_32x32.deploy.mindir",
+    }
     assert all(size > 10000 for size in on_disk["artifacts"].values())
     assert "top-1" in open(os.path.join(run["bundle"], "report.txt"), encoding="utf-8").read()
 
@@ -63,8 +68,12 @@ def test_simulated_quant_mindir_reproduces_qat_accuracy_on_the_whole_test_split(
     spec = PreprocessSpec()
     data = load_digits((32, 32), spec, run["config"].data.test_fraction, run["config"].data.seed)
     graph = ms.nn.GraphCell(ms.load(os.path.join(run["bundle"], "model_32x32.int8sim.mindir")))
-    predictions = np.array([int(graph(ms.Tensor(network_input(data.test.images[i:i + 1], spec))).asnumpy()
-                                .argmax()) for i in range(len(data.test))])
+    predictions = np.array(
+        [
+            int(graph(ms.Tensor(network_input(data.test.images[i : i + 1], spec))).asnumpy().argmax())
+            for i in range(len(data.test))
+        ]
+    )
     top1 = float(np.mean(predictions == data.test.labels))
     # >= 99.5 % agreement with the QAT network bounds the accuracy difference by 0.5 points.
     assert abs(top1 - run["report"]["qat"]["top1"]) <= 1 - MIN_SIM_AGREEMENT
@@ -84,9 +93,13 @@ def test_deploy_mindir_holds_the_trained_quantizer_ranges(run, tmp_path, monkeyp
     assert sum(e["is_per_channel"] for e in exported) == 5  # the weights
     unmatched = list(exported)
     for quantizer in trained:
-        match = [e for e in unmatched if len(e["min"]) == len(quantizer["min"])
-                 and np.allclose(e["min"], quantizer["min"], atol=1e-6)
-                 and np.allclose(e["max"], quantizer["max"], atol=1e-6)]
+        match = [
+            e
+            for e in unmatched
+            if len(e["min"]) == len(quantizer["min"])
+            and np.allclose(e["min"], quantizer["min"], atol=1e-6)
+            and np.allclose(e["max"], quantizer["max"], atol=1e-6)
+        ]
         assert match, "no FakeQuantParam with the range of a trained quantizer"
         np.testing.assert_allclose(match[0]["linear_quant_scale"], quantizer["scale"], rtol=1e-6)
         np.testing.assert_allclose(match[0]["linear_quant_zero_point"], quantizer["zero_point"])
@@ -101,8 +114,14 @@ def test_bundle_verifies_and_golden_set_is_reproduced_by_each_runtime(run):
     roles = {a.file: (a.role, a.precision) for a in manifest.artifacts}
     assert roles["model_32x32.deploy.mindir"] == ("convert", "int8")
     assert roles["model_32x32.int8sim.mindir"] == ("serve", "int8-sim")
-    spec = PreprocessSpec.from_manifest({"letterbox": {"pad_value": 114}, "color": manifest.preprocessing.color,
-                                         "mean": manifest.preprocessing.mean, "std": manifest.preprocessing.std})
+    spec = PreprocessSpec.from_manifest(
+        {
+            "letterbox": {"pad_value": 114},
+            "color": manifest.preprocessing.color,
+            "mean": manifest.preprocessing.mean,
+            "std": manifest.preprocessing.std,
+        }
+    )
     checked = 0
     for case in manifest.golden.cases:
         image = np.load(bundle.path(case.image))
@@ -110,13 +129,19 @@ def test_bundle_verifies_and_golden_set_is_reproduced_by_each_runtime(run):
         assert set(case.expected) == {"model_32x32.mindir", "model_32x32.onnx", "model_32x32.int8sim.mindir"}
         for file, expected_file in case.expected.items():
             artifact = manifest.artifact(file)
-            batcher = BatchPreprocessor(spec, tuple(case.tier), 1, input_layout=artifact.input_layout,
-                                        input_color=artifact.input_color)
+            batcher = BatchPreprocessor(
+                spec,
+                tuple(case.tier),
+                1,
+                input_layout=artifact.input_layout,
+                input_color=artifact.input_color,
+            )
             batcher.fill_letterboxed(0, image)
             runner = run_onnx_opencv if artifact.format == "onnx" else run_mindir
             got = runner(bundle.path(file), batcher.batch)
-            np.testing.assert_allclose(got, np.load(bundle.path(expected_file)), atol=manifest.golden.atol,
-                                       rtol=manifest.golden.rtol)
+            np.testing.assert_allclose(
+                got, np.load(bundle.path(expected_file)), atol=manifest.golden.atol, rtol=manifest.golden.rtol
+            )
             checked += 1
     assert checked == 3 * len(manifest.golden.cases) >= 3
 
@@ -126,6 +151,8 @@ def test_calibration_set_is_nhwc_float32_normalised(run):
     assert (calibration.layout, calibration.dtype, calibration.count) == ("NHWC", "float32", 8)
     files = sorted(os.listdir(os.path.join(run["bundle"], calibration.dir)))
     assert len(files) == 8
-    tensor = np.fromfile(os.path.join(run["bundle"], calibration.dir, files[0]), np.float32).reshape(32, 32, 3)
+    tensor = np.fromfile(os.path.join(run["bundle"], calibration.dir, files[0]), np.float32).reshape(
+        32, 32, 3
+    )
     assert 0.0 <= tensor.min() and tensor.max() <= 1.0 and tensor.max() > 0.5
     np.testing.assert_allclose(tensor * 255, np.round(tensor * 255), atol=1e-3)  # uint8 pixels / 255

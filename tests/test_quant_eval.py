@@ -59,10 +59,14 @@ def test_map50_empty_detections_and_ranking_matters():
     none = [np.zeros((0, 6)), np.zeros((0, 6))]
     assert mean_average_precision(none, gt_boxes, gt_classes, 1)["map50"] == 0.0
     # A false positive ranked above both true positives lowers the precision at every recall.
-    fp_first = [np.array([det(0, 0, 10, 10, 0.5, 0), det(40, 40, 50, 50, 0.9, 0)]),
-                np.array([det(0, 0, 10, 10, 0.4, 0)])]
-    fp_last = [np.array([det(0, 0, 10, 10, 0.5, 0), det(40, 40, 50, 50, 0.1, 0)]),
-               np.array([det(0, 0, 10, 10, 0.4, 0)])]
+    fp_first = [
+        np.array([det(0, 0, 10, 10, 0.5, 0), det(40, 40, 50, 50, 0.9, 0)]),
+        np.array([det(0, 0, 10, 10, 0.4, 0)]),
+    ]
+    fp_last = [
+        np.array([det(0, 0, 10, 10, 0.5, 0), det(40, 40, 50, 50, 0.1, 0)]),
+        np.array([det(0, 0, 10, 10, 0.4, 0)]),
+    ]
     # fp first: precision 0, 1/2, 2/3 at recall 0, 1/2, 1 -> AP = 1/2 * 2/3 + 1/2 * 2/3 = 2/3
     assert mean_average_precision(fp_first, gt_boxes, gt_classes, 1)["map50"] == pytest.approx(2 / 3)
     assert mean_average_precision(fp_last, gt_boxes, gt_classes, 1)["map50"] == pytest.approx(1.0)

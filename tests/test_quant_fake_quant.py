@@ -61,8 +61,9 @@ def test_per_channel_symmetric_weight_quantizer():
     flat = w.reshape(4, -1)
     np.testing.assert_allclose(quantizer.mins(), np.minimum(flat.min(1), 0), rtol=1e-6)
     np.testing.assert_allclose(quantizer.maxs(), np.maximum(flat.max(1), 0), rtol=1e-6)
-    expected = reference_fake_quant(w, flat.min(1), flat.max(1), signed=True, symmetric=True,
-                                    axis_shape=(4, 1, 1, 1))
+    expected = reference_fake_quant(
+        w, flat.min(1), flat.max(1), signed=True, symmetric=True, axis_shape=(4, 1, 1, 1)
+    )
     np.testing.assert_allclose(out, expected, atol=1e-6)
     scale, zero_point = quantizer.get_scale_zp()
     np.testing.assert_allclose(scale, np.abs(flat).max(1) * 2 / 255, rtol=1e-5)

@@ -37,8 +37,9 @@ def write_config(directory, **overrides):
 
 
 def run_cli(config_path, out_dir, *extra):
-    return cli.main(["--config", config_path, "--out", str(out_dir), "--work-dir", str(out_dir) + ".work"]
-                    + list(extra))
+    return cli.main(
+        ["--config", config_path, "--out", str(out_dir), "--work-dir", str(out_dir) + ".work"] + list(extra)
+    )
 
 
 def image_folder(root, broken=None):
@@ -53,8 +54,9 @@ def image_folder(root, broken=None):
 
 
 def test_help_lists_the_options():
-    result = subprocess.run([sys.executable, "-m", "quant.cli", "--help"], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "quant.cli", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0
     for option in ("--config", "--out", "--epochs", "--device", "--resume", "cpu,gpu,ascend"):
         assert option in result.stdout.replace("{", "").replace("}", "")
@@ -102,8 +104,13 @@ def test_yolo_labels_map_to_pixels(tmp_path):
 
 
 def test_tier_not_divisible_by_stride_fails_before_training(tmp_path, capsys):
-    config = write_config(tmp_path, task="detect-yolov8", data={"kind": "shapes", "train_count": 4},
-                          network={"kind": "detector"}, export={"tiers": [[256, 256], [200, 320]]})
+    config = write_config(
+        tmp_path,
+        task="detect-yolov8",
+        data={"kind": "shapes", "train_count": 4},
+        network={"kind": "detector"},
+        export={"tiers": [[256, 256], [200, 320]]},
+    )
     assert run_cli(config, tmp_path / "bundle") == 2
     err = capsys.readouterr().err
     assert "export.tiers[1]: [200, 320] is not divisible by the network stride 16" in err
@@ -117,8 +124,9 @@ def test_checkpoint_that_does_not_match_the_network_is_named(tmp_path, capsys):
 
     checkpoint = str(tmp_path / "wide.ckpt")
     ms.save_checkpoint(SmallClassifier(10, width=16), checkpoint)
-    config = write_config(tmp_path, network={"kind": "classifier", "options": {"width": 8},
-                                             "checkpoint": checkpoint})
+    config = write_config(
+        tmp_path, network={"kind": "classifier", "options": {"width": 8}, "checkpoint": checkpoint}
+    )
     assert run_cli(config, tmp_path / "bundle") == 2
     err = capsys.readouterr().err
     assert "wide.ckpt does not match the network" in err and "shape mismatch" in err

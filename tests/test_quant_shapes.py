@@ -33,14 +33,25 @@ def report():
 
 def spec_of(manifest):
     p = manifest.preprocessing
-    return PreprocessSpec(pad_value=p.letterbox.pad_value, center=p.letterbox.center, scaleup=p.letterbox.scaleup,
-                          color=p.color, mean=p.mean, std=p.std)
+    return PreprocessSpec(
+        pad_value=p.letterbox.pad_value,
+        center=p.letterbox.center,
+        scaleup=p.letterbox.scaleup,
+        color=p.color,
+        mean=p.mean,
+        std=p.std,
+    )
 
 
 def run_artifact(bundle, artifact, image):
     """Preprocess a letterboxed golden image as the box does for this artifact, then run its runtime."""
-    batcher = BatchPreprocessor(spec_of(bundle.manifest), tuple(artifact.tier), artifact.batch,
-                                input_layout=artifact.input_layout, input_color=artifact.input_color)
+    batcher = BatchPreprocessor(
+        spec_of(bundle.manifest),
+        tuple(artifact.tier),
+        artifact.batch,
+        input_layout=artifact.input_layout,
+        input_color=artifact.input_color,
+    )
     batcher.fill_letterboxed(0, image)
     if artifact.format == "onnx":
         import cv2
@@ -101,8 +112,9 @@ def test_onnx_finds_the_shapes_of_held_out_scenes_in_original_pixels(bundle):
     from quant.evaluation import box_iou_matrix
 
     manifest = bundle.manifest
-    artifact = next(a for a in manifest.artifacts if a.format == "onnx" and a.batch == 1
-                    and tuple(a.tier) == (192, 320))
+    artifact = next(
+        a for a in manifest.artifacts if a.format == "onnx" and a.batch == 1 and tuple(a.tier) == (192, 320)
+    )
     net = cv2.dnn.readNetFromONNX(bundle.path(artifact.file))
     batcher = BatchPreprocessor(spec_of(manifest), (192, 320), 1)
     rng = np.random.default_rng(1 + SHAPES_TEST_SEED_OFFSET + 1000)  # scenes the detector never saw
@@ -111,8 +123,12 @@ def test_onnx_finds_the_shapes_of_held_out_scenes_in_original_pixels(bundle):
         frame, boxes, classes = generate_scene(rng, shapes_scene_hw(rng))
         plan = batcher.fill(0, frame)
         net.setInput(batcher.batch)
-        detections = decode_yolov8(net.forward(), manifest.postprocessing.conf, manifest.postprocessing.iou,
-                                   manifest.postprocessing.max_det)[0]
+        detections = decode_yolov8(
+            net.forward(),
+            manifest.postprocessing.conf,
+            manifest.postprocessing.iou,
+            manifest.postprocessing.max_det,
+        )[0]
         mapped = scale_boxes(detections[:, :4], plan)
         iou = box_iou_matrix(boxes, mapped)
         for i, cls in enumerate(classes):
@@ -143,7 +159,9 @@ def test_full_shapes_run_meets_the_acceptance_thresholds(tmp_path):
     from quant.pipeline import QatRun, RunOptions
 
     config = load_config(os.path.join(REPO, "quant", "examples", "shapes.yaml"))
-    result = QatRun(config, RunOptions(out_dir=str(tmp_path / "bundle"), work_dir=str(tmp_path / "work"))).run()
+    result = QatRun(
+        config, RunOptions(out_dir=str(tmp_path / "bundle"), work_dir=str(tmp_path / "work"))
+    ).run()
     assert result["float"]["map50"] >= MIN_FLOAT_MAP50
     assert result["qat"]["map50"] >= result["float"]["map50"] - MAX_QAT_DROP
     verify_bundle(str(tmp_path / "bundle"))

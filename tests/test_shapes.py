@@ -56,7 +56,9 @@ def test_objects_are_drawn_where_the_boxes_say():
                 continue  # a triangle's box centre can sit near an edge
             cx, cy = int((x1 + x2) / 2), int((y1 + y2) / 2)
             inner = image[cy - 1 : cy + 2, cx - 1 : cx + 2].reshape(-1, 3).astype(int)
-            assert np.ptp(inner, axis=0).max() <= 4, "flat fill expected at the centre of a %s" % SHAPE_LABELS[cls]
+            assert np.ptp(inner, axis=0).max() <= 4, (
+                "flat fill expected at the centre of a %s" % SHAPE_LABELS[cls]
+            )
             checked += 1
     assert checked >= 10
 
