@@ -24,6 +24,7 @@ DEMO_BUNDLE = os.path.join(REPO_ROOT, "examples", "demo-bundle")
 SAMPLE_SIZES_HW: Tuple[Tuple[int, int], ...] = ((1080, 1920), (720, 1280), (480, 640), (640, 480), (800, 800),
                                                  (1080, 1920))
 SAMPLE_SEED = 2026
+DEMO_FPS = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         "device": "cpu-dev",
         "state_dir": os.path.join(work, "state"),
         "model": {"bundle": os.path.abspath(args.bundle), "backend": args.backend, "store": "bundles"},
-        "sources": [{"name": "samples", "uri": frames_dir, "loop": True}],
+        # Paced like a camera: a looping folder read flat out would only fill the queue and drop frames.
+        "sources": [{"name": "samples", "uri": frames_dir, "loop": True, "max_fps": DEMO_FPS}],
         "mqtt": {"host": host, "port": port},
         "batching": {"max_batch": args.max_batch, "max_wait_ms": 10.0},
         "publish": {"telemetry_interval_s": 5.0},

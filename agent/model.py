@@ -80,10 +80,9 @@ class LoadedModel:
 
     def load(self) -> None:
         """Build every backend and buffer now; on failure release what was built and raise."""
-        options = BackendOptions(device_id=self.device.device_id, cpu_threads=self.device.cpu_threads,
-                                 precision_mode=self.device.precision_mode)
         try:
             for tier, art in self.artifacts.items():
+                options = BackendOptions.for_device(self.device, target=art.target)
                 h, w = tier
                 shape = (art.batch, 3, h, w) if art.input_layout == "NCHW" else (art.batch, h, w, 3)
                 spec = TensorSpec(name=self.manifest.input.name, shape=shape, dtype=art.input_dtype)
