@@ -138,7 +138,7 @@ def download(url: str, dest: str, max_bytes: int = DEFAULT_MAX_BYTES, timeout_s:
     a server may send no length or a wrong one. Returns the byte count.
     """
     started = time.monotonic()
-    shown = _redact(url)
+    shown = redact(url)
     try:
         response = urllib.request.urlopen(url, timeout=timeout_s)  # noqa: S310 - scheme checked by is_url
     except urllib.error.HTTPError as exc:
@@ -169,9 +169,11 @@ def download(url: str, dest: str, max_bytes: int = DEFAULT_MAX_BYTES, timeout_s:
     return total
 
 
-def _redact(url: str) -> str:
-    """The URL without user:password or query (a pre-signed URL's token must not end up in acks or logs)."""
-    parts = urllib.parse.urlsplit(url)
+def redact(source: str) -> str:
+    """A URL without user:password or query (a pre-signed URL's token must not reach acks or logs)."""
+    if not is_url(source):
+        return source
+    parts = urllib.parse.urlsplit(source)
     host = parts.hostname or ""
     if parts.port:
         host = "%s:%d" % (host, parts.port)

@@ -41,7 +41,7 @@ from agent.bundle import (
 from agent.commands import CommandError
 from agent.config import DaemonConfig, ThresholdsConfig
 from agent.device_config import DeviceConfig
-from agent.fetch import copy_local, fetch_bundle
+from agent.fetch import copy_local, fetch_bundle, redact
 from agent.model import LoadedModel, load_model
 from agent.schema import ConfigError, FieldError, parse, setting
 from agent.slots import (
@@ -361,15 +361,16 @@ class ModelManager:
         os.makedirs(staging_root, exist_ok=True)
         staging = tempfile.mkdtemp(dir=staging_root)
         installed: Optional[str] = None
+        shown = redact(source)
         try:
-            progress("fetching %s" % source)
+            progress("fetching %s" % shown)
             root = fetch_bundle(source, self.store, staging)
             manifest_path = os.path.join(root, MANIFEST)
             actual = sha256_file(manifest_path) if os.path.isfile(manifest_path) else None
             if actual != expected_sha:
                 raise _command_error("sha256_mismatch", "the bundle's manifest.json has sha256 %s, the "
                                      "command pinned %s" % (actual or "(none)", expected_sha), "sha256")
-            progress("verifying %s" % source)
+            progress("verifying %s" % shown)
             bundle = verify_bundle(root, self.public_key)
             select_artifacts(bundle, self.device, self.backend, batch=self.config.batching.max_batch)
             installed = self._install(root, slot, bundle)
@@ -589,7 +590,7 @@ class ModelManager:
         """The confirmed slot's model; if it is damaged and a standby slot exists, that one (reported)."""
         try:
             return self._load(self._verified_slot(table.slots[table.confirmed])), table
-        except (BundleError, OSError) as exc:
+        except (BundleError, OSError, RuntimeError) as exc:  # damaged on disk, or the runtime refused it
             standby = table.slot_in(STANDBY)
             if standby is None:
                 raise

@@ -279,6 +279,28 @@ def test_a_corrupt_slot_file_is_set_aside_and_the_configured_bundle_serves(harne
     assert load_slots(again.state_file).serving == "a"
 
 
+def test_a_damaged_confirmed_bundle_at_start_falls_back_to_the_standby(harness, base_bundle):
+    h = harness(observation_s=0.2)
+    h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    with ServingLoop(h.manager):
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        h.wait_for_event("confirmed")
+    h.manager.close()
+    confirmed_dir = load_slots(h.state_file).slots["b"].bundle
+    with open(os.path.join(h.store, confirmed_dir, "model_32x32.onnx"), "ab") as handle:
+        handle.write(b"bit rot")
+
+    again = harness()
+    assert again.manager.start().label == "tiny 1.0.0"
+    [event] = again.events_named("rollback")
+    assert event["trigger"] == "restart" and "confirmed slot failed to load" in event["reason"]
+    assert "artifacts[0].size" in event["reason"]
+    status = again.manager.status()
+    assert status["serving"] == "a"
+    assert (status["slots"]["a"]["state"], status["slots"]["b"]["state"]) == (CONFIRMED, STANDBY)
+
+
 # --- deploy: the switch ------------------------------------------------------------------------------------
 
 def test_deploy_switches_between_batches_without_losing_a_frame(harness, base_bundle):
@@ -354,11 +376,16 @@ def test_deploy_from_an_http_url(harness, base_bundle, tmp_path):
     sha = new_version(base_bundle, str(tmp_path / "tiny-2"), "2.0.0")
     with tarfile.open(str(served / "tiny-2.tar.gz"), "w:gz") as tar:
         tar.add(str(tmp_path / "tiny-2"), arcname="tiny-2")
+    messages = []
     with _http_server(str(served)) as base_url, ServingLoop(h.manager) as loop:
         loop.wait_batches(3)
-        result = h.manager.deploy({"bundle": base_url + "/tiny-2.tar.gz", "sha256": sha}, no_progress)
+        url = base_url + "/tiny-2.tar.gz?token=s3cr3t"  # a pre-signed URL: its token stays out of acks
+        result = h.manager.deploy({"bundle": url, "sha256": sha}, messages.append)
     assert result["model"]["version"] == "2.0.0"
     assert h.manager.current.label == "tiny 2.0.0"
+    assert messages[0] == "fetching %s/tiny-2.tar.gz" % base_url
+    assert not any("s3cr3t" in m for m in messages)
+    assert os.listdir(os.path.join(h.store, STAGING_DIR)) == []  # the archive and its unpacked copy are gone
 
 
 # MindSpore 2.7 cannot compile or run one GraphCell while another thread runs a GraphCell: it raises
