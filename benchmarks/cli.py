@@ -162,6 +162,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # names the file and field; nothing has run yet
         print("atlas-edge bench: --device %s: %s" % (args.device, exc), file=sys.stderr)
         return 2
+    if args.plots:
+        from benchmarks.plots import MissingMatplotlib, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except MissingMatplotlib as exc:  # say so before minutes of measuring, not after
+            print("atlas-edge bench: %s" % exc, file=sys.stderr)
+            return 2
     started = time.monotonic()
     sections = list(args.only or SECTIONS)
     profile = QUICK if args.quick else FULL
@@ -174,13 +182,17 @@ def run(args: argparse.Namespace) -> int:
         if any(s in NEEDS_MODEL for s in sections):
             from benchmarks.workload import load_bundle, resolve_bundle
 
-            bundle_dir, how = resolve_bundle(args.bundle, work_dir)
+            try:
+                bundle_dir, how = resolve_bundle(args.bundle, work_dir)
+                label = load_bundle(bundle_dir).label
+            except ConfigError as exc:  # BundleError: names the manifest field or file
+                print("atlas-edge bench: --bundle %s: %s" % (args.bundle, exc), file=sys.stderr)
+                return 2
+            temporary = bundle_dir.startswith(work_dir)
             env["bundle"] = {
-                "path": os.path.relpath(bundle_dir, REPO_ROOT)
-                if how != "stand-in exported by the benchmark"
-                else "(temporary)",
+                "path": "(temporary)" if temporary else os.path.relpath(bundle_dir, REPO_ROOT),
                 "chosen": how,
-                "label": load_bundle(bundle_dir).label,
+                "label": label,
             }
         context = RunContext(
             profile=profile,

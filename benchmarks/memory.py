@@ -23,7 +23,8 @@ FRAMES_PER_SAMPLE_TARGET = 40  # samples per run: enough points for a steady fit
 WARMUP_SHARE = 0.2  # the first 20% of frames are excluded from the fit
 SWAP_WARMUP_CYCLES = 2  # first cycles fill caches (compiled-graph cache, allocator pools)
 FRAME_POOL = 8
-HEADLINE_BACKEND = "mindspore"
+HEADLINE_BACKEND = "mindspore"  # full runs: cpu-dev's preferred backend
+QUICK_BACKEND = "opencv"  # quick runs: the faster CPU backend (about 2.5x on the demo model)
 
 TARGETS = {"rss_mb_per_10k_frames": ("<", TARGET_MB_PER_10K_FRAMES)}
 
@@ -99,8 +100,8 @@ def run(context: RunContext) -> Dict[str, Any]:
         raise RuntimeError(
             "no backend can run here: %s" % {b: backend_available(b) for b in context.backends}
         )
-    if profile.name == "quick":  # one backend keeps the quick run in its budget
-        backends = [HEADLINE_BACKEND] if HEADLINE_BACKEND in backends else backends[:1]
+    if profile.name == "quick":  # one backend, the fastest, keeps the quick run in its 2-minute budget
+        backends = [QUICK_BACKEND] if QUICK_BACKEND in backends else backends[:1]
     per_backend: Dict[str, Any] = {}
     for backend in backends:
         model = open_model(bundle, device, backend, 1)

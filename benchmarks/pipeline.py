@@ -83,14 +83,19 @@ def run(context: RunContext) -> Dict[str, Any]:
             per_backend[backend] = {"skipped": missing}
             continue
         results: Dict[str, Any] = {}
-        for batch in BATCHES:
-            model = open_model(bundle, device, backend, serve_batch_at_most(bundle, backend, batch))
-            try:
+        models: Dict[int, Any] = {}  # artifact batch -> loaded model: b1 and b8 share one when they can
+        try:
+            for batch in BATCHES:
+                artifact_batch = serve_batch_at_most(bundle, backend, batch)
+                if artifact_batch not in models:
+                    models[artifact_batch] = open_model(bundle, device, backend, artifact_batch)
                 results["b%d" % batch] = measure(
-                    model, frames, batch, profile.warmup, profile.pipeline_repeat
+                    models[artifact_batch], frames, batch, profile.warmup, profile.pipeline_repeat
                 )
-            finally:
+        finally:
+            for model in models.values():
                 model.close()
+        for batch in BATCHES:
             log.info(
                 "pipeline %s b%d: overhead %.1f%% of the backend call",
                 backend,

@@ -10,13 +10,23 @@ DPI = 100  # small files: these are committed next to the JSON
 FIGSIZE = (8.0, 4.5)
 
 
-def _pyplot() -> Any:
+class MissingMatplotlib(RuntimeError):
+    """--plots was asked for and matplotlib is not installed; the message says how to get it."""
+
+
+def require_matplotlib() -> None:
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
-        raise RuntimeError(
+        raise MissingMatplotlib(
             "--plots needs matplotlib: pip install matplotlib (the 'dev' extra has it)"
         ) from None
+
+
+def _pyplot() -> Any:
+    require_matplotlib()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -126,6 +126,15 @@ def test_unknown_device_is_refused_naming_it(tmp_path):
     assert not out.exists()
 
 
+def test_bad_bundle_is_refused_naming_the_problem(tmp_path):
+    out = tmp_path / "never.json"
+    missing = str(tmp_path / "nowhere")
+    done = run_bench("--quick", "--only", "pipeline", "--bundle", missing, "--json", str(out))
+    assert done.returncode == 2
+    assert "not a directory" in done.stderr and "nowhere" in done.stderr
+    assert not out.exists()
+
+
 # --- harness statistics: golden values ------------------------------------------------------------
 
 def test_summarize_golden_values():
