@@ -656,7 +656,9 @@ class ModelManager:
         slots_dir = os.path.join(self.store, SLOTS_DIR)
         with self._lock:
             table = self._table
-            keep = set(table.bundles() if table is not None else []) | self._in_flight
+            if table is None:  # before start() nothing is known to be garbage
+                return
+            keep = set(table.bundles()) | self._in_flight
             names = sorted(os.listdir(slots_dir)) if os.path.isdir(slots_dir) else []
             doomed = [n for n in names if "%s/%s" % (SLOTS_DIR, n) not in keep]
         for name in doomed:
