@@ -8,6 +8,7 @@ import argparse
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import tarfile
@@ -393,3 +394,15 @@ def test_cli_verify_checks_the_device_and_reads_archives(tmp_path, capsys):
     assert cli("verify", str(root), "--run-golden") == 2  # needs --device
     shutil.rmtree(str(root))
     assert cli("verify", str(root)) == 1
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_BUNDLE = os.path.join(REPO, "examples", "demo-bundle")
+
+
+@pytest.mark.skipif(not os.path.isdir(DEMO_BUNDLE), reason="examples/demo-bundle is not in this checkout")
+def test_cli_verify_runs_the_demo_bundles_golden_set_with_opencv(capsys):
+    assert cli("verify", DEMO_BUNDLE, "--device", "cpu-dev", "--backend", "opencv", "--run-golden") == 0
+    out = capsys.readouterr().out
+    assert "shapes-det" in out
+    assert re.search(r"golden set       passed: [1-9]\d* case\(s\), max abs diff", out)

@@ -368,6 +368,38 @@ def test_a_healthy_window_confirms_and_the_store_keeps_two_bundles(harness, base
     assert loop.errors == 0 and all(fed == got for _l, fed, got in loop.log)
 
 
+DEMO_BUNDLE = os.path.join(REPO, "examples", "demo-bundle")
+
+
+@pytest.mark.skipif(not os.path.isdir(DEMO_BUNDLE), reason="examples/demo-bundle is not in this checkout")
+def test_the_demo_detector_swaps_on_both_tiers_without_losing_a_frame(tmp_path):
+    """The committed shapes detector (two tiers, YOLOv8 decode) through a deploy and an operator rollback."""
+    from agent.shapes import generate_scene
+
+    h = Harness(tmp_path, DEMO_BUNDLE)
+    try:
+        old = h.manager.start()
+        assert sorted(old.tiers) == [(192, 320), (256, 256)]
+        sha = new_version(DEMO_BUNDLE, h.incoming("demo-1.0.1"), "1.0.1")
+        with ServingLoop(h.manager) as loop:
+            rng = np.random.default_rng(5)
+            loop.frames = [generate_scene(rng, (360, 640))[0], generate_scene(rng, (300, 300))[0]]
+            assert [old.tier_for(f.shape[:2]) for f in loop.frames] == [(192, 320), (256, 256)]
+            loop.wait_batches(5)
+            h.manager.deploy({"bundle": "incoming/demo-1.0.1", "sha256": sha}, no_progress)
+            loop.wait_batches(5)
+            h.manager.rollback()
+            loop.wait_batches(5)
+        labels = [label for label, _fed, _got in loop.log]
+        changes = [i for i in range(1, len(labels)) if labels[i] != labels[i - 1]]
+        assert len(changes) == 2 and labels[changes[0]] == "shapes-det 1.0.1"
+        assert labels[-1] == "shapes-det 1.0.0"
+        assert loop.errors == 0 and all(fed == got for _l, fed, got in loop.log)
+        assert h.manager.current is old
+    finally:
+        h.manager.close()
+
+
 def test_deploy_from_an_http_url(harness, base_bundle, tmp_path):
     h = harness()
     h.manager.start()
