@@ -13,9 +13,8 @@ from typing import List, Optional
 log = logging.getLogger(__name__)
 
 DESCRIPTION = """Train (or load) a float network, fine-tune it with Golden Stick SimQAT (simulated int8),
-export float / simulated-quant / deploy MindIR and float ONNX for every fixed-shape tier, and write a model
-bundle
-(manifest, calibration set, golden set, report.json, report.txt) to --out."""
+export float, simulated-quant and deploy MindIR and float ONNX for every fixed-shape tier, and write a model
+bundle (manifest, calibration set, golden set, report.json, report.txt) to --out."""
 
 EXAMPLES = """examples:
   atlas-edge qat --config quant/examples/shapes.yaml --out examples/demo-bundle

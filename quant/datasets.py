@@ -115,8 +115,7 @@ def split_indices(count: int, test_fraction: float, seed: int) -> Tuple[np.ndarr
 
 
 def load_digits(tier_hw: Tuple[int, int], spec: PreprocessSpec, test_fraction: float, seed: int) -> SplitData:
-    """scikit-learn's 1797 handwritten digits (8x8, 17 grey levels) scaled to 0..255 and letterboxed to the
-    tier."""
+    """scikit-learn's 1797 handwritten digits (8x8, 17 grey levels), scaled to 0..255, letterboxed."""
     from sklearn.datasets import load_digits as sklearn_digits
 
     digits = sklearn_digits()

@@ -106,8 +106,7 @@ class DetectionLoss(nn.Cell):
 
 
 def box_iou_cxcywh(a: ms.Tensor, b: ms.Tensor) -> ms.Tensor:
-    """Element-wise IoU of (..., 4) cx, cy, w, h boxes (zero-size targets give IoU 0, masked out by the
-    caller)."""
+    """Element-wise IoU of (..., 4) cx, cy, w, h boxes (a zero-size target gives 0; callers mask those)."""
     a_x1, a_y1 = a[..., 0] - a[..., 2] / 2, a[..., 1] - a[..., 3] / 2
     a_x2, a_y2 = a[..., 0] + a[..., 2] / 2, a[..., 1] + a[..., 3] / 2
     b_x1, b_y1 = b[..., 0] - b[..., 2] / 2, b[..., 1] - b[..., 3] / 2

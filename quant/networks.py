@@ -20,8 +20,7 @@ SIZE_LOG_RANGE = (-3.0, 4.0)
 
 
 class ConvBnReLU(nn.Cell):
-    """3x3 convolution, batch norm, ReLU: the one building block, made only of layers SimQAT knows how to
-    wrap."""
+    """3x3 convolution, batch norm, ReLU: the one building block, all layers SimQAT knows how to wrap."""
 
     def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
         super().__init__()

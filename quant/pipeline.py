@@ -1,5 +1,4 @@
-"""The host pipeline behind ``atlas-edge qat``: float training, SimQAT, exports, calibration, golden set,
-bundle.
+"""The host pipeline behind ``atlas-edge qat``: float training, SimQAT, exports, golden set, bundle.
 
 Order matters in three places:
 
@@ -273,6 +272,18 @@ class QatRun:
             shutil.rmtree(self.out)
         os.makedirs(self.out)
 
+        try:
+            report = self._produce(network, data, started_all)
+            self._publish()
+        except BaseException:
+            shutil.rmtree(self.out, ignore_errors=True)  # a failed run leaves no half-written bundle behind
+            raise
+        log.info("bundle written to %s", self.final_out)
+        return report
+
+    def _produce(self, network: Any, data: SplitData, started_all: float) -> Dict[str, Any]:
+        """Steps 2-6, into the staging directory: train, quantize, export, calibrate, golden set, report."""
+        config = self.config
         # 2. Float network.
         float_metrics = self._float_phase(network, data)
         # 3. Quantization-aware fine-tuning (Golden Stick SimQAT).
@@ -299,8 +310,6 @@ class QatRun:
         write_bundle_manifest(
             self.out, config, self.labels, self.artifacts, calibration, golden, report["toolchain"]
         )
-        self._publish()
-        log.info("bundle written to %s", self.final_out)
         return report
 
     def _check_out_dir(self) -> None:
