@@ -156,3 +156,16 @@ def test_calibration_set_is_nhwc_float32_normalised(run):
     )
     assert 0.0 <= tensor.min() and tensor.max() <= 1.0 and tensor.max() > 0.5
     np.testing.assert_allclose(tensor * 255, np.round(tensor * 255), atol=1e-3)  # uint8 pixels / 255
+
+
+@pytest.mark.slow
+def test_full_digits_run_meets_the_acceptance_thresholds(tmp_path):
+    """The example config as shipped (15 float epochs, 2 QAT epochs; about 3 minutes on 2 cores)."""
+    config = load_config(os.path.join(REPO, "quant", "examples", "digits.yaml"))
+    report = QatRun(
+        config, RunOptions(out_dir=str(tmp_path / "bundle"), work_dir=str(tmp_path / "work"))
+    ).run()
+    assert report["float"]["top1"] >= 0.95
+    assert report["qat"]["top1"] >= report["float"]["top1"] - 0.01
+    assert report["checks"]["int8sim_test_split"]["top1_agreement"] >= MIN_SIM_AGREEMENT
+    verify_bundle(str(tmp_path / "bundle"))

@@ -150,3 +150,14 @@ def _spec():
     from agent.preprocess import PreprocessSpec
 
     return PreprocessSpec()
+
+
+def test_user_network_by_import_path():
+    from quant.networks import SmallClassifier, build_network
+
+    network = build_network("quant.networks:SmallClassifier", 4, {"width": 8})
+    assert isinstance(network, SmallClassifier) and network.num_classes == 4
+    with pytest.raises(ValueError, match="no_such_module"):
+        build_network("no_such_module:Net", 4)
+    with pytest.raises(ValueError, match="expected classifier, detector or package.module:Class"):
+        build_network("resnet", 4)
