@@ -162,7 +162,12 @@ def load_daemon_config(path: str) -> DaemonConfig:
     config = load_yaml(DaemonConfig, path)
     base = os.path.dirname(os.path.abspath(path))
     # Relative paths in a file are relative to that file, so `run --config examples/x.yaml` works from anywhere.
-    return replace(config, state_dir=os.path.join(base, config.state_dir))
+    model = config.model
+    key = model.public_key
+    if key and os.path.isfile(os.path.join(base, key)):
+        model = replace(model, public_key=os.path.join(base, key))
+    return replace(config, state_dir=os.path.join(base, config.state_dir),
+                   model=replace(model, bundle=os.path.join(base, model.bundle)))
 
 
 def merge_config(config: DaemonConfig, changes: Mapping[str, Any]) -> DaemonConfig:

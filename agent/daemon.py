@@ -311,6 +311,7 @@ class Daemon:
         self.config = new
         self.batcher.configure(new.batching.max_batch, new.batching.max_wait_ms)
         self._apply_thresholds(self.models.current)
+        self.models.set_thresholds(new.thresholds)  # the kept confirmed model and later deploys too
         if new.sources != old.sources:
             self.sources.stop(timeout=1.0)
             self.sources = SourceSet(list(new.sources), self.frames)
