@@ -3,6 +3,7 @@ tests), memory alerts, progress-driven liveness, and the watchdog thread end to 
 socket."""
 
 import logging
+import mmap
 import os
 import shutil
 import socket
@@ -48,9 +49,15 @@ class ManualClock:
         return self.now
 
 
-def touched_bytes(mib: int) -> bytearray:
-    """A real allocation whose every page is written, so it shows in RSS (a zeroed one might not)."""
-    return bytearray(b"\x5a") * (mib * MIB)
+def touched_bytes(mib: int) -> mmap.mmap:
+    """A real allocation whose every page is written, so it shows in RSS (a zeroed one might not).
+
+    An anonymous mapping, not a bytearray: malloc may serve a bytearray from heap memory that earlier tests
+    freed (glibc raises its mmap threshold after large frees), and then RSS does not grow at all.
+    """
+    block = mmap.mmap(-1, mib * MIB)
+    block.write(b"\x5a" * (mib * MIB))
+    return block
 
 
 # ---------------------------------------------------------------------------------------------- readers
