@@ -34,8 +34,10 @@ lint: venv
 pycompat: venv
 	$(BIN)/vermin --no-tips --violations --target=3.8- --eval-annotations agent
 
+# pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 test: venv mosquitto lint pycompat
-	$(BIN)/pytest -m "not slow" -q
+	$(BIN)/pytest -m "not slow" -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 demo-bundle: venv
 	$(BIN)/atlas-edge qat --config quant/examples/shapes.yaml --out examples/demo-bundle
