@@ -8,12 +8,14 @@ when the queue is full, as the daemon's sources do); the measuring thread is the
   throughput shows what batching buys when the backend is the bottleneck. The bound below cannot hold here (a
   frame waits for several batches) and is not checked.
 * ``paced``: half the throughput the overload run reached with ``max_batch`` 1, so the serving loop keeps up.
-  Then the batcher's promise must hold for every frame: the time from entering the queue to being handed to
-  the model is at most ``max_wait_ms`` plus the duration of the batch that was in flight when the frame
-  arrived (the serving loop cannot take a frame while it runs a batch). Violations are counted and reported,
-  never filtered out. A thread woken by ``queue.put`` needs a moment to run, more on a loaded machine, and
-  no batcher can hide that: it is measured right before the paced load (a bare queue hand-off between two
-  threads, at the same pace), and violations by less than its p99 (at least 1 ms) are counted separately.
+  Then the batcher's promise is checked for every frame that finds fewer than ``max_batch`` frames waiting
+  ahead of it: from entering the queue to being handed to the model it waits at most ``max_wait_ms`` plus the
+  duration of the batch in flight when it arrived (the loop cannot take a frame while it runs a batch). A
+  frame behind a longer backlog (the loop fell behind during a slow spell of the machine) waits for several
+  batches by construction; such frames are counted apart, with their worst wait. Violations are counted and
+  reported, never filtered out. A thread woken by ``queue.put`` needs a moment to run, more on a loaded
+  machine, and no batcher can hide that: it is measured right before the paced load (500 bare queue hand-offs
+  between two threads), and violations by less than its p99 (at least 1 ms) are also counted separately.
 
 Frames have the aspect ratio of the tier with the largest fixed-batch artifact (the demo bundle: 256x256,
 batch 4), so batches can reach the model whole; ``max_batch`` 8 then runs as two calls of that artifact. The
@@ -54,9 +56,9 @@ PACED_FRACTION = 0.5  # offered rate / throughput reached at overload with max_b
 QUEUE_SIZE = 32  # BatchingConfig.queue_size's default
 # The smallest slack granted for waking a thread, even when the measured hand-off is faster.
 MIN_SLACK_MS = 1.0
-HANDOFF_SAMPLES = 200  # bare queue hand-offs timed to set the slack (p99 needs a few hundred)
+HANDOFF_SAMPLES = 500  # bare queue hand-offs timed to set the slack (p99 needs a few hundred)
 EXCESSES_REPORTED = 5  # the largest excesses per cell, for a reader judging the violations
-HANDOFF_RATE_HZ = 500.0  # hand-off pace: 0.4 s of calibration; the wake-up cost does not depend on it
+HANDOFF_RATE_HZ = 1000.0  # hand-off pace: 0.5 s of calibration; the wake-up cost does not depend on it
 CAPACITY_PROBES = 10  # batch-1 calls timed to set the offered rates
 FRAME_POOL = 8
 IDLE_TIMEOUT_S = 0.05  # next_batch's idle wake-up: the loop notices the end of a run quickly
@@ -143,6 +145,9 @@ class CellSamples:
     latency_ms: List[float] = field(default_factory=list)  # queued -> inference done, per frame
     added_ms: List[float] = field(default_factory=list)  # queued -> handed to the model, per frame
     excess_ms: List[float] = field(default_factory=list)  # added_ms minus what the bound allows, per frame
+    backlog_wait_ms: List[float] = field(
+        default_factory=list
+    )  # added_ms of frames that arrived behind a backlog
     sizes: List[int] = field(default_factory=list)
     batch_ms: List[float] = field(default_factory=list)
 
@@ -203,9 +208,15 @@ def run_segment(
     if first_queued is not None:
         samples.span_s += max(last_done - first_queued, 1e-9)
     for queued, handed in handed_at:
+        wait_ms = (handed - queued) * 1e3
+        # Frames queued before this one and not yet handed over when it arrived: max_batch or more of them
+        # means the loop had fallen behind (a slow spell), and the frame waits for more than one batch.
+        ahead = sum(1 for other_queued, other_handed in handed_at if other_queued < queued <= other_handed)
+        if ahead >= max_batch:
+            samples.backlog_wait_ms.append(wait_ms)
+            continue
         running = _in_flight(batches, queued)
-        allowed_ms = max_wait_ms + (running or 0.0) * 1e3
-        samples.excess_ms.append((handed - queued) * 1e3 - allowed_ms)
+        samples.excess_ms.append(wait_ms - max_wait_ms - (running or 0.0) * 1e3)
 
 
 def cell_result(
@@ -233,7 +244,7 @@ def cell_result(
         }
     )
     if slack_ms is not None:
-        result["bound"] = _bound_report(samples.excess_ms, slack_ms)
+        result["bound"] = _bound_report(samples.excess_ms, samples.backlog_wait_ms, slack_ms)
     return result
 
 
@@ -289,15 +300,22 @@ def run_grid(
     return results
 
 
-def _bound_report(excess: List[float], slack_ms: float) -> Dict[str, Any]:
-    """Count frames whose wait exceeded ``max_wait_ms`` + the batch in flight when they arrived."""
+def _bound_report(excess: List[float], backlog_waits: List[float], slack_ms: float) -> Dict[str, Any]:
+    """Count frames whose wait exceeded ``max_wait_ms`` + the batch in flight when they arrived.
+
+    Frames that arrived behind ``max_batch`` or more waiting frames are outside the promise (the loop was
+    behind); they are counted with their worst wait, not checked.
+    """
     return {
-        "rule": "queue -> model <= max_wait_ms + duration of the batch in flight at arrival",
+        "rule": "queue -> model <= max_wait_ms + duration of the batch in flight at arrival, for frames with"
+        " fewer than max_batch frames waiting ahead of them",
         "frames_checked": len(excess),
+        "frames_behind_backlog": len(backlog_waits),
+        "backlog_worst_wait_ms": float(max(backlog_waits)) if backlog_waits else None,
         "violations": int(sum(e > 0 for e in excess)),
         "violations_beyond_slack": int(sum(e > slack_ms for e in excess)),
         "slack_ms": slack_ms,
-        "worst_excess_ms": float(max(excess)),
+        "worst_excess_ms": float(max(excess)) if excess else None,
         "largest_excesses_ms": [
             round(e, 3) for e in sorted(excess, reverse=True)[:EXCESSES_REPORTED] if e > 0
         ],
@@ -337,7 +355,7 @@ def run(context: RunContext) -> Dict[str, Any]:
     bundle = load_bundle(context.bundle_dir)
     device = bench_device(context.threads, context.device)
     per_backend: Dict[str, Any] = {}
-    violations = beyond_slack = checked = 0
+    violations = beyond_slack = checked = backlog = 0
     for backend in context.backends:
         missing = backend_available(backend)
         if missing:
@@ -371,6 +389,7 @@ def run(context: RunContext) -> Dict[str, Any]:
                         violations += cell["bound"]["violations"]
                         beyond_slack += cell["bound"]["violations_beyond_slack"]
                         checked += cell["bound"]["frames_checked"]
+                        backlog += cell["bound"]["frames_behind_backlog"]
                 loads[load] = {"offered_hz": rate_hz, "cells": cells}
                 if slack_ms is not None:
                     loads[load].update(thread_handoff_ms=handoff, slack_ms=slack_ms)
@@ -397,6 +416,7 @@ def run(context: RunContext) -> Dict[str, Any]:
         "bound_violations": violations,
         "bound_violations_beyond_slack": beyond_slack,
         "bound_frames_checked": checked,
+        "bound_frames_behind_backlog": backlog,
         "queue_size": QUEUE_SIZE,
         "overload_factor": OVERLOAD_FACTOR,
         "paced_fraction": PACED_FRACTION,

@@ -262,8 +262,9 @@ def test_bound_check_counts_exact_violations():
     ]:
         running = batching._in_flight(batches, queued)
         samples.excess_ms.append((handed - queued) * 1e3 - (10.0 + (running or 0.0) * 1e3))
-    bound = batching._bound_report(samples.excess_ms, slack_ms=2.0)
+    bound = batching._bound_report(samples.excess_ms, [120.0, 80.0], slack_ms=2.0)
     assert bound["frames_checked"] == 3
+    assert bound["frames_behind_backlog"] == 2 and bound["backlog_worst_wait_ms"] == 120.0
     assert bound["violations"] == 2
     assert bound["violations_beyond_slack"] == 1
     assert bound["worst_excess_ms"] == pytest.approx(16.0)
