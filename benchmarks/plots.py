@@ -4,6 +4,8 @@ import logging
 import os
 from typing import Any, Callable, Dict, List
 
+from benchmarks.report import format_value
+
 log = logging.getLogger(__name__)
 
 DPI = 100  # small files: these are committed next to the JSON
@@ -127,7 +129,8 @@ def _memory(plt: Any, section: Dict[str, Any]) -> Any:
         axes[0].plot(
             samples["frames"],
             samples["rss_mb"],
-            label="%s (%+.3f MB/10k)" % (backend, result["frames"]["rss_mb_per_10k_frames"]),
+            label="%s (%s MB/10k frames)"
+            % (backend, format_value("{:+.3f}", result["frames"]["rss_mb_per_10k_frames"])),
         )
         axes[1].plot(
             range(len(result["swaps"]["rss_mb"])), result["swaps"]["rss_mb"], marker="o", label=backend

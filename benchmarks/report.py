@@ -79,6 +79,11 @@ def get_path(data: Dict[str, Any], dotted: str) -> Any:
     return value
 
 
+def format_value(fmt: str, value: Any) -> str:
+    """``value`` printed with ``fmt``; None as n/a, and a float too small to matter as zero."""
+    return _fmt(fmt, value)
+
+
 def _fmt(fmt: str, value: Any) -> str:
     if value is None:
         return "n/a"
@@ -106,6 +111,14 @@ def headline_table(data: Dict[str, Any]) -> str:
             "| `%s` | %s | %s | %s | %s |"
             % (key, _fmt(fmt, value), goal["target"] if goal else "", met, meaning)
         )
+    listed = {key for key, _fmt_text, _meaning in HEADLINES}
+    for key, goal in sorted(targets.items()):  # nested targets (per backend): listed too, never hidden
+        if key not in listed:
+            met = "yes" if goal["met"] else "**no**"
+            rows.append(
+                "| `%s` | %s | %s | %s | the same target for this backend |"
+                % (key, _fmt("{:.3g}", goal["value"]), goal["target"], met)
+            )
     return "\n".join(rows)
 
 
@@ -420,6 +433,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--print", action="store_true", help="print the Markdown instead of editing the README"
     )
+    parser.add_argument("--plots", metavar="DIR", help="also redraw the PNG plots into DIR")
     args = parser.parse_args(argv)
     with open(args.results, encoding="utf-8") as handle:
         data = json.load(handle)
@@ -427,6 +441,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(results_markdown(data))
     else:
         update_readme(data, args.readme)
+    if args.plots:
+        from benchmarks.plots import write_plots
+
+        write_plots(data, args.plots)
     return 0
 
 
