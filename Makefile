@@ -43,7 +43,7 @@ demo-bundle: venv
 	$(BIN)/atlas-edge qat --config quant/examples/shapes.yaml --out examples/demo-bundle
 
 bench: venv mosquitto
-	$(BIN)/atlas-edge bench --json benchmarks/results.json --plots benchmarks
+	$(BIN)/atlas-edge bench --json benchmarks/results.json --plots benchmarks/plots --update-readme
 
 bench-quick: venv mosquitto
 	$(BIN)/atlas-edge bench --quick --json benchmarks/results-quick.json

@@ -106,7 +106,8 @@ def _load(name: str):
                   file=sys.stderr)
             return 2
 
-        return (lambda parser: parser.add_argument("rest", nargs=argparse.REMAINDER)), explain
+        explain.accepts_unknown = True  # its options are unknown without the module: explain, don't fail
+        return (lambda parser: None), explain
     return module.add_arguments, module.run
 
 
@@ -130,7 +131,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(getattr(args, "handler", None), "accepts_unknown", False):
+        parser.error("unrecognized arguments: %s" % " ".join(unknown))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     handler: Optional[Callable[[argparse.Namespace], int]] = getattr(args, "handler", None)
