@@ -178,6 +178,7 @@ class QatRun:
         self.artifacts: List[ArtifactPlan] = []
         self.checks: Dict[str, Any] = {}
         self.labels: List[str] = []
+        self.resumed: List[str] = []  # phases loaded from checkpoints (--resume)
 
     # Each phase is timed under its name in report["seconds"].
     def _timed(self, name: str, started: float) -> None:
@@ -327,65 +328,70 @@ class QatRun:
         os.replace(self.out, self.final_out)
         self.out = self.final_out
 
-    def _float_phase(self, network: Any, data: SplitData) -> Dict[str, Any]:
+    def _train_or_resume(self, phase: str, network: Any, train: Any) -> List[float]:
+        """Run ``train()``; or, with --resume and a checkpoint of the same settings, load it instead and take
+        the loss history and training time recorded with it (so the report still shows what training cost)."""
         import mindspore as ms
 
+        started = time.monotonic()
+        if self._resumable(phase):
+            ms.load_param_into_net(network, ms.load_checkpoint(self._checkpoint(phase)))
+            saved = self._saved_metrics(phase)
+            log.info("%s: resumed from %s", phase, self._checkpoint(phase))
+            self.seconds[phase + "_train"] = saved.get("train_seconds", 0.0)
+            self.resumed.append(phase)
+            return list(saved.get("loss_history", []))
+        history = train()
+        self._timed(phase + "_train", started)
+        return history
+
+    def _float_phase(self, network: Any, data: SplitData) -> Dict[str, Any]:
         from quant.training import TrainSettings
 
         config = self.config
-        started = time.monotonic()
         epochs = config.train.epochs if self.options.epochs is None else self.options.epochs
-        if self._resumable("float"):
-            ms.load_param_into_net(network, ms.load_checkpoint(self._checkpoint("float")))
-            log.info("float: resumed from %s", self._checkpoint("float"))
-            history = self._saved_metrics("float").get("loss_history", [])
-        elif epochs > 0:
-            t = config.train
-            settings = TrainSettings(epochs, t.batch_size, t.learning_rate, t.weight_decay, config.seed)
-            history = _train(network, config, data, self.spec, settings, "float")
-        else:
-            history = []
-        self._timed("float_train", started)
+        t = config.train
+        settings = TrainSettings(epochs, t.batch_size, t.learning_rate, t.weight_decay, config.seed)
+
+        def train() -> List[float]:
+            return _train(network, config, data, self.spec, settings, "float") if epochs > 0 else []
+
+        history = self._train_or_resume("float", network, train)
         started = time.monotonic()
         metrics = evaluate(network, config, data, self.spec)
-        metrics["epochs"] = epochs
-        metrics["loss_history"] = [round(v, 5) for v in history]
+        metrics.update(epochs=epochs, loss_history=[round(v, 5) for v in history])
+        metrics["train_seconds"] = self.seconds["float_train"]
         self._timed("float_eval", started)
         self._save_checkpoint(network, "float", metrics)
         log.info("float: %s", metric_line(metrics))
         return metrics
 
     def _qat_phase(self, network: Any, data: SplitData) -> Tuple[Any, Optional[Dict[str, Any]]]:
-        import mindspore as ms
-
         from quant.fake_quant import apply_quantization, build_algorithm, refresh_weight_ranges
         from quant.training import TrainSettings
 
         config = self.config
         if not config.qat.enabled:
             return None, None
-        started = time.monotonic()
         q = config.qat
         algorithm = build_algorithm(self.options.device, q.per_channel, q.symmetric_weights, q.quant_delay)
         # apply() wraps the float network's own layers: the QAT network shares (and trains) its parameters, so
-        # the float exports are made first from the saved float checkpoint (see _export_all).
+        # the float exports rebuild the float network from its checkpoint (see _export_all).
         qat_network = apply_quantization(algorithm, network, self.work)
         epochs = q.epochs if self.options.qat_epochs is None else self.options.qat_epochs
-        if self._resumable("qat"):
-            ms.load_param_into_net(qat_network, ms.load_checkpoint(self._checkpoint("qat")))
-            history = self._saved_metrics("qat").get("loss_history", [])
-            log.info("qat: resumed from %s", self._checkpoint("qat"))
-        else:
-            settings = TrainSettings(
-                epochs, q.batch_size, q.learning_rate, q.weight_decay, config.seed + 1, warmup_epochs=0.0
-            )
-            history = _train(qat_network, config, data, self.spec, settings, "qat")
+        settings = TrainSettings(
+            epochs, q.batch_size, q.learning_rate, q.weight_decay, config.seed + 1, warmup_epochs=0.0
+        )
+
+        def train() -> List[float]:
+            return _train(qat_network, config, data, self.spec, settings, "qat")
+
+        history = self._train_or_resume("qat", qat_network, train)
         refresh_weight_ranges(qat_network)
-        self._timed("qat_train", started)
         started = time.monotonic()
         metrics = evaluate(qat_network, config, data, self.spec)
-        metrics["epochs"] = epochs
-        metrics["loss_history"] = [round(v, 5) for v in history]
+        metrics.update(epochs=epochs, loss_history=[round(v, 5) for v in history])
+        metrics["train_seconds"] = self.seconds["qat_train"]
         self._timed("qat_eval", started)
         self._save_checkpoint(qat_network, "qat", metrics)
         log.info("qat (simulated int8): %s", metric_line(metrics))
@@ -548,6 +554,7 @@ class QatRun:
             "artifacts": {a.file: _size(os.path.join(self.out, a.file)) for a in self.artifacts},
             "checks": self.checks,
             "seconds": self.seconds,
+            "resumed_phases": self.resumed,
             "toolchain": toolchain_versions(),
         }
 

@@ -77,6 +77,11 @@ def summary_text(report: Dict[str, Any]) -> str:
     for name, size in report["artifacts"].items():
         lines.append("  %-40s %10s bytes" % (name, size))
     lines.append("seconds   " + ", ".join("%s %.1f" % kv for kv in report["seconds"].items()))
+    if report.get("resumed_phases"):
+        lines.append(
+            "          (--resume: %s loaded from checkpoints; their training seconds are those of the"
+            " run that trained them, total is this run)" % "/".join(report["resumed_phases"])
+        )
     lines.append("toolchain " + ", ".join("%s %s" % kv for kv in report["toolchain"].items()))
     return "\n".join(lines) + "\n"
 
