@@ -7,7 +7,8 @@ Golden Stick's ``convert()`` later writes into ``FakeQuantParam`` (``quant_utils
 and pass gradients straight through inside the representable range (``ops.stop_gradient``). They plug into
 SimQAT through its own extension points: a net policy (``_init_net_policy``) whose layer policies hand out
 these quantizers, so ``apply()``, training, ``convert()`` and export are Golden Stick's unchanged. On
-GPU/Ascend, :func:`build_algorithm` returns Golden Stick's own SimQAT with its native kernels.
+GPU/Ascend, :func:`build_algorithm` keeps Golden Stick's own quantizers (native kernels) with the same
+placement (see ``_PlacementMixin``).
 
 Range tracking: weights use the current tensor's min/max (per output channel when configured), activations an
 exponential moving average seeded by the first batch (Golden Stick seeds with -6/6, which a slow average needs
@@ -218,107 +219,110 @@ def cpu_fake_quantizer_class():
     return _QUANTIZER_CLASS
 
 
-def _make_policy_mixin():
-    from mindspore_gs.quantization.layer_policy import PerChannelArgs
+class _PlacementMixin:
+    """Where activations are quantized, for both quantizer kinds.
 
-    class CpuQuantizerPolicyMixin:
-        """Overrides the three quantizer factories of Golden Stick's SimulatedLayerPolicy, and where
-        activations are quantized.
+    Activations are quantized where an int8 tensor exists once the converter has fused convolution, batch norm
+    and activation: at the input of every convolution and dense layer (the network input, or the previous
+    fused block's activated output) and at the output of dense layers, not between a convolution and its batch
+    norm nor on both sides of every activation (Golden Stick's default). ``quantize_input`` /
+    ``quantize_output`` say which ends of a layer kind get one; activation layers get no policy at all.
+    """
 
-        Activations are quantized where an int8 tensor exists once the converter has fused convolution, batch
-        norm and activation: at the input of every convolution and dense layer (the network input, or the
-        previous fused block's activated output) and at the output of dense layers, not between a convolution
-        and its batch norm. ``quantize_input`` / ``quantize_output`` say which ends of a layer kind get one.
-        """
+    quantize_input = True
+    quantize_output = True
 
-        quantize_input = True
-        quantize_output = True
+    def __init__(self, weight_names, act_names, config):
+        super().__init__(weight_names, act_names, config)
+        if not self.quantize_input:
+            self.set_input_not_insert_fq()
+        if not self.quantize_output:
+            self.set_output_not_insert_fq()
 
-        def __init__(self, weight_names, act_names, config):
-            super().__init__(weight_names, act_names, config)
-            if not self.quantize_input:
-                self.set_input_not_insert_fq()
-            if not self.quantize_output:
-                self.set_output_not_insert_fq()
 
-        def get_weight_quantizer(self, weight_name="", perchannel_args=PerChannelArgs(), **kwargs):
-            config = self._config
-            quantizer = cpu_fake_quantizer_class()
-            if config.weight_per_channel:
-                if perchannel_args.channel_axis == -1 or perchannel_args.num_channels == -1:
-                    raise RuntimeError(
-                        "per-channel weight quantization of %s needs its channel axis and count" % weight_name
-                    )
-                return quantizer(
-                    num_channels=perchannel_args.num_channels,
-                    channel_axis=perchannel_args.channel_axis,
-                    symmetric=config.weight_symmetric,
-                    narrow_range=config.weight_narrow_range,
-                    quant_dtype=config.weight_quant_dtype,
-                    quant_delay=config.weight_quant_delay,
-                    tracks_weight=True,
+# Which ends of each layer kind carry an activation quantizer (see _PlacementMixin).
+_LAYER_ENDS = {
+    "ConvLayerPolicy": {"quantize_output": False},
+    "ConvBnLayerPolicy": {"quantize_output": False},
+    "DenseLayerPolicy": {},
+}
+
+
+class _CpuQuantizerMixin:
+    """Golden Stick's three quantizer factories, returning :func:`cpu_fake_quantizer_class` instances."""
+
+    def get_weight_quantizer(self, weight_name="", perchannel_args=None, **kwargs):
+        config = self._config
+        quantizer = cpu_fake_quantizer_class()
+        if config.weight_per_channel:
+            if perchannel_args is None or -1 in (perchannel_args.channel_axis, perchannel_args.num_channels):
+                raise RuntimeError(
+                    "per-channel weight quantization of %s needs its channel axis and count" % weight_name
                 )
             return quantizer(
+                num_channels=perchannel_args.num_channels,
+                channel_axis=perchannel_args.channel_axis,
                 symmetric=config.weight_symmetric,
                 narrow_range=config.weight_narrow_range,
                 quant_dtype=config.weight_quant_dtype,
                 quant_delay=config.weight_quant_delay,
                 tracks_weight=True,
             )
+        return quantizer(
+            symmetric=config.weight_symmetric,
+            narrow_range=config.weight_narrow_range,
+            quant_dtype=config.weight_quant_dtype,
+            quant_delay=config.weight_quant_delay,
+            tracks_weight=True,
+        )
 
-        def _activation_quantizer(self):
-            config = self._config
-            return cpu_fake_quantizer_class()(
-                symmetric=config.act_symmetric,
-                narrow_range=config.act_narrow_range,
-                quant_dtype=config.act_quant_dtype,
-                quant_delay=config.act_quant_delay,
-            )
+    def _activation_quantizer(self):
+        config = self._config
+        return cpu_fake_quantizer_class()(
+            symmetric=config.act_symmetric,
+            narrow_range=config.act_narrow_range,
+            quant_dtype=config.act_quant_dtype,
+            quant_delay=config.act_quant_delay,
+        )
 
-        def _get_input_quantizer(self, input_index=-1, perchannel_args=PerChannelArgs(), **kwargs):
-            return self._activation_quantizer()
+    def _get_input_quantizer(self, input_index=-1, perchannel_args=None, **kwargs):
+        return self._activation_quantizer()
 
-        def _get_output_quantizer(self, perchannel_args=PerChannelArgs(), **kwargs):
-            return self._activation_quantizer()
-
-    return CpuQuantizerPolicyMixin
+    def _get_output_quantizer(self, perchannel_args=None, **kwargs):
+        return self._activation_quantizer()
 
 
-def _make_cpu_algorithm_class():
+def _make_algorithm_class(cpu_quantizers: bool):
+    """SimQAT with atlas-edge's quantizer placement; CPU fake quantizers or Golden Stick's native ones."""
     _, policies, SimulatedQuantizationAwareTraining, SimulatedNetPolicy = _golden_stick_classes()
-    mixin = _make_policy_mixin()
-    # Which ends of each layer kind carry an activation quantizer (see CpuQuantizerPolicyMixin). Activation
-    # layers get no policy at all: their output is the next convolution's quantized input.
-    ends = {
-        "ConvLayerPolicy": {"quantize_output": False},
-        "ConvBnLayerPolicy": {"quantize_output": False},
-        "DenseLayerPolicy": {},
-    }
-    cpu_policies = {
-        name: type("Cpu" + name, (mixin, getattr(policies, name)), attrs) for name, attrs in ends.items()
+    mixins = (_CpuQuantizerMixin, _PlacementMixin) if cpu_quantizers else (_PlacementMixin,)
+    prefix = "Cpu" if cpu_quantizers else "Placed"
+    twins = {
+        name: type(prefix + name, mixins + (getattr(policies, name),), attrs)
+        for name, attrs in _LAYER_ENDS.items()
     }
 
-    class CpuSimulatedNetPolicy(SimulatedNetPolicy):
-        """Golden Stick's SimQAT net policy with its layer policies swapped for CPU-quantizer twins."""
+    class PlacedSimulatedNetPolicy(SimulatedNetPolicy):
+        """Golden Stick's SimQAT net policy with its layer policies swapped for the twins above."""
 
         def build(self):
             if self._build:
                 return
             super().build()
             for layer_type, policy in list(self._layer_policy_map.items()):
-                twin = cpu_policies.get(type(policy).__name__)
-                if twin is None:  # activation layers
+                twin = twins.get(type(policy).__name__)
+                if twin is None:  # activation layers: their output is the next layer's quantized input
                     del self._layer_policy_map[layer_type]
                 else:
                     self._layer_policy_map[layer_type] = twin([], [], self._config)
 
-    class CpuSimulatedQuantizationAwareTraining(SimulatedQuantizationAwareTraining):
-        """SimQAT whose fake quantizers run on CPU; ``apply``/``convert`` are Golden Stick's."""
+    class AtlasSimulatedQuantizationAwareTraining(SimulatedQuantizationAwareTraining):
+        """Golden Stick's SimQAT (``apply``/``convert`` unchanged) with the net policy above."""
 
         def _init_net_policy(self, config):
-            return CpuSimulatedNetPolicy(config)
+            return PlacedSimulatedNetPolicy(config)
 
-    return CpuSimulatedQuantizationAwareTraining
+    return AtlasSimulatedQuantizationAwareTraining
 
 
 def build_algorithm(
@@ -326,21 +330,24 @@ def build_algorithm(
     per_channel: bool = True,
     symmetric_weights: bool = True,
     quant_delay: int = 0,
-    enable_fusion: bool = False,
 ):
-    """A configured SimQAT: the CPU-quantizer variant on ``cpu``, Golden Stick's own on ``gpu``/``ascend``."""
+    """A configured SimQAT: CPU fake quantizers on ``cpu``, Golden Stick's native ones on ``gpu``/``ascend``.
+
+    The quantizer placement is the same on every device, so the deploy graphs hold the same FakeQuantParam
+    nodes whichever device trained them.
+    """
+    if device not in ("cpu", "gpu", "ascend"):
+        raise ValueError("device must be cpu, gpu or ascend, got %r" % device)
     config = {
         "per_channel": [False, per_channel],
         "symmetric": [False, symmetric_weights],
         "narrow_range": [False, False],
         "quant_delay": [quant_delay, quant_delay],
-        "enable_fusion": enable_fusion,
+        # Fusion would rebuild Conv2d + BatchNorm2d as a fresh Conv2dBn and drop the trained float weights.
+        "enable_fusion": False,
         "bn_fold": False,
     }
-    if device == "cpu":
-        return _make_cpu_algorithm_class()(config)
-    _, _, SimulatedQuantizationAwareTraining, _ = _golden_stick_classes()
-    return SimulatedQuantizationAwareTraining(config)
+    return _make_algorithm_class(cpu_quantizers=device == "cpu")(config)
 
 
 @contextlib.contextmanager

@@ -121,3 +121,17 @@ def test_simqat_apply_inserts_cpu_quantizers_and_trains_on_cpu(tmp_path, monkeyp
     losses = [float(step(x, y).asnumpy()) for _ in range(15)]
     assert losses[-1] < losses[0]
     assert all(np.isfinite(losses))
+
+
+def test_native_golden_stick_quantizers_get_the_same_placement(tmp_path, monkeypatch):
+    """--device gpu/ascend: Golden Stick's own quantizers (no CPU kernels, so not run here), same places."""
+    monkeypatch.chdir(tmp_path)
+    cpu = dict(fake_quantizers(build_algorithm("cpu").apply(TinyNet())))
+    native = dict(fake_quantizers(build_algorithm("gpu").apply(TinyNet())))
+    assert sorted(cpu) == sorted(native)
+    assert {type(q).__name__ for q in native.values()} == {
+        "SimulatedFakeQuantizerPerLayer",
+        "SimulatedFakeQuantizerPerChannel",
+    }
+    with pytest.raises(ValueError, match="device must be cpu, gpu or ascend"):
+        build_algorithm("tpu")
