@@ -156,13 +156,16 @@ class _Window:
                 return "rollback", "%s: error rate %.3f (%d of %d frames) above max_error_rate %.3f" % (
                     TRIGGER_ERRORS, rate, self.failed_frames, self.frames, max_error_rate), figures
         p50 = self.p50()
-        if self.baseline_ms is not None and p50 is not None and (len(self.latencies) >= MIN_JUDGE_BATCHES
-                                                                  or ended):
+        # Latency is judged on enough batches even when the window is short: the first batch after a switch
+        # can be slow for reasons that are not the model's (a busy core, a cold cache), and one sample would
+        # roll back a good model. Until then the model stays pending.
+        latency_judged = self.baseline_ms is None or len(self.latencies) >= MIN_JUDGE_BATCHES
+        if self.baseline_ms is not None and p50 is not None and latency_judged:
             limit = latency_factor * self.baseline_ms
             if p50 > limit:
                 return "rollback", "%s: median inference %.2f ms/frame exceeds %.1f x baseline %.2f ms" % (
                     TRIGGER_LATENCY, p50, latency_factor, self.baseline_ms), figures
-        if ended and self.frames >= MIN_CONFIRM_FRAMES:
+        if ended and self.frames >= MIN_CONFIRM_FRAMES and latency_judged:
             return "confirm", "healthy for %.1f s" % elapsed, figures
         return None, "", figures
 

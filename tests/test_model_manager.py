@@ -707,7 +707,10 @@ def test_operator_rollback_while_pending_and_no_second_deploy_meanwhile(harness,
     ([3.9] * 10, 0, 1.0, None),  # within the factor, window not over
     ([3.9] * 10, 0, 60.0, "confirm"),
     ([9.0] * 9, 0, 1.0, None),  # too few batches to judge latency yet
-    ([9.0] * 9, 0, 60.0, "rollback"),  # ... but the window's end judges what it has
+    ([9.0] * 9, 0, 60.0, None),  # ... even at the window's end: it stays pending until it has enough
+    ([9.0] * 10, 0, 60.0, "rollback"),
+    ([2.0] * 9, 0, 60.0, None),  # healthy but too little evidence to confirm
+    ([2.0] * 10, 0, 60.0, "confirm"),
     ([2.0] * 9, 1, 1.0, "rollback"),  # 2 failed frames of 20: 0.10 > 0.05
     ([], 0, 60.0, None),  # served nothing: not shown healthy, stays pending
 ])

@@ -1,0 +1,200 @@
+"""Operating a running daemon: ctl commands over a real broker, deploy and rollback over MQTT, results queued
+across a SIGKILL while the broker is away, and a leak that makes the watchdog restart the daemon cleanly."""
+
+import json
+import mmap
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from agent.demo import DEMO_BUNDLE, write_sample_frames
+from tests.test_e2e import SIZES, Subscriber, start_daemon, write_config
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
+                                reason="examples/demo-bundle is missing (make demo-bundle)")
+
+
+def ctl(broker, *args, timeout=60):
+    cmd = [sys.executable, "-m", "agent", "ctl", "--broker", "mqtt://%s:%d" % (broker.host, broker.port), "e2e",
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30)
+
+
+def wait_status(broker, deadline_s=90):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        result = ctl(broker, "status", "--timeout", "5", timeout=5)
+        if result.returncode == 0:
+            return result
+        time.sleep(0.5)
+    raise AssertionError("daemon never answered status")
+
+
+def new_version(tmp_path, store, version):
+    """A copy of the demo bundle with another version, placed in the store's incoming/ area."""
+    from agent.bundle import write_manifest
+
+    target = os.path.join(store, "incoming", "shapes-%s" % version)
+    shutil.copytree(DEMO_BUNDLE, target)
+    manifest = json.load(open(os.path.join(target, "manifest.json")))
+    manifest["version"] = version
+    write_manifest(target, manifest)
+    from agent.bundle import sha256_file
+
+    return "incoming/shapes-%s" % version, sha256_file(os.path.join(target, "manifest.json"))
+
+
+def test_ctl_status_config_and_deploy_against_the_daemon(tmp_path, mosquitto):
+    frames = tmp_path / "frames"
+    write_sample_frames(str(frames), sizes_hw=SIZES[:3], seed=9)
+    config = write_config(tmp_path, mosquitto, frames, loop=True)
+    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
+    events = Subscriber(mosquitto, "atlas-edge/e2e/events")
+    proc = start_daemon(config)
+    try:
+        status = json.loads(wait_status(mosquitto).stdout.strip().splitlines()[-1])
+        assert status["state"] == "succeeded"
+        assert status["result"]["model"]["version"] == "1.0.0" and status["result"]["slots"]["serving"] == "a"
+
+        bad = ctl(mosquitto, "set-config", "--json", '{"config": {"thresholds": {"conf": 7}}}')
+        assert bad.returncode == 1 and "thresholds.conf" in bad.stdout + bad.stderr
+        good = ctl(mosquitto, "set-config", "--json", '{"config": {"thresholds": {"conf": 0.5}}}')
+        assert good.returncode == 0, good.stdout + good.stderr
+
+        store = str(tmp_path / "state" / "bundles")
+        source, sha = new_version(tmp_path, store, "1.1.0")
+        wrong = ctl(mosquitto, "deploy", "--json", json.dumps({"bundle": source, "sha256": "0" * 64}))
+        assert wrong.returncode == 1 and "sha256" in wrong.stdout + wrong.stderr
+        outside = ctl(mosquitto, "deploy", "--json", json.dumps({"bundle": str(tmp_path), "sha256": sha}))
+        assert outside.returncode == 1 and "outside the bundle store" in outside.stdout + outside.stderr
+        deployed = ctl(mosquitto, "deploy", "--json", json.dumps({"bundle": source, "sha256": sha}), "--timeout",
+                       "120", timeout=120)
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        assert results.wait(lambda m: json.loads(m[-1][1])["model"]["version"] == "1.1.0", timeout=60)
+        # After the switch every result has a confidence of at least the new threshold.
+        newest = [json.loads(p) for _t, p, _r in results.messages[-3:]]
+        assert all(d["score"] >= 0.5 for r in newest for d in r["detections"])
+
+        rolled = ctl(mosquitto, "rollback", "--json", '{"reason": "test"}')
+        assert rolled.returncode == 0, rolled.stdout + rolled.stderr + str(events.json())
+        assert results.wait(lambda m: json.loads(m[-1][1])["model"]["version"] == "1.0.0", timeout=60)
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        results.close()
+
+
+def outbox_rows(path):
+    if not os.path.exists(path):
+        return 0
+    with sqlite3.connect(path, timeout=5) as conn:
+        try:
+            return conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+        except sqlite3.OperationalError:
+            return 0
+
+
+def test_results_queued_while_broker_is_away_survive_sigkill(tmp_path, fresh_broker):
+    frames = tmp_path / "frames"
+    write_sample_frames(str(frames), sizes_hw=SIZES[:4], seed=13)
+    config = write_config(tmp_path, fresh_broker, frames)
+    fresh_broker.stop()
+    proc = start_daemon(config)
+    outbox = str(tmp_path / "state" / "outbox.sqlite")
+    deadline = time.monotonic() + 120
+    while outbox_rows(outbox) < 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    queued = outbox_rows(outbox)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert queued >= 4, "results did not reach the outbox while the broker was away"
+
+    fresh_broker.start()
+    results = Subscriber(fresh_broker, "atlas-edge/e2e/results/#")
+    proc = start_daemon(config)
+    try:
+        assert results.wait(lambda m: sum(json.loads(p).get("historical", False) for _t, p, _r in m) >= 4,
+                            timeout=120)
+        replayed = [r for _t, r in results.json() if r.get("historical")]
+        assert sorted(r["frame_id"] for r in replayed[:4]) == [0, 1, 2, 3]
+        assert all(r["source"] == "cam" for r in replayed)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        results.close()
+
+
+class LeakyBackendForTests:
+    """Wraps a real backend and keeps 4 MiB of touched memory per inference: an injected leak (tests only)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.kept = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def infer(self, batch):
+        block = mmap.mmap(-1, 4 << 20)
+        block.write(b"\x5a" * (4 << 20))
+        self.kept.append(block)
+        return self.inner.infer(batch)
+
+
+def run_daemon_in_thread(tmp_path, broker, leak, monkeypatch):
+    import agent.model as model_module
+    from agent.config import parse_daemon_config
+    from agent.daemon import Daemon
+
+    if leak:
+        real_create = model_module.create_backend
+        monkeypatch.setattr(model_module, "create_backend",
+                            lambda *a, **k: LeakyBackendForTests(real_create(*a, **k)))
+    frames = tmp_path / "frames"
+    write_sample_frames(str(frames), sizes_hw=((240, 320),), seed=1)
+    config = parse_daemon_config({
+        "device_id": "e2e", "state_dir": str(tmp_path / "state"),
+        "model": {"bundle": DEMO_BUNDLE, "backend": "opencv"},
+        "sources": [{"name": "cam", "uri": str(frames), "loop": True, "max_fps": 40}],
+        "mqtt": {"host": broker.host, "port": broker.port},
+        "watchdog": {"interval_s": 0.1, "window_s": 3.0, "leak_mb_per_hour": 20000.0, "leak_min_samples": 12},
+    })
+    daemon = Daemon(config)
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("code", daemon.run()), daemon=True)
+    thread.start()
+    return daemon, thread, outcome
+
+
+@pytest.mark.parametrize("leak", [True, False], ids=["leaking-backend", "healthy-backend"])
+def test_leak_restarts_the_daemon_cleanly_and_a_plateau_does_not(tmp_path, mosquitto, monkeypatch, leak):
+    alerts = Subscriber(mosquitto, "atlas-edge/e2e/telemetry/alert")
+    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
+    daemon, thread, outcome = run_daemon_in_thread(tmp_path, mosquitto, leak, monkeypatch)
+    try:
+        thread.join(20 if leak else 8)
+        if leak:
+            assert not thread.is_alive(), "the leak was not acted on within the window"
+            assert outcome["code"] == 3  # non-zero: systemd's Restart=on-failure brings it back
+            assert alerts.wait(lambda m: any(json.loads(p)["kind"] == "leak" for _t, p, _r in m), timeout=10)
+            time.sleep(0.5)
+            from agent.outbox import Outbox
+
+            pending = len(Outbox(str(tmp_path / "state" / "outbox.sqlite"), 1 << 26))
+            assert len(results.messages) + pending == daemon.published > 0
+        else:
+            assert thread.is_alive(), "a healthy daemon stopped: %r" % daemon.stop_reason
+            assert not any(json.loads(p)["kind"] == "leak" for _t, p, _r in alerts.messages)
+    finally:
+        daemon.request_stop("test over")
+        thread.join(30)
+        alerts.close()
+        results.close()
