@@ -102,7 +102,7 @@ def _load(name: str):
             print("atlas-edge %s needs %s, which is not installed (%s).\n"
                   "Install the '%s' extra: pip install 'atlas-edge[%s]'%s" % (
                       name, missing, reason, extra, extra,
-                      "  (and: pip install --no-deps mindspore-gs==1.4.1)" if extra == "host" else ""),
+                      "  (and: pip install --no-deps mindspore-gs==1.3.0)" if extra == "host" else ""),
                   file=sys.stderr)
             return 2
 
