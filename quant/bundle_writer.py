@@ -124,6 +124,7 @@ def write_bundle_manifest(
 ) -> Dict[str, Any]:
     """Fill in and write manifest.json for a :class:`quant.config.RunConfig` run; returns what was written."""
     from agent.bundle import write_manifest
+    from agent.schema import to_dict
 
     p = config.preprocessing
     manifest = {
@@ -139,13 +140,8 @@ def write_bundle_manifest(
             "dtype": "float32",
             "tiers": [list(t) for t in config.export.tiers],
         },
-        "preprocessing": {
-            "letterbox": {"pad_value": p.pad_value, "center": p.center, "scaleup": p.scaleup},
-            "color": p.color,
-            "mean": list(p.mean),
-            "std": list(p.std),
-        },
-        "postprocessing": dataclasses.asdict(config.postprocessing),
+        "preprocessing": to_dict(p),
+        "postprocessing": to_dict(config.postprocessing),
         "artifacts": [a.manifest_entry(p.color) for a in artifacts],
         "toolchain": toolchain,
         "golden": golden,

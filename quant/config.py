@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from agent.bundle import Postprocessing, Preprocessing  # the manifest's own schema: one definition
 from agent.schema import load_yaml, setting
 
 TASKS = ("classify", "detect-yolov8")
@@ -41,27 +42,6 @@ class NetworkConfig:
     kind: str = setting(doc="classifier | detector | package.module:Class (a mindspore.nn.Cell)")
     options: Dict[str, Any] = setting(factory=dict, doc="keyword arguments of the network's constructor")
     checkpoint: Optional[str] = setting(None, doc="float weights to start from (relative: to the config)")
-
-
-@dataclass(frozen=True)
-class PreprocessingConfig:
-    pad_value: int = setting(114, ge=0, le=255)
-    center: bool = setting(True)
-    scaleup: bool = setting(True)
-    color: str = setting("rgb", choices=("rgb", "bgr"))
-    mean: Tuple[float, float, float] = setting((0.0, 0.0, 0.0))
-    std: Tuple[float, float, float] = setting((255.0, 255.0, 255.0))
-
-    def check(self) -> List[Tuple[str, str]]:
-        return [("std", "must be > 0 (got %s)" % (self.std,))] if min(self.std) <= 0 else []
-
-
-@dataclass(frozen=True)
-class PostprocessingConfig:
-    conf: float = setting(0.25, ge=0, le=1)
-    iou: float = setting(0.45, ge=0, le=1)
-    top_k: int = setting(5, ge=1)
-    max_det: int = setting(100, ge=1)
 
 
 @dataclass(frozen=True)
@@ -135,8 +115,8 @@ class RunConfig:
     export: ExportConfig = setting()
     version: str = setting("1.0.0")
     labels: List[str] = setting(factory=list, doc="override the data set's class names in the bundle")
-    preprocessing: PreprocessingConfig = setting(factory=PreprocessingConfig)
-    postprocessing: PostprocessingConfig = setting(factory=PostprocessingConfig)
+    preprocessing: Preprocessing = setting(factory=Preprocessing)
+    postprocessing: Postprocessing = setting(factory=Postprocessing)
     train: TrainConfig = setting(factory=TrainConfig)
     qat: QatConfig = setting(factory=QatConfig)
     golden: GoldenConfig = setting(factory=GoldenConfig)

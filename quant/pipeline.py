@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from agent.preprocess import BatchPreprocessor, PreprocessSpec
+from agent.schema import to_dict
 from quant.bundle_writer import ArtifactPlan, write_bundle_manifest, write_calibration, write_golden
 from quant.config import RunConfig
 from quant.datasets import DatasetError, SplitData
@@ -53,15 +54,7 @@ class RunOptions:
 
 
 def preprocess_spec(config: RunConfig) -> PreprocessSpec:
-    p = config.preprocessing
-    return PreprocessSpec(
-        pad_value=p.pad_value,
-        center=p.center,
-        scaleup=p.scaleup,
-        color=p.color,
-        mean=tuple(p.mean),
-        std=tuple(p.std),
-    )
+    return PreprocessSpec.from_manifest(to_dict(config.preprocessing))
 
 
 def tier_name(tier: Tuple[int, int]) -> str:
