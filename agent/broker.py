@@ -99,7 +99,7 @@ class EmbeddedBroker:
         self._workdir = tempfile.mkdtemp(prefix="atlas-edge-mosquitto-")
         self._conf_path = os.path.join(self._workdir, "mosquitto.conf")
         self._log_path = os.path.join(self._workdir, "mosquitto.log")
-        self._process: Optional[subprocess.Popen[bytes]] = None
+        self._process: "Optional[subprocess.Popen[bytes]]" = None
         self._write_config()
 
     @property

@@ -224,8 +224,8 @@ class CommandDispatcher:
         self._groups = frozenset(transport.groups)
         self._bucket = _TokenBucket(rate_per_s, burst)
         self._record = _RequestRecord(record_path, record_size)
-        self._inbox: queue.Queue[Tuple[str, bytes, float]] = queue.Queue(INBOX_SIZE)
-        self._jobs: queue.Queue[_Job] = queue.Queue(queue_size)
+        self._inbox: "queue.Queue[Tuple[str, bytes, float]]" = queue.Queue(INBOX_SIZE)
+        self._jobs: "queue.Queue[_Job]" = queue.Queue(queue_size)
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self._busy = threading.Event()  # the worker is inside a handler

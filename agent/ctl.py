@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
     import paho.mqtt.client as mqtt  # the box's dependency; imported here so --help works without it
     from paho.mqtt.enums import CallbackAPIVersion
 
-    events: queue.Queue[Tuple[str, Any]] = queue.Queue()
+    events: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
     client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2,
                          client_id="atlas-edge-ctl-%s" % uuid.uuid4().hex[:8], clean_session=True,
                          reconnect_on_failure=False)

@@ -211,7 +211,7 @@ class MqttTransport:
         self._outbox_drops_at_start = outbox.dropped_oldest + outbox.rejected_too_large
         self._status_fields: Dict[str, Any] = {}
 
-        self._events: queue.Queue[Tuple[str, int, str]] = queue.Queue()
+        self._events: "queue.Queue[Tuple[str, int, str]]" = queue.Queue()
         self._stopping = threading.Event()
         self._replay_stop = threading.Event()
         self._replay_wake = threading.Event()
