@@ -66,6 +66,7 @@ class Daemon:
         self.published = 0
         self.inference_errors = 0
         self.paused = False
+        self.dropped_on_resume = 0
         self.latest: Optional[Frame] = None
         self.latest_result: Optional[Dict[str, Any]] = None
         self._last_telemetry = 0.0
@@ -86,8 +87,13 @@ class Daemon:
         cfg = self.config
         os.makedirs(cfg.state_dir, exist_ok=True)
         self.outbox = Outbox(cfg.state_path(cfg.outbox.path), cfg.outbox.max_bytes)
+        from agent.discovery import HA_STATUS_TOPIC
+
+        discovery = cfg.mqtt.homeassistant_discovery
         self.transport = MqttTransport(cfg.mqtt, cfg.device_id, self.outbox, on_message=self._on_message,
-                                       replay_rate_hz=cfg.outbox.replay_rate_hz)
+                                       replay_rate_hz=cfg.outbox.replay_rate_hz,
+                                       extra_subscriptions=[HA_STATUS_TOPIC] if discovery else [],
+                                       on_connected=self._publish_discovery if discovery else None)
         self.dispatcher = CommandDispatcher(self.transport, self._handlers(),
                                             record_path=cfg.state_path("requests.sqlite"))
         self.models = ModelManager(cfg, self.device, self.backend, on_event=self._publish_event)
@@ -157,6 +163,11 @@ class Daemon:
         while not self.stop_event.is_set():
             self._apply_pending_config()
             self.models.between_batches()
+            if self.paused:
+                self.progress.idle_tick()  # paused on purpose is not a hang
+                self._maybe_telemetry()
+                self.stop_event.wait(0.05)
+                continue
             batch = self.batcher.next_batch(self.stop_event)
             if batch:
                 self._serve_batch(batch)
@@ -247,6 +258,7 @@ class Daemon:
             "latency_ms": self.stats.percentiles(),
             "queue_depth": self.frames.qsize(),
             "inference_errors": self.inference_errors,
+            "dropped_on_resume": self.dropped_on_resume,
             "sources": self.sources.counters(),
             "rss_mb": None if sample is None else sample.rss_mb,
             "npu_memory_mb": None if sample is None or sample.npu_used_mb is None else {
@@ -284,7 +296,20 @@ class Daemon:
     # --- commands (run on the dispatcher's worker thread) ---------------------------------------------------
 
     def _on_message(self, topic: str, payload: bytes) -> None:
+        from agent.discovery import HA_ONLINE, HA_STATUS_TOPIC
+
+        if topic == HA_STATUS_TOPIC:
+            if payload.strip() == HA_ONLINE:
+                self._publish_discovery()  # Home Assistant restarted: it forgot non-retained state
+            return
         self.dispatcher.submit(topic, payload)
+
+    def _publish_discovery(self) -> None:
+        from agent.discovery import discovery_messages
+
+        for topic, payload in discovery_messages(self.config.mqtt.prefix, self.config.device_id, self.device.name,
+                                                 self.models.current.label):
+            self.transport.publish(topic, payload, qos=1, retain=True, durable=False)
 
     def _cmd_validate(self, payload: Dict[str, Any], progress: Callable[[str], None]) -> Dict[str, Any]:
         changes = payload.get("config", {})
@@ -338,9 +363,19 @@ class Daemon:
         os.replace(tmp, self.config_path)
 
     def _cmd_pause(self, paused: bool) -> Dict[str, Any]:
-        self.paused = paused
+        """Pause stops inference at once; frames queued meanwhile are stale on resume, so they are dropped."""
         self.sources.pause(paused)
-        return {"paused": paused}
+        stale = 0
+        if not paused:
+            while True:
+                try:
+                    self.frames.get_nowait()
+                    stale += 1
+                except queue.Empty:
+                    break
+            self.dropped_on_resume += stale
+        self.paused = paused
+        return {"paused": paused, "stale_frames_dropped": stale}
 
     def _cmd_snapshot(self, payload: Dict[str, Any], progress: Callable[[str], None]) -> Dict[str, Any]:
         import cv2

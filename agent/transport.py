@@ -36,7 +36,7 @@ import queue
 import ssl
 import threading
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
@@ -173,6 +173,8 @@ class MqttTransport:
         outbox: Outbox,
         on_message: Optional[MessageHandler] = None,
         replay_rate_hz: float = DEFAULT_REPLAY_RATE_HZ,
+        extra_subscriptions: Sequence[str] = (),
+        on_connected: Optional[Callable[[], None]] = None,
     ) -> None:
         if not device_id or any(c in device_id for c in "/+#"):
             raise ConfigError([FieldError("device_id", "must be non-empty without '/', '+' or '#'")])
@@ -210,6 +212,8 @@ class MqttTransport:
              "connect_failures", "refused", "subscribe_refused"), 0)
         self._outbox_drops_at_start = outbox.dropped_oldest + outbox.rejected_too_large
         self._status_fields: Dict[str, Any] = {}
+        self._extra_subscriptions = list(extra_subscriptions)  # e.g. Home Assistant's birth topic
+        self._on_connected = on_connected  # runs on the supervisor thread after each successful CONNACK
 
         self._events: "queue.Queue[Tuple[str, int, str]]" = queue.Queue()
         self._stopping = threading.Event()
@@ -348,7 +352,7 @@ class MqttTransport:
                          reason_code)
             self._events.put(("refused", generation, str(reason_code)))
             return
-        client.subscribe([(topic, 1) for topic in self.command_topics()])
+        client.subscribe([(topic, 1) for topic in self.command_topics() + self._extra_subscriptions])
         self._events.put(("connected", generation, ""))
 
     def _on_disconnect(self, client: mqtt.Client, generation: int, flags: Any, reason_code: Any,
@@ -495,6 +499,11 @@ class MqttTransport:
         logger.info("MQTT connected to %s:%d as %s", self.config.host, self.config.port, self.client_id)
         self._publish_status("online")
         self._replay_wake.set()
+        if self._on_connected is not None:
+            try:
+                self._on_connected()
+            except Exception:  # a hook's bug must not end the session, nor vanish
+                logger.exception("on_connected hook failed")
 
     def _close_session(self, client: mqtt.Client, generation: int, ended: bool) -> None:
         """Disconnect (when asked to stop), let paho's thread end, and keep what it had not delivered."""

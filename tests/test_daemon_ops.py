@@ -198,3 +198,70 @@ def test_leak_restarts_the_daemon_cleanly_and_a_plateau_does_not(tmp_path, mosqu
         thread.join(30)
         alerts.close()
         results.close()
+
+
+def test_pause_resume_snapshot_and_restart_through_ctl(tmp_path, mosquitto):
+    import cv2
+    import numpy as np
+
+    frames = tmp_path / "frames"
+    write_sample_frames(str(frames), sizes_hw=SIZES[:2], seed=4)
+    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
+    snapshots = Subscriber(mosquitto, "atlas-edge/e2e/snapshot/#")
+    proc = start_daemon(write_config(tmp_path, mosquitto, frames, loop=True))
+    try:
+        wait_status(mosquitto)
+        assert ctl(mosquitto, "pause").returncode == 0
+        time.sleep(0.5)  # a batch in flight and its results in transit
+        count = len(results.messages)
+        time.sleep(1.5)
+        assert len(results.messages) == count, "results kept coming while paused"
+        assert ctl(mosquitto, "resume").returncode == 0
+        assert results.wait(lambda m: len(m) > count + 2, timeout=30)
+
+        shot = ctl(mosquitto, "snapshot")
+        assert shot.returncode == 0, shot.stdout + shot.stderr
+        assert snapshots.wait(lambda m: len(m) >= 1, timeout=10)
+        picture = cv2.imdecode(np.frombuffer(snapshots.messages[0][1], np.uint8), cv2.IMREAD_COLOR)
+        assert picture is not None and picture.shape[:2] in [tuple(h) for h in SIZES[:2]]
+
+        restart = ctl(mosquitto, "restart")
+        assert restart.returncode == 0
+        proc.wait(60)
+        assert proc.returncode == 3  # non-zero on purpose: systemd's Restart=on-failure starts it again
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+        results.close()
+        snapshots.close()
+
+
+def test_home_assistant_discovery_is_retained_and_republished_on_ha_birth(tmp_path, mosquitto):
+    import paho.mqtt.publish as publish
+
+    frames = tmp_path / "frames"
+    write_sample_frames(str(frames), sizes_hw=SIZES[:1], seed=2)
+    config = write_config(tmp_path, mosquitto, frames, loop=True)
+    import yaml
+
+    data = yaml.safe_load(open(config))
+    data["mqtt"]["homeassistant_discovery"] = True
+    open(config, "w").write(yaml.safe_dump(data))
+    configs = Subscriber(mosquitto, "homeassistant/sensor/atlas-edge-e2e/#")
+    proc = start_daemon(config)
+    try:
+        assert configs.wait(lambda m: len(m) >= 6, timeout=90)
+        first = len(configs.messages)
+        fps = json.loads([p for t, p, _r in configs.messages if t.endswith("/fps/config")][0])
+        assert fps["state_topic"] == "atlas-edge/e2e/telemetry" and fps["availability"][0]["topic"].endswith(
+            "/e2e/status")
+        publish.single("homeassistant/status", "online", hostname=mosquitto.host, port=mosquitto.port)
+        assert configs.wait(lambda m: len(m) >= first + 6, timeout=30), "not republished after HA's birth"
+        late = Subscriber(mosquitto, "homeassistant/sensor/atlas-edge-e2e/#")
+        assert late.wait(lambda m: len(m) >= 6 and all(r for _t, _p, r in m), timeout=10)  # retained
+        late.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        configs.close()

@@ -1,0 +1,45 @@
+"""Home Assistant MQTT discovery: the box appears as a device with sensors read from its own topics.
+
+Configs are retained, published after every connect and again whenever Home Assistant announces itself on
+its birth topic (``homeassistant/status`` = ``online``): HA users otherwise see entities turn "unavailable"
+after an HA restart when discovery was published only once.
+"""
+
+import json
+from typing import Any, Dict, List, Tuple
+
+HA_PREFIX = "homeassistant"
+HA_STATUS_TOPIC = HA_PREFIX + "/status"
+HA_ONLINE = b"online"
+
+# (object id, name, template over the telemetry JSON, unit)
+TELEMETRY_SENSORS = (
+    ("fps", "Frames per second", "{{ value_json.fps }}", "fps"),
+    ("infer_p50", "Inference p50", "{{ value_json.latency_ms.infer.p50 | default(none) }}", "ms"),
+    ("total_p90", "Frame latency p90", "{{ value_json.latency_ms.total.p90 | default(none) }}", "ms"),
+    ("queue_depth", "Queue depth", "{{ value_json.queue_depth }}", None),
+    ("rss", "Memory (RSS)", "{{ value_json.rss_mb | default(none) }}", "MB"),
+    ("inference_errors", "Inference errors", "{{ value_json.inference_errors }}", None),
+)
+
+
+def discovery_messages(prefix: str, device_id: str, device_kind: str, model_label: str
+                       ) -> List[Tuple[str, bytes]]:
+    """(topic, retained payload) for each sensor of this box."""
+    base = "%s/%s" % (prefix, device_id)
+    device = {"identifiers": ["atlas-edge-%s" % device_id], "name": "atlas-edge %s" % device_id,
+              "model": device_kind, "sw_version": model_label, "manufacturer": "atlas-edge"}
+    availability = {"topic": base + "/status", "value_template": "{{ value_json.state }}",
+                    "payload_available": "online", "payload_not_available": "offline"}
+    messages = []
+    for object_id, name, template, unit in TELEMETRY_SENSORS:
+        unique = "atlas_edge_%s_%s" % (device_id, object_id)
+        config: Dict[str, Any] = {
+            "name": name, "unique_id": unique, "object_id": unique, "state_topic": base + "/telemetry",
+            "value_template": template, "device": device, "availability": [availability],
+        }
+        if unit:
+            config["unit_of_measurement"] = unit
+        topic = "%s/sensor/atlas-edge-%s/%s/config" % (HA_PREFIX, device_id, object_id)
+        messages.append((topic, json.dumps(config, sort_keys=True).encode("utf-8")))
+    return messages
