@@ -168,15 +168,8 @@ class EmbeddedBroker:
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop it (SIGTERM, then SIGKILL after ``timeout``); the port and config stay for restart()."""
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            logger.warning("mosquitto (pid %d) ignored SIGTERM for %.0f s; killing it", process.pid, timeout)
-            process.kill()
-            process.wait(timeout)
+        if process is not None:
+            terminate(process, timeout, "mosquitto")
 
     def kill(self) -> None:
         """Kill the broker without letting it shut down cleanly (a crash, as far as clients can tell)."""
@@ -207,3 +200,16 @@ class EmbeddedBroker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def terminate(process: "subprocess.Popen[bytes]", timeout: float, name: str) -> Optional[int]:
+    """SIGTERM, then SIGKILL after ``timeout``; returns the exit code (None if it would not die)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s (pid %d) ignored SIGTERM for %.0f s; killing it", name, process.pid, timeout)
+            process.kill()
+            process.wait(timeout)
+    return process.returncode

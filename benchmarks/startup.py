@@ -12,7 +12,6 @@ For scale, the interpreter's own start and (full runs) ``import mindspore`` are 
 
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -78,15 +77,9 @@ def _log_tail(path: str) -> str:
 
 
 def _stop(process: "subprocess.Popen[bytes]") -> Optional[int]:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("daemon (pid %d) ignored SIGTERM for %.0f s; killing it", process.pid, STOP_TIMEOUT_S)
-            process.kill()
-            process.wait(STOP_TIMEOUT_S)
-    return process.returncode
+    from agent.broker import terminate
+
+    return terminate(process, STOP_TIMEOUT_S, "daemon")
 
 
 def time_to_ready(config_path: str, root: str, directory: str) -> Dict[str, Any]:
