@@ -350,13 +350,18 @@ class QatRun:
             return _train(network, config, data, self.spec, settings, "float") if epochs > 0 else []
 
         history = self._train_or_resume("float", network, train)
+        return self._evaluate_phase("float", network, data, epochs, history, "float")
+
+    def _evaluate_phase(self, phase: str, network: Any, data: SplitData, epochs: int, history: List[float],
+                        label: str) -> Dict[str, Any]:
+        """Evaluate a trained phase, record its metrics and time, and checkpoint it with them."""
         started = time.monotonic()
-        metrics = evaluate(network, config, data, self.spec)
+        metrics = evaluate(network, self.config, data, self.spec)
         metrics.update(epochs=epochs, loss_history=[round(v, 5) for v in history])
-        metrics["train_seconds"] = self.seconds["float_train"]
-        self._timed("float_eval", started)
-        self._save_checkpoint(network, "float", metrics)
-        log.info("float: %s", metric_line(metrics))
+        metrics["train_seconds"] = self.seconds["%s_train" % phase]
+        self._timed("%s_eval" % phase, started)
+        self._save_checkpoint(network, phase, metrics)
+        log.info("%s: %s", label, metric_line(metrics))
         return metrics
 
     def _qat_phase(self, network: Any, data: SplitData) -> Tuple[Any, Optional[Dict[str, Any]]]:
@@ -381,14 +386,8 @@ class QatRun:
 
         history = self._train_or_resume("qat", qat_network, train)
         refresh_weight_ranges(qat_network)
-        started = time.monotonic()
-        metrics = evaluate(qat_network, config, data, self.spec)
-        metrics.update(epochs=epochs, loss_history=[round(v, 5) for v in history])
-        metrics["train_seconds"] = self.seconds["qat_train"]
-        self._timed("qat_eval", started)
-        self._save_checkpoint(qat_network, "qat", metrics)
-        log.info("qat (simulated int8): %s", metric_line(metrics))
-        return qat_network, metrics
+        return qat_network, self._evaluate_phase("qat", qat_network, data, epochs, history,
+                                                 "qat (simulated int8)")
 
     # --- exports --------------------------------------------------------------------------------------------
 
