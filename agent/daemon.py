@@ -18,25 +18,27 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional
 
-from agent.batcher import Batcher
-from agent.config import DaemonConfig, load_daemon_config, merge_config
-from agent.device_config import DeviceConfig, load_device_config
-from agent.model import LoadedModel
-from agent.results import annotate, result_payload
-from agent.schema import ConfigError, to_dict
-from agent.sources import Frame, SourceSet
-from agent.stats import StageStats
+from agent.config.daemon_config import DaemonConfig, load_daemon_config, merge_config
+from agent.config.device_config import DeviceConfig, load_device_config
+from agent.config.schema import ConfigError, to_dict
+from agent.pipeline.batcher import Batcher
+from agent.pipeline.handover import BetweenBatches
+from agent.pipeline.results import annotate, result_payload
+from agent.pipeline.sources import Frame, SourceSet
+from agent.pipeline.stats import StageStats
 
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_RESTART = 3  # non-zero so systemd's Restart=on-failure brings the daemon back
+# A set-config waits this long for the serving loop (one batch plus a model's between-batches work).
+CONFIG_HANDOVER_TIMEOUT_S = 5.0
 STARTED = time.time()
 
 
 def choose_backend(config: DaemonConfig, device: DeviceConfig) -> str:
     """The configured backend, else the device's preferred one, else its first importable fallback."""
-    from agent.backends import backend_status
+    from agent.pipeline.backends import backend_status
 
     if config.model.backend:
         return config.model.backend
@@ -71,23 +73,23 @@ class Daemon:
         self.latest_result: Optional[Dict[str, Any]] = None
         self._last_telemetry = 0.0
         self._last_publish: Dict[str, float] = {}
-        self._pending_config: Optional[DaemonConfig] = None
+        self.handover = BetweenBatches()  # config changes, swaps and rollbacks: run between batches, in order
         self._build_services()
 
     # --- construction -------------------------------------------------------------------------------------
 
     def _build_services(self) -> None:
-        from agent.commands import CommandDispatcher
-        from agent.model_manager import ModelManager
-        from agent.outbox import Outbox
-        from agent.sdnotify import SystemdNotifier
-        from agent.transport import MqttTransport
-        from agent.watchdog import MemoryWatchdog, ProgressMonitor, Watchdog
+        from agent.health.sdnotify import SystemdNotifier
+        from agent.health.watchdog import MemoryWatchdog, ProgressMonitor, Watchdog
+        from agent.lifecycle.model_manager import ModelManager
+        from agent.ops.commands import CommandDispatcher
+        from agent.ops.outbox import Outbox
+        from agent.ops.transport import MqttTransport
 
         cfg = self.config
         os.makedirs(cfg.state_dir, exist_ok=True)
         self.outbox = Outbox(cfg.state_path(cfg.outbox.path), cfg.outbox.max_bytes)
-        from agent.discovery import HA_STATUS_TOPIC
+        from agent.ops.discovery import HA_STATUS_TOPIC
 
         discovery = cfg.mqtt.homeassistant_discovery
         self.transport = MqttTransport(cfg.mqtt, cfg.device_id, self.outbox, on_message=self._on_message,
@@ -100,7 +102,7 @@ class Daemon:
         self.sources = SourceSet(list(cfg.sources), self.frames)
         self.notifier = SystemdNotifier()
         self.progress = ProgressMonitor(cfg.watchdog.inference_deadline_s)
-        from agent.npu_smi import NpuSmiProbe
+        from agent.health.npu_smi import NpuSmiProbe
 
         npu = NpuSmiProbe(self.device.device_id) if self.device.target == "ascend" else None
         self.memory = MemoryWatchdog(cfg.watchdog, self.device.memory_budget_mb, npu,
@@ -125,8 +127,7 @@ class Daemon:
 
     def start(self) -> None:
         """Load and self-test the model before announcing readiness: READY=1 means 'serving'."""
-        model = self.models.start()
-        self._apply_thresholds(model)
+        model = self.models.start()  # thresholds from the config are applied by the manager at load
         self.transport.set_status(self._presence("online"))
         self.transport.start()
         self.dispatcher.start()
@@ -161,7 +162,7 @@ class Daemon:
 
     def serve(self, max_frames: Optional[int] = None, until_sources_end: bool = False) -> None:
         while not self.stop_event.is_set():
-            self._apply_pending_config()
+            self.handover.run_pending()
             self.models.between_batches()
             if self.paused:
                 self.progress.idle_tick()  # paused on purpose is not a hang
@@ -296,7 +297,7 @@ class Daemon:
     # --- commands (run on the dispatcher's worker thread) ---------------------------------------------------
 
     def _on_message(self, topic: str, payload: bytes) -> None:
-        from agent.discovery import HA_ONLINE, HA_STATUS_TOPIC
+        from agent.ops.discovery import HA_ONLINE, HA_STATUS_TOPIC
 
         if topic == HA_STATUS_TOPIC:
             if payload.strip() == HA_ONLINE:
@@ -305,7 +306,7 @@ class Daemon:
         self.dispatcher.submit(topic, payload)
 
     def _publish_discovery(self) -> None:
-        from agent.discovery import discovery_messages
+        from agent.ops.discovery import discovery_messages
 
         for topic, payload in discovery_messages(self.config.mqtt.prefix, self.config.device_id, self.device.name,
                                                  self.models.current.label):
@@ -319,34 +320,22 @@ class Daemon:
     def _cmd_set_config(self, payload: Dict[str, Any], progress: Callable[[str], None]) -> Dict[str, Any]:
         changes = payload.get("config", {})
         merged = merge_config(self.config, changes)
-        self._pending_config = merged  # applied by the serving loop between batches, all at once
-        deadline = time.monotonic() + 5.0
-        while self._pending_config is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if self._pending_config is not None:
-            raise RuntimeError("the serving loop did not apply the change within 5 s")
+        # Applied by the serving loop between batches, all at once; withdrawn if the loop does not get to it.
+        self.handover.submit(lambda: self._apply_config(merged), CONFIG_HANDOVER_TIMEOUT_S, what="config change")
         self._persist_config()
         return {"applied": sorted(changes)}
 
-    def _apply_pending_config(self) -> None:
-        new = self._pending_config
-        if new is None:
-            return
+    def _apply_config(self, new: DaemonConfig) -> None:
+        """Serving thread only (through the handover queue): switch every live section at once."""
         old = self.config
         self.config = new
         self.batcher.configure(new.batching.max_batch, new.batching.max_wait_ms)
-        self._apply_thresholds(self.models.current)
-        self.models.set_thresholds(new.thresholds)  # the kept confirmed model and later deploys too
+        self.models.set_thresholds(new.thresholds)  # the serving model, the kept confirmed one, later deploys
         if new.sources != old.sources:
             self.sources.stop(timeout=1.0)
             self.sources = SourceSet(list(new.sources), self.frames)
             self.sources.start()
-        self._pending_config = None
         self.notifier.ready()  # ends a SIGHUP's RELOADING=1 (harmless otherwise)
-
-    def _apply_thresholds(self, model: LoadedModel) -> None:
-        th = self.config.thresholds
-        model.set_thresholds(conf=th.conf, iou=th.iou, max_det=th.max_det, top_k=th.top_k)
 
     def _persist_config(self) -> None:
         """Write the running config back so a restart keeps the change (atomic replace)."""
@@ -382,7 +371,7 @@ class Daemon:
 
         frame, result = self.latest, self.latest_result
         if frame is None or result is None:
-            from agent.commands import CommandError
+            from agent.errors import CommandError
 
             raise CommandError("no_frame", "no frame has been served yet")
         picture = annotate(frame.image, result.get("detections", []))
@@ -413,7 +402,7 @@ class Daemon:
         live = replace(self.config, thresholds=new.thresholds, batching=new.batching, publish=new.publish,
                        sources=new.sources)
         self.notifier.reloading()
-        self._pending_config = live
+        self.handover.post(lambda: self._apply_config(live), what="SIGHUP reload")  # a signal handler cannot wait
         log.info("SIGHUP: config reloaded (live sections applied; others need a restart)")
 
 

@@ -2,7 +2,7 @@
 
 A feeder thread puts frames into a bounded queue at a fixed pace (like a camera; the oldest frame is dropped
 when the queue is full, as the daemon's sources do); the measuring thread is the serving loop: the agent's
-:class:`agent.batcher.Batcher` hands it batches, :meth:`LoadedModel.infer_frames` runs them. Two loads:
+:class:`agent.pipeline.batcher.Batcher` hands it batches, :meth:`LoadedModel.infer_frames` runs them. Two loads:
 
 * ``overload`` (run first): three times the batch-1 rate of a few probe calls, so frames are always waiting;
   throughput shows what batching buys when the backend is the bottleneck. The bound below cannot hold here (a
@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from agent.batcher import Batcher
+from agent.pipeline.batcher import Batcher
 from benchmarks.harness import RunContext, summarize
 from benchmarks.workload import (
     backend_available,

@@ -14,7 +14,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Sequence
 
-from agent.schema import ConfigError
+from agent.config.schema import ConfigError
 from benchmarks.harness import DEFAULT_THREADS, FULL, QUICK, RunContext, environment, pin_threads
 from benchmarks.report import get_path, headline_table, update_readme, write_json
 from benchmarks.workload import DEFAULT_DEVICE, bench_device

@@ -212,7 +212,7 @@ def _cpu_model() -> str:
 def mosquitto_version() -> Optional[str]:
     """``mosquitto -h`` prints ``mosquitto version X.Y.Z`` on its first line (and exits non-zero)."""
     try:
-        from agent.broker import BrokerError, find_mosquitto
+        from agent.devtools.broker import BrokerError, find_mosquitto
 
         executable = find_mosquitto()
     except (ImportError, BrokerError):

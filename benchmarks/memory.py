@@ -30,7 +30,7 @@ TARGETS = {"rss_mb_per_10k_frames": ("<", TARGET_MB_PER_10K_FRAMES)}
 
 
 def rss_mb() -> float:
-    from agent.watchdog import read_rss_mb
+    from agent.health.watchdog import read_rss_mb
 
     value = read_rss_mb()
     if value is None:
@@ -66,7 +66,7 @@ def frames_slope(model: Any, frames: List[Any], count: int) -> Dict[str, Any]:
 
 def swaps_slope(bundle: Any, device: Any, backend: str, frame: Any, cycles: int) -> Dict[str, Any]:
     """RSS after each of ``cycles`` load / infer / close cycles, and the growth per cycle after warm-up."""
-    from agent.model import LoadedModel
+    from agent.pipeline.model import LoadedModel
 
     rss = [rss_mb()]
     for _ in range(cycles):

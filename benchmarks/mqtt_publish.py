@@ -1,6 +1,6 @@
 """MQTT: result messages per second through the agent's publisher against raw paho-mqtt, and outbox replay.
 
-Both publishers talk to the same local Mosquitto (``agent.broker.EmbeddedBroker``) with the same settings
+Both publishers talk to the same local Mosquitto (``agent.devtools.broker.EmbeddedBroker``) with the same settings
 (MQTT 3.1.1, clean session, QoS 1, 20 messages in flight, which is paho's default and the transport's), encode
 the same result dicts to compact JSON inside the timed loop, and are timed until the broker has acknowledged
 every message (all PUBACKs). Rounds alternate between the two so a busy neighbour slows both alike.
@@ -36,7 +36,7 @@ TARGETS = {"ratio_to_paho": (">=", TARGET_RATIO_TO_PAHO)}
 
 
 def result_payloads(count: int) -> List[Dict[str, Any]]:
-    """``count`` result messages shaped like the daemon's (agent.results.result_payload), about 700 bytes."""
+    """``count`` result messages shaped like the daemon's (agent.pipeline.results.result_payload), about 700 bytes."""
     payloads = []
     for index in range(count):
         detections = [
@@ -135,9 +135,9 @@ class RawPahoPublisher:
 
 
 def _transport(host: str, port: int, outbox_path: str, device_id: str, replay_rate_hz: float) -> Any:
-    from agent.config import MqttConfig
-    from agent.outbox import Outbox
-    from agent.transport import MqttTransport
+    from agent.config.daemon_config import MqttConfig
+    from agent.ops.outbox import Outbox
+    from agent.ops.transport import MqttTransport
 
     config = MqttConfig(host=host, port=port, qos=1, reconnect_min_s=0.1, reconnect_max_s=0.5)
     outbox = Outbox(outbox_path, 256 * 1024 * 1024)
@@ -193,7 +193,7 @@ def measure_throughput(host: str, port: int, work_dir: str, count: int, rounds: 
 
 def measure_replay(broker: Any, work_dir: str, count: int) -> Dict[str, Any]:
     """Park ``count`` results in the outbox with the broker down, restart it, time the drain."""
-    from agent.transport import DEFAULT_REPLAY_RATE_HZ
+    from agent.ops.transport import DEFAULT_REPLAY_RATE_HZ
 
     payloads = result_payloads(count)
     transport, outbox = _transport(
@@ -234,7 +234,7 @@ def measure_replay(broker: Any, work_dir: str, count: int) -> Dict[str, Any]:
 
 
 def run(context: RunContext) -> Dict[str, Any]:
-    from agent.broker import EmbeddedBroker
+    from agent.devtools.broker import EmbeddedBroker
 
     profile = context.profile
     broker = EmbeddedBroker()

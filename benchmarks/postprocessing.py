@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Tuple
 import cv2
 import numpy as np
 
-from agent.postprocess import classify_topk, decode_yolov8
+from agent.pipeline.postprocess import classify_topk, decode_yolov8
 from benchmarks.harness import RunContext, compare, ratio_summary, scaled, summarize, target
 
 log = logging.getLogger(__name__)

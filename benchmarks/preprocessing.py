@@ -14,7 +14,7 @@ from typing import Any, Dict, Tuple
 import cv2
 import numpy as np
 
-from agent.preprocess import PAD_VALUE, BatchPreprocessor, PreprocessSpec, plan_letterbox
+from agent.pipeline.preprocess import PAD_VALUE, BatchPreprocessor, PreprocessSpec, plan_letterbox
 from benchmarks.harness import RunContext, compare, ratio_summary, scaled, summarize, target
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ TARGETS = {"ratio_to_resize": ("<=", TARGET_RATIO_TO_RESIZE)}
 def camera_frame(hw: Tuple[int, int], seed: int = FRAME_SEED) -> np.ndarray:
     """A synthetic scene (textured background, shapes): resize cost depends on size, not content, but the
     content keeps the agreement check meaningful (no flat areas hiding a channel swap)."""
-    from agent.shapes import generate_scene
+    from agent.devtools.scenes import generate_scene
 
     image, _boxes, _classes = generate_scene(np.random.default_rng(seed), hw)
     return image

@@ -60,9 +60,9 @@ def build_standin_bundle(root: str) -> str:
     """Export the stand-in detector into a new bundle directory ``root`` and return it."""
     import mindspore as ms
 
-    from agent.bundle import write_manifest
-    from agent.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
-    from agent.shapes import generate_scene
+    from agent.devtools.scenes import generate_scene
+    from agent.lifecycle.bundle import write_manifest
+    from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
 
     os.makedirs(os.path.join(root, "golden"), exist_ok=True)
     ms.set_seed(GOLDEN_SEED)

@@ -45,7 +45,7 @@ def _write_configs(
     device_name: str = DEFAULT_DEVICE,
 ) -> str:
     """A device config (with pinned threads) and a daemon config; returns the daemon config's path."""
-    from agent.schema import to_dict
+    from agent.config.schema import to_dict
 
     devices = os.path.join(directory, "devices")
     os.makedirs(devices, exist_ok=True)
@@ -77,7 +77,7 @@ def _log_tail(path: str) -> str:
 
 
 def _stop(process: "subprocess.Popen[bytes]") -> Optional[int]:
-    from agent.broker import terminate
+    from agent._util.process import terminate
 
     return terminate(process, STOP_TIMEOUT_S, "daemon")
 
@@ -155,7 +155,7 @@ def time_command(code: str, root: str) -> float:
 
 
 def run(context: RunContext) -> Dict[str, Any]:
-    from agent.broker import EmbeddedBroker
+    from agent.devtools.broker import EmbeddedBroker
 
     profile = context.profile
     per_backend: Dict[str, Any] = {}

@@ -38,28 +38,28 @@ def resolve_bundle(requested: Optional[str], work_dir: str) -> Tuple[str, str]:
 
 def bench_device(threads: int, name: str = DEFAULT_DEVICE) -> Any:
     """The device config ``name`` with ``cpu_threads`` pinned (frozen dataclass: replaced, not edited)."""
-    from agent.device_config import load_device_config
+    from agent.config.device_config import load_device_config
 
     return replace(load_device_config(name), cpu_threads=threads)
 
 
 def camera_frames(count: int, hw: Tuple[int, int] = CAMERA_HW, seed: int = FRAME_SEED) -> List[np.ndarray]:
     """``count`` distinct synthetic scenes (shapes on textured backgrounds) of size ``hw``."""
-    from agent.shapes import generate_scene
+    from agent.devtools.scenes import generate_scene
 
     rng = np.random.default_rng(seed)
     return [generate_scene(rng, hw)[0] for _ in range(count)]
 
 
 def load_bundle(bundle_dir: str) -> Any:
-    from agent.bundle import verify_bundle
+    from agent.lifecycle.bundle import verify_bundle
 
     return verify_bundle(bundle_dir)
 
 
 def open_model(bundle: Any, device: Any, backend: str, max_batch: int) -> Any:
-    """A loaded and warmed-up :class:`agent.model.LoadedModel` (no golden check: speed is measured here)."""
-    from agent.model import LoadedModel
+    """A loaded and warmed-up :class:`agent.pipeline.model.LoadedModel` (no golden check: speed is measured here)."""
+    from agent.pipeline.model import LoadedModel
 
     model = LoadedModel(bundle, device, backend, max_batch=max_batch)
     model.load()
@@ -78,7 +78,7 @@ def serve_batch_at_most(bundle: Any, backend: str, limit: int) -> int:
     opening it with this number gets the biggest batch the bundle offers; ``infer_frames`` then runs ``limit``
     frames in chunks of that size. Tiers without such an artifact run their smallest batch, as in the daemon.
     """
-    from agent.device_config import BACKEND_FORMATS
+    from agent.config.device_config import BACKEND_FORMATS
 
     formats = BACKEND_FORMATS[backend]
     batches = [
@@ -96,7 +96,7 @@ def frame_hw_for_tier(tier: Tuple[int, int], height: int = CAMERA_HW[0]) -> Tupl
 
 def largest_batch_tier(bundle: Any, backend: str) -> Tuple[int, int]:
     """The tier whose serve artifact for ``backend`` has the largest fixed batch (ties: the larger tier)."""
-    from agent.device_config import BACKEND_FORMATS
+    from agent.config.device_config import BACKEND_FORMATS
 
     formats = BACKEND_FORMATS[backend]
     candidates = [
@@ -117,8 +117,8 @@ def artifact_batches(model: Any) -> Dict[str, int]:
 def backend_available(backend: str) -> Optional[str]:
     """None when ``backend`` can run here, else why not (from the backends' own status report)."""
     try:
-        from agent.backends import backend_status
+        from agent.pipeline.backends import backend_status
     except ImportError as exc:
-        return "agent.backends is not importable: %s" % exc
+        return "agent.pipeline.backends is not importable: %s" % exc
     status = backend_status().get(backend)
     return None if status == "ok" else str(status)

@@ -6,7 +6,7 @@
   every runnable batch-1 artifact of that tier, produced by the runtime that consumes the artifact (cv2.dnn
   for ONNX, ``mindspore.load`` + ``nn.GraphCell`` for MindIR) after the box's own preprocessing. A box replays
   these to prove its preprocessing and runtime give the same numbers.
-* The manifest, through :func:`agent.bundle.write_manifest`, which hashes every file; it must come last.
+* The manifest, through :func:`agent.lifecycle.bundle.write_manifest`, which hashes every file; it must come last.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from agent.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
+from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
 
 CALIBRATION_DIR = "calibration"
 GOLDEN_DIR = "golden"
@@ -123,8 +123,8 @@ def write_bundle_manifest(
     toolchain: Dict[str, Any],
 ) -> Dict[str, Any]:
     """Fill in and write manifest.json for a :class:`quant.config.RunConfig` run; returns what was written."""
-    from agent.bundle import write_manifest
-    from agent.schema import to_dict
+    from agent.config.schema import to_dict
+    from agent.lifecycle.bundle import write_manifest
 
     p = config.preprocessing
     manifest = {

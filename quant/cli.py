@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    from agent.schema import ConfigError
+    from agent.config.schema import ConfigError
     from quant.config import load_config
 
     try:

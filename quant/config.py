@@ -1,6 +1,6 @@
 """The QAT run's YAML config: a schema (unknown keys and bad values fail loudly, naming the field).
 
-Built on :mod:`agent.schema`, the same typed-config layer the daemon's configs use. Example files live in
+Built on :mod:`agent.config.schema`, the same typed-config layer the daemon's configs use. Example files live in
 ``quant/examples/`` (``digits.yaml``: classifier on scikit-learn digits; ``shapes.yaml``: the demo detector).
 """
 
@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from agent.bundle import Postprocessing, Preprocessing  # the manifest's own schema: one definition
-from agent.schema import load_yaml, setting
+from agent.config.schema import load_yaml, setting
+from agent.lifecycle.bundle import Postprocessing, Preprocessing  # the manifest's own schema: one definition
 
 TASKS = ("classify", "detect-yolov8")
 DATA_KINDS = ("digits", "shapes", "imagefolder", "yolo")

@@ -1,12 +1,12 @@
 """Data sets for training and evaluation, all letterboxed by the agent's one letterbox.
 
-Every image is letterboxed to the training tier with :func:`agent.preprocess.letterbox` and kept as uint8 BGR,
+Every image is letterboxed to the training tier with :func:`agent.pipeline.preprocess.letterbox` and kept as uint8 BGR,
 exactly what the box produces from a camera frame; :func:`network_input` then applies the bundle's colour
-order and normalisation through :class:`agent.preprocess.BatchPreprocessor`. So training, calibration, golden
+order and normalisation through :class:`agent.pipeline.preprocess.BatchPreprocessor`. So training, calibration, golden
 sets and the box share one preprocessing definition.
 
 Sources: an ImageFolder tree (``root/<class>/*.jpg``), a YOLO-format tree (``images/`` + ``labels/*.txt``),
-scikit-learn's digits (real 8x8 scans, no download) and generated shapes scenes (:mod:`agent.shapes`). Every
+scikit-learn's digits (real 8x8 scans, no download) and generated shapes scenes (:mod:`agent.devtools.scenes`). Every
 problem with the input is raised as :class:`DatasetError` naming the file or field, before training.
 """
 
@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import cv2
 import numpy as np
 
-from agent.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
-from agent.shapes import SHAPE_LABELS, generate_scene
+from agent.devtools.scenes import SHAPE_LABELS, generate_scene
+from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _letterbox_into(
 
 
 def _map_boxes(boxes_xyxy: np.ndarray, gain: float, left: int, top: int) -> np.ndarray:
-    """Source pixels -> input pixels, the inverse of :func:`agent.preprocess.scale_boxes`."""
+    """Source pixels -> input pixels, the inverse of :func:`agent.pipeline.preprocess.scale_boxes`."""
     return (boxes_xyxy * gain + np.array([left, top, left, top], np.float32)).astype(np.float32)
 
 

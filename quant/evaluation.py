@@ -69,7 +69,7 @@ def mean_average_precision(
     gt_classes: Sequence[np.ndarray],
     num_classes: int,
 ) -> dict:
-    """mAP@0.5 over images; ``detections[i]`` is (k, 6) x1, y1, x2, y2, score, class (agent.postprocess
+    """mAP@0.5 over images; ``detections[i]`` is (k, 6) x1, y1, x2, y2, score, class (agent.pipeline.postprocess
     layout).
 
     Returns ``{"map50": float, "per_class": [AP or None], "images": n}``.
@@ -108,6 +108,6 @@ def mean_average_precision(
 
 def detections_from_outputs(outputs: np.ndarray, iou: float, conf: float = EVAL_CONF) -> List[np.ndarray]:
     """Raw YOLOv8 outputs (B, 4 + nc, N) -> per-image (k, 6) detections via the box's own decoder."""
-    from agent.postprocess import decode_yolov8
+    from agent.pipeline.postprocess import decode_yolov8
 
     return decode_yolov8(outputs, conf, iou, EVAL_MAX_DET)

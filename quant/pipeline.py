@@ -9,7 +9,7 @@ Order matters in three places:
   ``apply()`` of the same network loaded from the QAT checkpoint (``convert(net, ckpt_path)``), because
   MindSpore caches the compiled export graph per network object and would otherwise export the stale graph
   (the "Parameter that wasn't created in nn.Cell" error, naming a quantizer's min/max).
-* The manifest is written last, by :func:`agent.bundle.write_manifest`, which hashes every file on disk.
+* The manifest is written last, by :func:`agent.lifecycle.bundle.write_manifest`, which hashes every file on disk.
 """
 
 import dataclasses
@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from agent.preprocess import BatchPreprocessor, PreprocessSpec
-from agent.schema import to_dict
+from agent.config.schema import to_dict
+from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec
 from quant.bundle_writer import ArtifactPlan, write_bundle_manifest, write_calibration, write_golden
 from quant.config import RunConfig
 from quant.datasets import DatasetError, SplitData
@@ -179,7 +179,7 @@ class QatRun:
 
     def _fingerprint(self, phase: str) -> str:
         """Identifies what a checkpoint was trained from, so --resume never reuses a stale one."""
-        from agent.schema import to_dict
+        from agent.config.schema import to_dict
 
         relevant = {
             "data": to_dict(self.config.data),

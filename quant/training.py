@@ -14,7 +14,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 
-from agent.preprocess import PreprocessSpec
+from agent.pipeline.preprocess import PreprocessSpec
 from quant.datasets import ImageSet, network_input
 from quant.detection_loss import DetectionLoss, batch_targets
 from quant.networks import anchor_points

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-from agent.broker import BrokerError, EmbeddedBroker, find_mosquitto, free_port
+from agent.devtools.broker import BrokerError, EmbeddedBroker, find_mosquitto, free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WAIT_S = 20.0  # bound on every wait for a broker round trip; generous for a loaded CI box

@@ -13,12 +13,12 @@ from typing import Any, Dict
 import pytest
 from conftest import REPO_ROOT, WAIT_S, MqttProbe, wait_for
 
-from agent import ctl
-from agent.broker import BrokerTls, EmbeddedBroker, find_mosquitto
-from agent.commands import CommandDispatcher
-from agent.config import MqttConfig, TlsConfig
-from agent.outbox import Outbox
-from agent.transport import MqttTransport
+from agent.cli import ctl
+from agent.config.daemon_config import MqttConfig, TlsConfig
+from agent.devtools.broker import BrokerTls, EmbeddedBroker, find_mosquitto
+from agent.ops.commands import CommandDispatcher
+from agent.ops.outbox import Outbox
+from agent.ops.transport import MqttTransport
 
 ACL_FILE = os.path.join(REPO_ROOT, "systemd", "mosquitto-acl.example")
 PASSWD_SCRIPT = os.path.join(REPO_ROOT, "systemd", "make-mosquitto-passwd.sh")

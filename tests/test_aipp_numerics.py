@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 import pytest
 
-from agent.preprocess import BatchPreprocessor, PreprocessSpec
+from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec
 from converters import aipp, grammar
 
 IMAGENET_RGB = PreprocessSpec(color="rgb", mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))

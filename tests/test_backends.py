@@ -19,10 +19,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import pytest
 
-from agent.backends import BACKENDS, backend_status, create_backend
-from agent.backends import acl_backend as acl_mod
-from agent.backends.base import Backend, BackendError, BackendOptions, BackendUnavailable, TensorSpec
-from agent.device_config import BACKEND_FORMATS, load_device_config
+from agent.config.device_config import BACKEND_FORMATS, load_device_config
+from agent.pipeline.backends import BACKENDS, backend_status, create_backend
+from agent.pipeline.backends import acl_backend as acl_mod
+from agent.pipeline.backends.base import Backend, BackendError, BackendOptions, BackendUnavailable, TensorSpec
 from tests.fakes import write_toy_model
 from tests.fakes.fake_acl import ACL_DEVICE, FakeAcl
 from tests.fakes.fake_mslite import FakeMindSporeLite, FakeModelType
@@ -196,7 +196,7 @@ def test_backend_status_reports_ok_or_the_missing_module_and_its_provider() -> N
 
 
 def test_importing_the_registry_imports_no_runtime() -> None:
-    code = ("import sys, agent.backends; "
+    code = ("import sys, agent.pipeline.backends; "
             "print(sorted(m for m in ('mindspore', 'mindspore_lite', 'acl', 'cv2') if m in sys.modules))")
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
@@ -320,7 +320,7 @@ def test_mindspore_and_opencv_agree_on_the_demo_bundle() -> None:
 def test_mindspore_reuses_compiled_graphs_across_swaps(exported_net, monkeypatch: pytest.MonkeyPatch) -> None:
     import mindspore
 
-    from agent.backends import mindspore_backend
+    from agent.pipeline.backends import mindspore_backend
 
     loads: List[str] = []
     real_load = mindspore.load
@@ -370,13 +370,13 @@ def test_mindspore_swap_cycles_keep_rss_flat(exported_net) -> None:
 
 def test_mindspore_thread_count_is_fixed_per_process_and_a_change_is_warned(
         exported_net, caplog: pytest.LogCaptureFixture) -> None:
-    from agent.backends import mindspore_backend
+    from agent.pipeline.backends import mindspore_backend
 
     with create_backend("mindspore", exported_net[1]["mindir"], net_spec(1)):
         pass
     fixed = mindspore_backend._process_threads
     assert fixed is not None
-    with caplog.at_level(logging.WARNING, logger="agent.backends.mindspore_backend"):
+    with caplog.at_level(logging.WARNING, logger="agent.pipeline.backends.mindspore_backend"):
         with create_backend("mindspore", exported_net[1]["mindir"], net_spec(1),
                             BackendOptions(cpu_threads=fixed + 1)):
             pass
@@ -385,7 +385,7 @@ def test_mindspore_thread_count_is_fixed_per_process_and_a_change_is_warned(
 
 def test_mindspore_compiles_while_another_thread_infers(exported_net) -> None:
     """A deploy compiles the new model while the current one serves: MindSpore 2.7 alone fails that."""
-    from agent.backends import mindspore_backend
+    from agent.pipeline.backends import mindspore_backend
 
     serving = create_backend("mindspore", exported_net[1]["mindir"], net_spec(1))
     serving.load()

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from agent.batcher import Batcher
+from agent.pipeline.batcher import Batcher
 
 
 def filled(n):

@@ -195,7 +195,7 @@ def test_synthetic_yolov8_output_has_clustered_candidates_and_both_decoders_agre
     assert confident == 293  # golden: 24 clusters of 6..20 anchors from the fixed seed
     scores = output[0, 4:]
     assert np.mean(scores < 0.05) > 0.99  # nearly every score is tiny
-    from agent.postprocess import decode_yolov8
+    from agent.pipeline.postprocess import decode_yolov8
 
     agent = decode_yolov8(output, postprocessing.CONF, postprocessing.IOU, postprocessing.MAX_DET)[0]
     reference = postprocessing.straightforward_decode(output, postprocessing.CONF, postprocessing.IOU,
@@ -206,7 +206,7 @@ def test_synthetic_yolov8_output_has_clustered_candidates_and_both_decoders_agre
 
 
 def test_straightforward_preprocess_matches_the_agent_on_a_720p_frame():
-    from agent.preprocess import BatchPreprocessor, PreprocessSpec
+    from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec
 
     frame = preprocessing.camera_frame((720, 1280))
     filler = BatchPreprocessor(PreprocessSpec(), (320, 320), 1)
@@ -219,7 +219,7 @@ def test_straightforward_preprocess_matches_the_agent_on_a_720p_frame():
 
 def demo_like_bundle():
     """A parsed manifest shaped like the demo bundle's (no files: only the artifact table is read)."""
-    from agent.bundle import Bundle, parse_manifest
+    from agent.lifecycle.bundle import Bundle, parse_manifest
 
     def art(file, fmt, tier, batch, role="serve"):
         return {"file": file, "format": fmt, "target": "cpu", "tier": list(tier), "batch": batch,
@@ -365,7 +365,7 @@ def test_plots_are_written_for_the_sections_present(tmp_path, quick_json):
 
 @pytest.fixture()
 def broker():
-    from agent.broker import BrokerError, EmbeddedBroker
+    from agent.devtools.broker import BrokerError, EmbeddedBroker
 
     try:
         instance = EmbeddedBroker()

@@ -1,4 +1,4 @@
-"""agent/bundle.py and `atlas-edge bundle`: every refusal names its field or file, and nothing bad passes.
+"""agent/lifecycle/bundle.py and `atlas-edge bundle`: every refusal names its field or file, and nothing bad passes.
 
 The bundles here hold stand-in artifact bytes (the verifier hashes files, it does not run them); loading and
 golden checks with real backends are covered in test_model_manager.py.
@@ -16,8 +16,9 @@ import tarfile
 import numpy as np
 import pytest
 
-from agent import bundle_cli
-from agent.bundle import (
+from agent.cli import bundle as bundle_cli
+from agent.config.device_config import load_device_config
+from agent.lifecycle.bundle import (
     MANIFEST,
     SIGNATURE,
     BundleError,
@@ -30,7 +31,6 @@ from agent.bundle import (
     verify_bundle,
     write_manifest,
 )
-from agent.device_config import load_device_config
 
 
 def artifact(file, **extra):

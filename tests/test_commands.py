@@ -12,11 +12,12 @@ from conftest import WAIT_S, MqttProbe, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.commands import REQUEST_ID_RE, VERBS, CommandDispatcher, CommandError, _RequestRecord
-from agent.config import MqttConfig
-from agent.outbox import Outbox
-from agent.schema import parse, setting
-from agent.transport import MqttTransport
+from agent.config.daemon_config import MqttConfig
+from agent.config.schema import parse, setting
+from agent.errors import CommandError
+from agent.ops.commands import REQUEST_ID_RE, VERBS, CommandDispatcher, _RequestRecord
+from agent.ops.outbox import Outbox
+from agent.ops.transport import MqttTransport
 
 _devices = itertools.count()
 

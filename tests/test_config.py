@@ -6,9 +6,9 @@ import sys
 import pytest
 import yaml
 
-from agent.config import load_daemon_config, merge_config, parse_daemon_config, resolve_secret
-from agent.device_config import known_devices, load_device_config
-from agent.schema import ConfigError
+from agent.config.daemon_config import load_daemon_config, merge_config, parse_daemon_config, resolve_secret
+from agent.config.device_config import known_devices, load_device_config
+from agent.config.schema import ConfigError
 
 GOOD = {"device_id": "cam-01", "model": {"bundle": "b"}}
 

@@ -11,13 +11,14 @@ from typing import Any, Dict, List, Tuple
 import pytest
 from conftest import REPO_ROOT, WAIT_S, wait_for
 
-from agent import ctl
-from agent.broker import free_port
-from agent.commands import CommandDispatcher, CommandError
-from agent.config import MqttConfig
-from agent.outbox import Outbox
-from agent.schema import ConfigError, FieldError
-from agent.transport import MqttTransport
+from agent.cli import ctl
+from agent.config.daemon_config import MqttConfig
+from agent.config.schema import ConfigError, FieldError
+from agent.devtools.broker import free_port
+from agent.errors import CommandError
+from agent.ops.commands import CommandDispatcher
+from agent.ops.outbox import Outbox
+from agent.ops.transport import MqttTransport
 
 DEVICE = "ctl-box"
 
@@ -125,7 +126,7 @@ def test_unreachable_broker_exits_four():
 
 
 def test_module_entry_point(mosquitto, box):
-    done = subprocess.run([sys.executable, "-m", "agent.ctl", "--broker", mosquitto.url, DEVICE, "status"],
+    done = subprocess.run([sys.executable, "-m", "agent.cli.ctl", "--broker", mosquitto.url, DEVICE, "status"],
                           capture_output=True, text=True, timeout=WAIT_S, cwd=REPO_ROOT,
                           env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert done.returncode == 0, done.stderr

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from agent.demo import DEMO_BUNDLE, write_sample_frames
+from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from tests.test_e2e import SIZES, Subscriber, start_daemon, write_config
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
@@ -39,14 +39,14 @@ def wait_status(broker, deadline_s=90):
 
 def new_version(tmp_path, store, version):
     """A copy of the demo bundle with another version, placed in the store's incoming/ area."""
-    from agent.bundle import write_manifest
+    from agent.lifecycle.bundle import write_manifest
 
     target = os.path.join(store, "incoming", "shapes-%s" % version)
     shutil.copytree(DEMO_BUNDLE, target)
     manifest = json.load(open(os.path.join(target, "manifest.json")))
     manifest["version"] = version
     write_manifest(target, manifest)
-    from agent.bundle import sha256_file
+    from agent.lifecycle.bundle import sha256_file
 
     return "incoming/shapes-%s" % version, sha256_file(os.path.join(target, "manifest.json"))
 
@@ -150,8 +150,8 @@ class LeakyBackendForTests:
 
 
 def run_daemon_in_thread(tmp_path, broker, leak, monkeypatch):
-    import agent.model as model_module
-    from agent.config import parse_daemon_config
+    import agent.pipeline.model as model_module
+    from agent.config.daemon_config import parse_daemon_config
     from agent.daemon import Daemon
 
     if leak:
@@ -191,7 +191,7 @@ def test_leak_restarts_the_daemon_cleanly_and_a_plateau_does_not(tmp_path, mosqu
             assert outcome["code"] == 3  # non-zero: systemd's Restart=on-failure brings it back
             assert alerts.wait(lambda m: any(json.loads(p)["kind"] == "leak" for _t, p, _r in m), timeout=10)
             time.sleep(0.5)
-            from agent.outbox import Outbox
+            from agent.ops.outbox import Outbox
 
             pending = len(Outbox(str(tmp_path / "state" / "outbox.sqlite"), 1 << 26))
             assert len(results.messages) + pending == daemon.published > 0

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from agent.demo import DEMO_BUNDLE
+from agent.cli.demo import DEMO_BUNDLE
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")

@@ -19,7 +19,7 @@ import paho.mqtt.client as mqtt
 import pytest
 import yaml
 
-from agent.demo import DEMO_BUNDLE, write_sample_frames
+from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -145,7 +145,7 @@ def test_sigterm_loses_no_result(tmp_path, mosquitto):
         assert line, output[-2000:]
         published = int(line[-1].split("published ")[1].split()[0])
         time.sleep(0.5)
-        from agent.outbox import Outbox
+        from agent.ops.outbox import Outbox
 
         pending = len(Outbox(str(tmp_path / "state" / "outbox.sqlite"), 1 << 26))
         got = len(results.json())
@@ -181,7 +181,7 @@ def test_bundle_with_wrong_hash_is_refused_naming_the_file(tmp_path, mosquitto):
 
 
 def test_bundle_for_another_soc_is_refused_naming_both(tmp_path, mosquitto):
-    from agent.bundle import write_manifest
+    from agent.lifecycle.bundle import write_manifest
 
     bundle = copy_bundle(tmp_path)
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -235,10 +235,10 @@ def test_corrupt_frame_is_counted_and_serving_goes_on(tmp_path, mosquitto):
 
 def test_detections_numeric_sanity_on_demo_model():
     """The demo model's boxes are finite and inside the image (guards against a mis-mapped letterbox)."""
-    from agent.bundle import verify_bundle
-    from agent.device_config import load_device_config
-    from agent.model import load_model
-    from agent.shapes import generate_scene
+    from agent.config.device_config import load_device_config
+    from agent.devtools.scenes import generate_scene
+    from agent.lifecycle.bundle import verify_bundle
+    from agent.pipeline.model import load_model
 
     model = load_model(verify_bundle(DEMO_BUNDLE), load_device_config("cpu-dev"), "opencv")
     try:

@@ -23,17 +23,17 @@ import time
 import numpy as np
 import pytest
 
-from agent import backends
-from agent.backends.opencv_backend import OpenCvBackend
-from agent.bundle import MANIFEST, BundleError, sha256_file, sign_bundle, write_manifest
-from agent.bundle_cli import make_key_pair
-from agent.commands import CommandError
-from agent.config import parse_daemon_config
-from agent.device_config import load_device_config
-from agent.fetch import FetchError, download, fetch_bundle
-from agent.model_manager import STAGING_DIR, ModelManager, _Window
-from agent.schema import ConfigError, parse
-from agent.slots import CONFIRMED, EMPTY, PENDING, STANDBY, load_slots
+from agent.cli.bundle import make_key_pair
+from agent.config.daemon_config import parse_daemon_config
+from agent.config.device_config import load_device_config
+from agent.config.schema import ConfigError, parse
+from agent.errors import CommandError
+from agent.lifecycle.bundle import MANIFEST, BundleError, sha256_file, sign_bundle, write_manifest
+from agent.lifecycle.fetch import FetchError, download, fetch_bundle
+from agent.lifecycle.model_manager import STAGING_DIR, ModelManager, _Window
+from agent.lifecycle.slots import CONFIRMED, EMPTY, PENDING, STANDBY, load_slots
+from agent.pipeline import backends
+from agent.pipeline.backends.opencv_backend import OpenCvBackend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIER = 32
@@ -76,7 +76,7 @@ def _build_bundle(root):
     ms.export(net, dummy, file_name=stem, file_format="ONNX")
     ms.export(net, dummy, file_name=stem, file_format="MINDIR")
     image = np.random.default_rng(3).integers(0, 256, size=(TIER, TIER, 3), dtype=np.uint8)
-    # The reference preprocessing written out independently of agent.preprocess: BGR->RGB, /255, HWC->CHW.
+    # The reference preprocessing written out independently of agent.pipeline.preprocess: BGR->RGB, /255, HWC->CHW.
     x = (image[:, :, ::-1].astype(np.float32) / 255.0).transpose(2, 0, 1)[None]
     expected = net(ms.Tensor(x)).asnumpy()
     np.save(os.path.join(root, "golden", "case0.npy"), image)
@@ -374,7 +374,7 @@ DEMO_BUNDLE = os.path.join(REPO, "examples", "demo-bundle")
 @pytest.mark.skipif(not os.path.isdir(DEMO_BUNDLE), reason="examples/demo-bundle is not in this checkout")
 def test_the_demo_detector_swaps_on_both_tiers_without_losing_a_frame(tmp_path):
     """The committed shapes detector (two tiers, YOLOv8 decode) through a deploy and an operator rollback."""
-    from agent.shapes import generate_scene
+    from agent.devtools.scenes import generate_scene
 
     h = Harness(tmp_path, DEMO_BUNDLE)
     try:
@@ -546,7 +546,7 @@ def test_a_bad_deploy_raises_with_its_reason_and_changes_nothing(harness, base_b
 
 def test_a_bundle_for_another_soc_is_refused_naming_both_on_a_stand_in_ascend_box(base_bundle, tmp_path):
     """A stand-in Ascend310B4 box runs the ONNX artifact with OpenCV (no NPU here); the SoC check is real."""
-    from agent.device_config import DeviceConfig
+    from agent.config.device_config import DeviceConfig
 
     stand_in_box = parse(DeviceConfig, {
         "name": "stand-in-310b4", "target": "ascend", "soc_version": "Ascend310B4", "backend": "opencv",
@@ -738,9 +738,9 @@ def test_without_a_baseline_latency_is_not_judged():
 CRASH_CHILD = r"""
 import json, sys, threading
 import numpy as np
-from agent.config import parse_daemon_config
-from agent.device_config import load_device_config
-from agent.model_manager import ModelManager
+from agent.config.daemon_config import parse_daemon_config
+from agent.config.device_config import load_device_config
+from agent.lifecycle.model_manager import ModelManager
 
 config = parse_daemon_config(json.loads(sys.argv[1]))
 manager = ModelManager(config, load_device_config("cpu-dev"), "opencv", on_event=lambda event: None)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.npu_smi import NpuMemory, NpuSmiFormatError, NpuSmiProbe, parse_npu_smi_info, parse_npu_smi_usages
+from agent.health.npu_smi import NpuMemory, NpuSmiFormatError, NpuSmiProbe, parse_npu_smi_info, parse_npu_smi_usages
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "npu_smi")
 
@@ -159,7 +159,7 @@ class FakeNpuSmiRunner:
 
 def warnings_from(caplog) -> List[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "agent.npu_smi" and r.levelno >= logging.WARNING]
+            if r.name == "agent.health.npu_smi" and r.levelno >= logging.WARNING]
 
 
 def test_probe_reads_its_logical_device():
@@ -177,7 +177,7 @@ def test_probe_matches_npu_id_when_no_logical_column():
 def test_absent_npu_smi_is_reported_once_and_not_retried(caplog):
     runner = FakeNpuSmiRunner(raises=FileNotFoundError(2, "No such file or directory", "npu-smi"))
     probe = NpuSmiProbe(runner=runner)
-    with caplog.at_level(logging.DEBUG, logger="agent.npu_smi"):
+    with caplog.at_level(logging.DEBUG, logger="agent.health.npu_smi"):
         readings = [probe.read() for _ in range(50)]
     assert readings == [None] * 50
     assert len(warnings_from(caplog)) == 1 and "not found" in warnings_from(caplog)[0]
@@ -188,7 +188,7 @@ def test_absent_npu_smi_is_reported_once_and_not_retried(caplog):
 def test_failures_are_counted_and_each_distinct_error_logged_once(caplog):
     runner = FakeNpuSmiRunner(returncode=255, stderr="dcmi module initialize failed. ret is -8005")
     probe = NpuSmiProbe(runner=runner)
-    with caplog.at_level(logging.DEBUG, logger="agent.npu_smi"):
+    with caplog.at_level(logging.DEBUG, logger="agent.health.npu_smi"):
         for _ in range(20):
             assert probe.read() is None
         runner.returncode, runner.stdout = 0, fixture("info-garbled.txt")
@@ -208,7 +208,7 @@ def test_failures_are_counted_and_each_distinct_error_logged_once(caplog):
 
 def test_missing_device_names_the_devices_seen(caplog):
     probe = NpuSmiProbe(device_id=3, runner=FakeNpuSmiRunner(fixture("info-atlas-300i-pro-310p3.txt")))
-    with caplog.at_level(logging.WARNING, logger="agent.npu_smi"):
+    with caplog.at_level(logging.WARNING, logger="agent.health.npu_smi"):
         assert probe.read() is None
     assert "device 3 not in npu-smi output (devices: 0(310P3), 1(310P3))" in warnings_from(caplog)[0]
 

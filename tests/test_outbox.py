@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO_ROOT, WAIT_S
 
-from agent.outbox import Outbox, OutboxError, message_size
+from agent.ops.outbox import Outbox, OutboxError, message_size
 
 TOPIC = "atlas-edge/cam-01/results/front"  # 31 bytes
 
@@ -106,7 +106,7 @@ def test_a_killed_writer_loses_nothing_it_committed(tmp_path):
     path = str(tmp_path / "o.sqlite")
     script = (
         "import sys, time\n"
-        "from agent.outbox import Outbox\n"
+        "from agent.ops.outbox import Outbox\n"
         "box = Outbox(sys.argv[1], 10**6)\n"
         "for i in range(200):\n"
         "    box.put('t/%d' % i, b'payload-%d' % i)\n"

@@ -1,4 +1,4 @@
-"""Tests for agent/postprocess.py against a greedy per-class NMS and a YOLO decoder written here."""
+"""Tests for agent/pipeline/postprocess.py against a greedy per-class NMS and a YOLO decoder written here."""
 
 from types import SimpleNamespace
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from agent.postprocess import classify_topk, decode, decode_yolov5, decode_yolov8, nms
+from agent.pipeline.postprocess import classify_topk, decode, decode_yolov5, decode_yolov8, nms
 
 SEEDS = range(20)
 IOU_THRESHOLDS = (0.3, 0.45, 0.7)

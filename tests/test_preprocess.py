@@ -1,4 +1,4 @@
-"""Tests for agent/preprocess.py against an independent Ultralytics-rule letterbox written here."""
+"""Tests for agent/pipeline/preprocess.py against an independent Ultralytics-rule letterbox written here."""
 
 import tracemalloc
 import zlib
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.preprocess import (
+from agent.pipeline.preprocess import (
     PAD_VALUE,
     BatchPreprocessor,
     LetterboxPlan,

@@ -64,7 +64,7 @@ def test_no_boxes_means_all_background(grid):
 
 def test_detector_output_layout_and_loss_decreases(grid):
     """A tiny detector on four generated scenes: YOLOv8 layout, sigmoid scores, and learning happens."""
-    from agent.preprocess import PreprocessSpec
+    from agent.pipeline.preprocess import PreprocessSpec
     from quant.datasets import generate_shapes, network_input
     from quant.detection_loss import DetectionLoss, batch_targets
 

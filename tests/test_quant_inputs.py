@@ -147,7 +147,7 @@ def test_negative_epochs_rejected(tmp_path, capsys):
 
 
 def _spec():
-    from agent.preprocess import PreprocessSpec
+    from agent.pipeline.preprocess import PreprocessSpec
 
     return PreprocessSpec()
 

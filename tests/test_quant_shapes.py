@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from agent.bundle import verify_bundle
-from agent.postprocess import decode_yolov8
-from agent.preprocess import BatchPreprocessor, PreprocessSpec, scale_boxes
+from agent.lifecycle.bundle import verify_bundle
+from agent.pipeline.postprocess import decode_yolov8
+from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, scale_boxes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLE = os.path.join(REPO, "examples", "demo-bundle")
@@ -107,7 +107,7 @@ def test_onnx_finds_the_shapes_of_held_out_scenes_in_original_pixels(bundle):
     """The box's path end to end: frame -> letterbox -> ONNX (cv2.dnn) -> decode -> scale back -> truth."""
     import cv2
 
-    from agent.shapes import generate_scene
+    from agent.devtools.scenes import generate_scene
     from quant.datasets import SHAPES_TEST_SEED_OFFSET, shapes_scene_hw
     from quant.evaluation import box_iou_matrix
 

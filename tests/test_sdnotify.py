@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from agent.sdnotify import STATUS_MAX_CHARS, SystemdNotifier
+from agent.health.sdnotify import STATUS_MAX_CHARS, SystemdNotifier
 
 RECV_TIMEOUT_S = 5.0
 
@@ -110,7 +110,7 @@ def test_a_gone_socket_fails_quietly_and_is_logged_once(caplog):
     directory = tempfile.mkdtemp(prefix="sdn-", dir="/tmp")
     try:
         notifier = SystemdNotifier(environ={"NOTIFY_SOCKET": os.path.join(directory, "missing")})
-        with caplog.at_level(logging.WARNING, logger="agent.sdnotify"):
+        with caplog.at_level(logging.WARNING, logger="agent.health.sdnotify"):
             results = [notifier.watchdog() for _ in range(25)]
         assert results == [False] * 25
         assert len([r for r in caplog.records if "sd_notify" in r.getMessage()]) == 1
@@ -119,7 +119,7 @@ def test_a_gone_socket_fails_quietly_and_is_logged_once(caplog):
 
 
 def test_unsupported_socket_address_disables_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="agent.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="agent.health.sdnotify"):
         notifier = SystemdNotifier(environ={"NOTIFY_SOCKET": "vsock:2:1234"})
     assert not notifier.enabled
     assert notifier.ready() is False

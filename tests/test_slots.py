@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import slots
-from agent.slots import (
+from agent._util import atomic
+from agent.lifecycle import slots
+from agent.lifecycle.slots import (
     CONFIRMED,
     EMPTY,
     PENDING,
@@ -113,7 +114,7 @@ def test_a_failed_replace_keeps_the_old_file_and_no_temp(tmp_path, monkeypatch):
     def power_cut(src, dst):
         raise OSError("simulated failure at rename")
 
-    monkeypatch.setattr(slots.os, "replace", power_cut)
+    monkeypatch.setattr(atomic.os, "replace", power_cut)
     with pytest.raises(OSError, match="simulated"):
         save_slots(path, with_pending(old, "b", bundle_slot("2")))
     assert open(path, "rb").read() == before

@@ -9,8 +9,8 @@ import time
 import cv2
 import numpy as np
 
-from agent.config import SourceConfig
-from agent.sources import SourceReader
+from agent.config.daemon_config import SourceConfig
+from agent.pipeline.sources import SourceReader
 
 
 def run_reader(config, timeout=10.0, until=None):

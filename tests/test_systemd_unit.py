@@ -15,8 +15,8 @@ from typing import Dict, List
 
 import pytest
 
-from agent.config import WatchdogConfig
-from agent.device_config import load_device_config
+from agent.config.daemon_config import WatchdogConfig
+from agent.config.device_config import load_device_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT = os.path.join(ROOT, "systemd", "atlas-edge.service")

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, WAIT_S, wait_for
 
-from agent.config import MqttConfig, TlsConfig
-from agent.outbox import Outbox
-from agent.schema import ConfigError
-from agent.transport import (
+from agent.config.daemon_config import MqttConfig, TlsConfig
+from agent.config.schema import ConfigError
+from agent.ops.outbox import Outbox
+from agent.ops.transport import (
     DISCARDED,
     OUTBOXED,
     SENT,
@@ -288,9 +288,9 @@ def test_lost_pubacks_give_marked_duplicates_not_silent_ones(mosquitto, tmp_path
 
 CHILD_PUBLISHER = """
 import json, sys, time
-from agent.config import MqttConfig
-from agent.outbox import Outbox
-from agent.transport import MqttTransport
+from agent.config.daemon_config import MqttConfig
+from agent.ops.outbox import Outbox
+from agent.ops.transport import MqttTransport
 port, path, device, count = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 config = MqttConfig(host="127.0.0.1", port=port, reconnect_min_s=0.05, reconnect_max_s=0.1)
 transport = MqttTransport(config, device, Outbox(path, 10**6)).start()

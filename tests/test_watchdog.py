@@ -17,10 +17,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from agent.config import WatchdogConfig
-from agent.npu_smi import NpuMemory, NpuSmiProbe
-from agent.sdnotify import SystemdNotifier
-from agent.watchdog import (
+from agent.config.daemon_config import WatchdogConfig
+from agent.health.npu_smi import NpuMemory, NpuSmiProbe
+from agent.health.sdnotify import SystemdNotifier
+from agent.health.watchdog import (
     WINDOW_COVERAGE,
     LeakDetector,
     MemorySample,
@@ -184,7 +184,7 @@ def test_exact_slope_and_verdicts_on_golden_series():
 def test_time_going_backwards_restarts_the_window(caplog):
     detector = LeakDetector(60, 50, min_samples=6)
     feed(detector, [(t, 100.0 + t) for t in range(0, 60, 5)])
-    with caplog.at_level(logging.WARNING, logger="agent.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="agent.health.watchdog"):
         detector.add(10.0, 100.0)
     assert len(detector) == 1 and "backwards" in caplog.text
 
@@ -365,7 +365,7 @@ def test_a_failing_npu_probe_leaves_npu_figures_empty(caplog):
         raise RuntimeError("stand-in probe failure")
 
     memory = MemoryWatchdog(WatchdogConfig(), npu_probe=broken_probe, read_limit=lambda: None)
-    with caplog.at_level(logging.ERROR, logger="agent.watchdog"):
+    with caplog.at_level(logging.ERROR, logger="agent.health.watchdog"):
         samples = [memory.sample() for _ in range(10)]
     assert all(s.npu_used_mb is None and s.rss_mb > 0 for s in samples)
     assert len([r for r in caplog.records if "NPU memory probe failed" in r.getMessage()]) == 1
@@ -598,7 +598,7 @@ def test_failing_callbacks_are_logged_and_the_tick_goes_on(caplog):
                             read_limit=lambda: None)
     watchdog = Watchdog(config, memory, ProgressMonitor(10, clock=clock), SystemdNotifier(environ={}),
                         on_alert=broken, request_restart=broken, clock=clock)
-    with caplog.at_level(logging.ERROR, logger="agent.watchdog"):
+    with caplog.at_level(logging.ERROR, logger="agent.health.watchdog"):
         for _ in range(3):
             watchdog.tick(clock.advance(1))
     assert "publishing watchdog alert failed" in caplog.text and "restart request failed" in caplog.text

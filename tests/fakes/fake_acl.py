@@ -1,6 +1,6 @@
 """FakeAcl: a stand-in for pyACL (the ``acl`` module of the Ascend CANN toolkit). It is NOT pyACL.
 
-Implements the calls agent/backends/acl_backend.py makes, with pyACL's conventions: calls return ``ret`` or
+Implements the calls agent/pipeline/backends/acl_backend.py makes, with pyACL's conventions: calls return ``ret`` or
 ``(value, ret)``, ``ret == 0`` is success, errors are CANN codes. Device memory is simulated: ``rt.malloc``
 hands out fake pointers (outside the user address space, never dereferenced) to bytearrays; host memory is
 real memory the backend registered through ``util.bytes_to_ptr`` / ``util.numpy_to_ptr``, read and written

@@ -1,7 +1,7 @@
 """FakeMindSporeLite: a stand-in for the ``mindspore_lite`` 2.x Python package. It is NOT MindSpore Lite.
 
 Implements the slice of the API in mindspore-lite/python/api (context.py, model.py, tensor.py) that
-agent/backends/mslite_backend.py uses, with the same argument checks and error types as the real package
+agent/pipeline/backends/mslite_backend.py uses, with the same argument checks and error types as the real package
 (TypeError for wrong argument types, RuntimeError for failed builds and for ``set_data_from_numpy`` dtype or
 size mismatches), and records every call in ``calls``. Its model files are JSON toy networks written by
 :func:`tests.fakes.write_toy_model` (kind ``mslite-toy``). Install it with

@@ -1,0 +1,215 @@
+"""``atlas-edge bundle verify|sign|keygen``: check a bundle as a box would, and sign it for boxes that ask.
+
+``verify`` runs exactly the box's checks (:func:`agent.lifecycle.bundle.verify_bundle`, then, with ``--device``,
+:func:`agent.lifecycle.bundle.select_artifacts`, and with ``--run-golden`` the load + warm-up + golden self-test of
+:func:`agent.pipeline.model.load_model`), so a bundle that passes here is refused on a box only for a reason the box
+alone can see (its runtime, its memory). ``keygen`` and ``sign`` need the ``cryptography`` package (the
+``edge`` extra); ``verify`` needs it only for a signed bundle with ``--public-key``.
+
+Exit codes: 0 valid / done, 1 the bundle (or key) was refused, 2 bad usage.
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any, Optional, Tuple
+
+from agent.config.schema import ConfigError
+from agent.lifecycle.bundle import Bundle, BundleError, load_public_key, select_artifacts, sign_bundle, verify_bundle
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+PRIVATE_KEY_MODE = 0o600  # a signing key readable by others is a signing key for others
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bundle_command", metavar="ACTION")
+    verify = sub.add_parser("verify", help="check manifest, hashes, signature, box compatibility, golden set",
+                            description="Check a bundle directory (or .tar/.tar.gz) the way a box does.")
+    verify.add_argument("bundle", metavar="DIR", help="bundle directory or archive")
+    verify.add_argument("--public-key", metavar="K",
+                        help="Ed25519 public key (hex or PEM file): require a valid manifest.sig")
+    verify.add_argument("--device", metavar="NAME",
+                        help="device config (name or path): check that the box can run it")
+    verify.add_argument("--backend", metavar="B",
+                        help="backend to check with --device (default: the device's)")
+    verify.add_argument("--run-golden", action="store_true",
+                        help="load the model on this machine with --backend and run the golden set")
+    verify.set_defaults(bundle_handler=_verify)
+
+    sign = sub.add_parser("sign", help="write manifest.sig with an Ed25519 private key",
+                          description="Verify the bundle, then sign its manifest.json (writes manifest.sig).")
+    sign.add_argument("bundle", metavar="DIR", help="bundle directory")
+    sign.add_argument("--key", required=True, metavar="PRIVATE.pem", help="Ed25519 private key (PEM, PKCS#8)")
+    sign.set_defaults(bundle_handler=_sign)
+
+    keygen = sub.add_parser("keygen", help="make an Ed25519 key pair: OUT_PREFIX.key and OUT_PREFIX.pub",
+                            description="Write OUT_PREFIX.key (private, mode 600) and OUT_PREFIX.pub "
+                                        "(public); print the public key in hex for model.public_key.")
+    keygen.add_argument("prefix", metavar="OUT_PREFIX", help="path prefix of the two key files")
+    keygen.set_defaults(bundle_handler=_keygen)
+
+
+def run(args: argparse.Namespace) -> int:
+    handler = getattr(args, "bundle_handler", None)
+    if handler is None:
+        print("atlas-edge bundle: choose an action: verify, sign or keygen", file=sys.stderr)
+        return EXIT_USAGE
+    return int(handler(args))
+
+
+# --- verify -------------------------------------------------------------------------------------------
+
+def _verify(args: argparse.Namespace) -> int:
+    if args.run_golden and not args.device:
+        print("--run-golden needs --device (the golden set runs with that device's backend)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        key = load_public_key(args.public_key) if args.public_key else None
+    except (ValueError, OSError) as exc:
+        print("--public-key: %s" % exc, file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_REFUSED
+    with _opened(args.bundle) as root:
+        if root is None:
+            return EXIT_REFUSED
+        try:
+            bundle = verify_bundle(root, key)
+            _print_bundle(bundle, args.bundle)
+            if args.device:
+                _check_device(bundle, args.device, args.backend, args.run_golden)
+        except ConfigError as exc:  # BundleError included: every refused field, named
+            print(exc, file=sys.stderr)
+            return EXIT_REFUSED
+    print("OK")
+    return EXIT_OK
+
+
+def _print_bundle(bundle: Bundle, shown: str) -> None:
+    manifest = bundle.manifest
+    print("%s: %s %s (%s), %d label(s)" % (shown, manifest.name, manifest.version, manifest.task,
+                                           len(manifest.labels)))
+    print("  manifest sha256  %s" % bundle.manifest_sha256)
+    print("  signature        %s" % ("present" if bundle.signed else "none"))
+    for art in manifest.artifacts:
+        soc = " %s" % art.soc_version if art.soc_version else ""
+        print("  artifact         %-32s %-6s %s%s tier %dx%d batch %d %s (%s)" % (
+            art.file, art.format, art.target, soc, art.tier[0], art.tier[1], art.batch, art.precision,
+            art.role))
+    golden = manifest.golden
+    cases = "%d case(s), atol %g rtol %g" % (len(golden.cases), golden.atol, golden.rtol) if golden else "-"
+    print("  golden set       %s" % cases)
+
+
+def _check_device(bundle: Bundle, device_name: str, backend: Optional[str], run_golden: bool) -> None:
+    from agent.config.device_config import load_device_config
+
+    device = load_device_config(device_name)
+    backend = backend or device.backend
+    chosen = select_artifacts(bundle, device, backend, batch=device.max_batch)
+    for tier, art in sorted(chosen.items()):
+        print("  %s/%s serves      tier %dx%d with %s" % (device.name, backend, tier[0], tier[1], art.file))
+    if not run_golden:
+        return
+    from agent.pipeline.model import load_model  # imports the backend's runtime: only when asked
+
+    model = load_model(bundle, device, backend, max_batch=device.max_batch)
+    try:
+        report = model.golden_check()
+        print("  golden set       passed: %d case(s), max abs diff %.3g" % (
+            report.cases, report.max_abs_diff))
+    finally:
+        model.close()
+
+
+class _opened:
+    """A bundle directory as it is, or an archive unpacked (safely) into a temporary directory."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tmp: Optional[str] = None
+
+    def __enter__(self) -> Optional[str]:
+        if os.path.isdir(self.path):
+            return self.path
+        if not (os.path.isfile(self.path) and self.path.endswith(ARCHIVE_SUFFIXES)):
+            print("%s: not a bundle directory or %s archive" % (self.path, "/".join(ARCHIVE_SUFFIXES)),
+                  file=sys.stderr)
+            return None
+        from agent.lifecycle.bundle import unpack_archive
+
+        self.tmp = tempfile.mkdtemp(prefix="atlas-edge-verify-")
+        try:
+            return unpack_archive(self.path, self.tmp)
+        except BundleError as exc:
+            print(exc, file=sys.stderr)
+            return None
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# --- sign and keygen ----------------------------------------------------------------------------------
+
+def _sign(args: argparse.Namespace) -> int:
+    try:
+        with open(args.key, "rb") as handle:
+            pem = handle.read()
+    except OSError as exc:
+        print("--key: %s" % exc, file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        # Never sign what a box would refuse anyway: a signature vouches for these exact, complete contents.
+        verify_bundle(args.bundle)
+        public_hex = sign_bundle(args.bundle, pem)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_REFUSED
+    except (ValueError, TypeError) as exc:  # not a PEM key, or not an Ed25519 one
+        print("--key %s: %s" % (args.key, exc), file=sys.stderr)
+        return EXIT_REFUSED
+    print("signed %s (manifest.sig); public key %s" % (args.bundle, public_hex))
+    return EXIT_OK
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    private_path, public_path = args.prefix + ".key", args.prefix + ".pub"
+    existing = [p for p in (private_path, public_path) if os.path.exists(p)]
+    if existing:
+        print("refusing to overwrite %s" % ", ".join(existing), file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        private_pem, public_pem, public_hex = make_key_pair()
+    except ConfigError as exc:  # cryptography missing: the message says which extra to install
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
+    for path, data, mode in ((private_path, private_pem, PRIVATE_KEY_MODE), (public_path, public_pem, 0o644)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+    print("private key %s (keep it on the workstation)\npublic key  %s\npublic hex  %s" % (
+        private_path, public_path, public_hex))
+    return EXIT_OK
+
+
+def make_key_pair() -> Tuple[bytes, bytes, str]:
+    """(private PEM, public PEM, public hex) of a fresh Ed25519 key."""
+    from agent.lifecycle.bundle import _crypto
+
+    ed25519, serialization = _crypto()
+    key = ed25519.Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+    public = key.public_key()
+    public_pem = public.public_bytes(serialization.Encoding.PEM,
+                                     serialization.PublicFormat.SubjectPublicKeyInfo)
+    public_hex = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+    return private_pem, public_pem, public_hex
+

@@ -1,0 +1,205 @@
+"""``atlas-edge ctl``: send one command to a box over MQTT and wait for its final ack.
+
+Subscribes to the ack topic *before* publishing (an ack cannot be missed), prints every ack as one JSON line
+as it comes, and exits 0 only when the command succeeded. Exit codes: :data:`EXIT_OK`, :data:`EXIT_FAILED`
+(the device answered ``failed``; its error is printed), :data:`EXIT_USAGE` (bad arguments),
+:data:`EXIT_TIMEOUT` (no final ack in time), :data:`EXIT_BROKER` (cannot connect or subscribe).
+Passing the same ``--request-id`` again is a safe retry: the device answers from its record.
+"""
+
+import argparse
+import json
+import logging
+import queue
+import ssl
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Dict, List, Optional, TextIO, Tuple
+from urllib.parse import urlsplit
+
+from agent.config.daemon_config import DEFAULT_PREFIX, resolve_secret
+from agent.config.schema import ConfigError
+from agent.ops.commands import FINAL_STATES, REQUEST_ID_RE, SUCCEEDED, VERBS
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 3
+EXIT_BROKER = 4
+
+DEFAULT_BROKER = "mqtt://localhost:1883"
+DEFAULT_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 10.0
+PORTS = {"mqtt": 1883, "mqtts": 8883}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("device", help="device id (as in <prefix>/<device>/...)")
+    parser.add_argument("verb", choices=VERBS, help="command to send")
+    parser.add_argument("--json", dest="payload", default="{}", metavar="PAYLOAD",
+                        help="the verb's fields as a JSON object, e.g. '{\"bundle\": \"m-1.2\"}'")
+    parser.add_argument("--broker", default=DEFAULT_BROKER, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
+    parser.add_argument("--username", default=None, help="MQTT username (an operator account)")
+    parser.add_argument("--password", default=None,
+                        help="password, or env:VAR / cred:NAME to keep it off the command line")
+    parser.add_argument("--tls-ca", default=None, metavar="FILE", help="CA file; implies TLS")
+    parser.add_argument("--tls-insecure", action="store_true", help="skip hostname check (test brokers only)")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix")
+    parser.add_argument("--group", default=None, help="send to this group's topic; wait for DEVICE's acks")
+    parser.add_argument("--request-id", default=None, help="reuse an id to retry safely (default: a new one)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the "
+                        "final ack")
+
+
+def _broker_address(url: str) -> Tuple[str, int, bool]:
+    parts = urlsplit(url if "://" in url else "mqtt://" + url)
+    if parts.scheme not in PORTS or not parts.hostname:
+        raise ValueError("--broker must look like mqtt://HOST:PORT or mqtts://HOST:PORT (got %r)" % url)
+    return parts.hostname, parts.port or PORTS[parts.scheme], parts.scheme == "mqtts"
+
+
+def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
+    """(request_id, command topic, ack topic, payload) from the arguments; ValueError says what is wrong."""
+    try:
+        fields = json.loads(args.payload)
+    except ValueError as exc:
+        raise ValueError("--json is not valid JSON: %s" % exc) from None
+    if not isinstance(fields, dict):
+        raise ValueError("--json must be a JSON object, got %s" % type(fields).__name__)
+    request_id = args.request_id or "ctl-" + uuid.uuid4().hex[:16]
+    if not REQUEST_ID_RE.match(request_id):
+        raise ValueError("--request-id must be 1-64 characters of A-Z a-z 0-9 _ . : -")
+    for label, value in (("DEVICE", args.device), ("--group", args.group), ("--prefix", args.prefix)):
+        if value is not None and (not value or any(c in value for c in "+#") or
+                                  (label != "--prefix" and "/" in value)):
+            raise ValueError("%s %r is not a valid topic part" % (label, value))
+    if args.group:
+        topic = "%s/group/%s/cmd/%s" % (args.prefix, args.group, args.verb)
+    else:
+        topic = "%s/%s/cmd/%s" % (args.prefix, args.device, args.verb)
+    ack_topic = "%s/%s/ack/%s" % (args.prefix, args.device, request_id)
+    fields["request_id"] = request_id
+    return request_id, topic, ack_topic, json.dumps(fields).encode("utf-8")
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Send the command in ``args`` and follow its acks; returns the exit code."""
+    try:
+        host, port, use_tls = _broker_address(args.broker)
+        request_id, topic, ack_topic, payload = _command(args)
+        password = resolve_secret(args.password)
+    except (ValueError, ConfigError) as exc:
+        print("atlas-edge ctl: %s" % exc, file=err)
+        return EXIT_USAGE
+    import paho.mqtt.client as mqtt  # the box's dependency; imported here so --help works without it
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    events: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
+    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2,
+                         client_id="atlas-edge-ctl-%s" % uuid.uuid4().hex[:8], clean_session=True,
+                         reconnect_on_failure=False)
+    if args.username is not None:
+        client.username_pw_set(args.username, password)
+    if use_tls or args.tls_ca:
+        try:
+            context = ssl.create_default_context(cafile=args.tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            print("atlas-edge ctl: --tls-ca %s: %s" % (args.tls_ca, exc), file=err)
+            return EXIT_USAGE
+        context.check_hostname = not args.tls_insecure
+        client.tls_set_context(context)
+    # Callbacks only enqueue; this thread does the rest.
+    client.on_connect = lambda c, u, flags, rc, props: events.put(("connect", rc))
+    client.on_subscribe = lambda c, u, mid, codes, props: events.put(("subscribe", list(codes)))
+    client.on_message = lambda c, u, message: events.put(("ack", message.payload))
+    client.on_disconnect = lambda c, u, flags, rc, props: events.put(("disconnect", rc))
+    try:
+        client.connect(host, port, keepalive=30)
+    except (OSError, ValueError) as exc:
+        print("atlas-edge ctl: cannot connect to %s:%d: %s" % (host, port, exc), file=err)
+        return EXIT_BROKER
+    client.loop_start()
+    try:
+        return _converse(client, events, args, request_id, topic, ack_topic, payload, out, err)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def _expect(events: "queue.Queue[Tuple[str, Any]]", kind: str, deadline: float) -> Optional[Any]:
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            got, value = events.get(timeout=remaining)
+        except queue.Empty:
+            return None
+        if got == kind:
+            return value
+        if got == "disconnect":
+            return None
+
+
+def _converse(client: Any, events: "queue.Queue[Tuple[str, Any]]", args: argparse.Namespace,
+              request_id: str, topic: str, ack_topic: str, payload: bytes, out: TextIO, err: TextIO) -> int:
+    setup_deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    reason = _expect(events, "connect", setup_deadline)
+    if reason is None or reason.is_failure:
+        print("atlas-edge ctl: broker %s refused or dropped the connection: %s" % (args.broker, reason),
+              file=err)
+        return EXIT_BROKER
+    client.subscribe(ack_topic, qos=1)
+    granted = _expect(events, "subscribe", setup_deadline)
+    if not granted or granted[0].is_failure:
+        print("atlas-edge ctl: cannot subscribe to %s (%s): check the broker ACL for this user"
+              % (ack_topic, granted), file=err)
+        return EXIT_BROKER
+    info = client.publish(topic, payload, qos=1)
+    deadline = time.monotonic() + args.timeout
+    last_state = None
+    while True:
+        raw = _expect(events, "ack", deadline)
+        if raw is None:
+            break
+        try:
+            ack: Dict[str, Any] = json.loads(raw)
+        except ValueError:
+            print("atlas-edge ctl: ignoring a non-JSON message on %s" % ack_topic, file=err)
+            continue
+        print(json.dumps(ack, sort_keys=True), file=out, flush=True)
+        last_state = ack.get("state")
+        if last_state in FINAL_STATES:
+            if last_state == SUCCEEDED:
+                return EXIT_OK
+            _print_error(ack.get("error") or {}, err)
+            return EXIT_FAILED
+    if not info.is_published():
+        print("atlas-edge ctl: the broker did not acknowledge the command on %s" % topic, file=err)
+    print("atlas-edge ctl: no final ack from %s for %s within %.0f s (last state: %s)"
+          % (args.device, request_id, args.timeout, last_state or "none; is the device online?"), file=err)
+    return EXIT_TIMEOUT
+
+
+def _print_error(error: Dict[str, Any], err: TextIO) -> None:
+    where = " (field %s)" % error["field"] if error.get("field") else ""
+    print("atlas-edge ctl: failed: %s%s: %s" % (error.get("code", "?"), where, error.get("message", "")),
+          file=err)
+    details: List[Dict[str, str]] = error.get("errors") or []
+    for item in details:
+        print("  %s: %s" % (item.get("field") or "<root>", item.get("message")), file=err)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="atlas-edge ctl", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "ctl"
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""``atlas-edge demo``: the whole box on embedded defaults, in one command.
+
+Sample frames of several sizes (one is 1920x1080) are generated from the shapes scene generator with known
+ground truth, the committed demo bundle is served by the real daemon, results go to a real Mosquitto
+(started as a child process unless ``--broker`` is given), and a console view subscribed to that broker
+prints what arrives: detections, fps and per-stage latency.
+"""
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import cv2
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO_BUNDLE = os.path.join(REPO_ROOT, "examples", "demo-bundle")
+# Sizes a box meets: 1080p and 720p cameras, VGA in both orientations, a square crop.
+SAMPLE_SIZES_HW: Tuple[Tuple[int, int], ...] = ((1080, 1920), (720, 1280), (480, 640), (640, 480), (800, 800),
+                                                 (1080, 1920))
+SAMPLE_SEED = 2026
+DEMO_FPS = 5.0
+
+log = logging.getLogger(__name__)
+
+
+def write_sample_frames(directory: str, sizes_hw=SAMPLE_SIZES_HW, seed: int = SAMPLE_SEED) -> List[Dict[str, Any]]:
+    """PNG frames plus ``ground_truth.json`` (boxes in pixels, labels) for each; returns the ground truth."""
+    from agent.devtools.scenes import SHAPE_LABELS, generate_scene
+
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    truth = []
+    for index, hw in enumerate(sizes_hw):
+        image, boxes, classes = generate_scene(rng, hw)
+        name = "frame_%03d_%dx%d.png" % (index, hw[1], hw[0])
+        cv2.imwrite(os.path.join(directory, name), image)
+        truth.append({"name": name, "hw": list(hw), "boxes": np.asarray(boxes).round(2).tolist(),
+                      "labels": [SHAPE_LABELS[int(c)] for c in classes]})
+    with open(os.path.join(directory, "ground_truth.json"), "w", encoding="utf-8") as handle:
+        json.dump(truth, handle, indent=1)
+    return truth
+
+
+class ConsoleView:
+    """Subscribes to the device's results over MQTT and prints them: proof that they really went out."""
+
+    def __init__(self, host: str, port: int, prefix: str, device_id: str) -> None:
+        import paho.mqtt.client as mqtt
+
+        self.topic = "%s/%s/results/#" % (prefix, device_id)
+        self.received = 0
+        self.lock = threading.Lock()
+        self.subscribed = threading.Event()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="atlas-edge-demo-view-%d" % os.getpid())
+        self.client.on_connect = self._on_connect
+        self.client.on_subscribe = lambda *args: self.subscribed.set()
+        self.client.on_message = self._on_message
+        self.client.connect(host, port, keepalive=30)
+        self.client.loop_start()
+        self.started = time.monotonic()
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            print("console view: broker refused the connection: %s" % reason_code)
+            return
+        client.subscribe(self.topic, qos=1)
+
+    def _on_message(self, client, userdata, message) -> None:
+        try:
+            result = json.loads(message.payload)
+        except ValueError:
+            return
+        with self.lock:
+            self.received += 1
+            count = self.received
+        dets = result.get("detections", [])
+        shown = ", ".join("%s %.2f [%d,%d,%d,%d]" % ((d["label"], d["score"]) + tuple(int(v) for v in d["box"]))
+                          for d in dets[:4])
+        more = " +%d" % (len(dets) - 4) if len(dets) > 4 else ""
+        t = result.get("timings_ms", {})
+        print("#%-4d %-28s %4dx%-4d -> %d det: %s%s | pre %.1f infer %.1f post %.1f total %.1f ms" % (
+            count, result.get("name", result.get("source")), result["image_hw"][1], result["image_hw"][0],
+            len(dets), shown, more, t.get("preprocess", 0), t.get("infer", 0), t.get("postprocess", 0),
+            t.get("total", 0)), flush=True)
+
+    def wait_for(self, count: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.received >= count:
+                    break
+            time.sleep(0.02)
+        return self.received
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def _parse_broker(url: str) -> Tuple[str, int]:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url if "://" in url else "mqtt://" + url)
+    if parsed.scheme not in ("mqtt", "tcp") or not parsed.hostname:
+        raise SystemExit("--broker must look like mqtt://HOST:PORT (got %r)" % url)
+    return parsed.hostname, parsed.port or 1883
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--broker", metavar="mqtt://HOST:PORT",
+                        help="use this broker instead of starting an embedded Mosquitto")
+    parser.add_argument("--frames", type=int, default=None, metavar="N",
+                        help="stop after N frames (default: run until Ctrl-C)")
+    parser.add_argument("--device-id", default="demo", help="device id in topics (default: demo)")
+    parser.add_argument("--backend", default=None, choices=("mindspore", "opencv", "mslite", "acl"),
+                        help="inference backend (default: the cpu-dev device's preferred one, mindspore)")
+    parser.add_argument("--bundle", default=DEMO_BUNDLE, help="model bundle (default: examples/demo-bundle)")
+    parser.add_argument("--frames-dir", default=None,
+                        help="folder of images to serve (default: generated sample frames)")
+    parser.add_argument("--max-batch", type=int, default=1, help="dynamic batching: largest batch")
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent.config.daemon_config import parse_daemon_config
+    from agent.daemon import Daemon
+    from agent.devtools.broker import EmbeddedBroker
+
+    if args.frames is not None and args.frames < 1:
+        raise SystemExit("--frames must be >= 1")
+    work = tempfile.mkdtemp(prefix="atlas-edge-demo-")
+    frames_dir = args.frames_dir or os.path.join(work, "frames")
+    if args.frames_dir is None:
+        write_sample_frames(frames_dir)
+        print("sample frames: %s (%s)" % (frames_dir, ", ".join("%dx%d" % (w, h) for h, w in SAMPLE_SIZES_HW)))
+    broker: Optional[EmbeddedBroker] = None
+    if args.broker:
+        host, port = _parse_broker(args.broker)
+    else:
+        broker = EmbeddedBroker()
+        broker.start()
+        host, port = broker.host, broker.port
+        print("embedded broker: mosquitto on %s:%d" % (host, port))
+    config = parse_daemon_config({
+        "device_id": args.device_id,
+        "device": "cpu-dev",
+        "state_dir": os.path.join(work, "state"),
+        "model": {"bundle": os.path.abspath(args.bundle), "backend": args.backend, "store": "bundles"},
+        # Paced like a camera: a looping folder read flat out would only fill the queue and drop frames.
+        "sources": [{"name": "samples", "uri": frames_dir, "loop": True, "max_fps": DEMO_FPS}],
+        "mqtt": {"host": host, "port": port},
+        "batching": {"max_batch": args.max_batch, "max_wait_ms": 10.0},
+        "publish": {"telemetry_interval_s": 5.0},
+    }, source="demo defaults")
+    view = ConsoleView(host, port, config.mqtt.prefix, config.device_id)
+    view.subscribed.wait(5.0)
+    daemon = Daemon(config)
+    daemon.install_signal_handlers()
+    started = time.monotonic()
+    try:
+        code = daemon.run(max_frames=args.frames)
+        received = view.wait_for(daemon.published, timeout=10.0)
+    finally:
+        view.close()
+        if broker is not None:
+            broker.stop()
+    elapsed = time.monotonic() - started
+    latency = daemon.stats.percentiles()
+    print("\n%d frames served in %.1fs (%.1f fps); %d results published, %d received over MQTT" % (
+        daemon.stats.frames, elapsed, daemon.stats.frames / max(elapsed, 1e-6), daemon.published, received))
+    for stage in ("queue", "preprocess", "infer", "postprocess", "total"):
+        if stage in latency:
+            p = latency[stage]
+            print("  %-11s p50 %7.2f ms   p90 %7.2f ms   p99 %7.2f ms" % (stage, p["p50"], p["p90"], p["p99"]))
+    if received < daemon.published:
+        print("WARNING: %d results were not seen by the console view" % (daemon.published - received))
+        return 1
+    return code

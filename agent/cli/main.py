@@ -1,0 +1,147 @@
+"""``atlas-edge``: one entry point for the box and the workstation.
+
+Box commands (demo, run, ctl, validate, bundle) need only the edge dependencies. Host commands (qat, convert,
+bench) import their modules when called, and say which extra to install when that fails.
+"""
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Callable, List, Optional
+
+EPILOG = """examples:
+  atlas-edge demo --frames 24                       the whole pipeline on embedded defaults
+  atlas-edge run --config /etc/atlas-edge/config.yaml
+  atlas-edge ctl --broker mqtt://broker:1883 cam-01 status
+  atlas-edge validate device_configs/atlas-200dk.yaml
+  atlas-edge bundle verify examples/demo-bundle
+  atlas-edge qat --config quant/examples/shapes.yaml --out out/shapes-bundle
+  atlas-edge convert --bundle out/shapes-bundle --device atlas-200dk --to om --dry-run
+  atlas-edge bench --quick --json bench.json
+"""
+
+# subcommand -> (module, help, extra that provides its dependencies)
+COMMANDS = {
+    "demo": ("agent.cli.demo", "run the whole pipeline on the bundled model and sample frames", "edge"),
+    "run": ("agent.cli.main", "run the daemon (under systemd: see systemd/atlas-edge.service)", "edge"),
+    "ctl": ("agent.cli.ctl", "send one command to a box over MQTT and wait for its final ack", "edge"),
+    "validate": ("agent.cli.main", "check a daemon config or device config; per-field errors", "edge"),
+    "bundle": ("agent.cli.bundle", "verify, sign or make keys for model bundles", "edge"),
+    "qat": ("quant.cli", "train / quantization-aware training / export to a bundle (workstation)", "host"),
+    "convert": ("converters.cli", "convert a bundle's model with ATC or converter_lite (workstation)", "host"),
+    "bench": ("benchmarks.cli", "measure preprocessing, decoding, batching, MQTT, memory, start-up", "dev"),
+}
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="daemon config (YAML); see examples/daemon.yaml")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from agent.config.schema import ConfigError
+    from agent.daemon import run_daemon
+
+    try:
+        return run_daemon(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def _add_validate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="a daemon config or a device config (YAML)")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """Decide the file's kind by its keys, validate it whole, print every error or the parsed result."""
+    import yaml
+
+    from agent.config.daemon_config import DaemonConfig
+    from agent.config.device_config import DeviceConfig, load_device_config
+    from agent.config.schema import ConfigError, describe, load_yaml, to_dict
+
+    try:
+        with open(args.file, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        print("%s: %s" % (args.file, exc), file=sys.stderr)
+        return 2
+    is_device = isinstance(data, dict) and ("soc_version" in data or "target" in data)
+    try:
+        config = load_device_config(args.file) if is_device else load_yaml(DaemonConfig, args.file)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    kind = DeviceConfig if is_device else DaemonConfig
+    print("%s: valid %s" % (args.file, "device config" if is_device else "daemon config"))
+    values = to_dict(config)
+    for path, _default, doc in describe(kind):
+        value = values
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        print("  %-34s %-28s %s" % (path, yaml.safe_dump(value, default_flow_style=True).strip()[:28], doc))
+    return 0
+
+
+LOCAL = {"run": (_add_run_arguments, _run), "validate": (_add_validate_arguments, _validate)}
+
+
+def _load(name: str):
+    """(add_arguments, run) of a subcommand, or a stand-in that explains which extra is missing."""
+    if name in LOCAL:
+        return LOCAL[name]
+    module_name, _help, extra = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or str(exc)
+        reason = str(exc)
+
+        def explain(args: argparse.Namespace) -> int:
+            print("atlas-edge %s needs %s, which is not installed (%s).\n"
+                  "Install the '%s' extra: pip install 'atlas-edge[%s]'%s" % (
+                      name, missing, reason, extra, extra,
+                      "  (and: pip install --no-deps mindspore-gs==1.3.0)" if extra == "host" else ""),
+                  file=sys.stderr)
+            return 2
+
+        explain.accepts_unknown = True  # its options are unknown without the module: explain, don't fail
+        return (lambda parser: None), explain
+    return module.add_arguments, module.run
+
+
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atlas-edge", description="Deploy vision models to Huawei Atlas edge boxes and keep them running.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, help_text, _extra) in COMMANDS.items():
+        child = sub.add_parser(name, help=help_text, description=help_text)
+        # Import a subcommand's module only when it is the one being run (host modules import MindSpore).
+        if only == name:
+            add_arguments, run = _load(name)
+            add_arguments(child)
+            child.set_defaults(handler=run)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(getattr(args, "handler", None), "accepts_unknown", False):
+        parser.error("unrecognized arguments: %s" % " ".join(unknown))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    handler: Optional[Callable[[argparse.Namespace], int]] = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    return int(handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The daemon's configuration: one schema, validated whole before anything is applied.
+
+``atlas-edge validate FILE``, ``atlas-edge run --config FILE``, the ``validate``/``set-config`` MQTT verbs and
+SIGHUP reloads all go through :func:`load_daemon_config` / :func:`parse_daemon_config`, so a file that passes
+one passes them all. Secrets (MQTT password, TLS key) may come from the environment or from systemd
+credentials (``$CREDENTIALS_DIRECTORY``) instead of the file: see :func:`resolve_secret`.
+"""
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from agent.config.schema import ConfigError, FieldError, parse, setting, to_dict
+
+DEFAULT_PREFIX = "atlas-edge"
+DEFAULT_MAX_WAIT_MS = 10.0  # the seeds' server: flush a batch of 8 or after 10 ms, whichever comes first
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    ca_file: Optional[str] = setting(None, doc="CA bundle that signed the broker's certificate")
+    cert_file: Optional[str] = setting(None, doc="client certificate (mutual TLS)")
+    key_file: Optional[str] = setting(None, doc="client key; may be a systemd credential name 'cred:NAME'")
+    insecure: bool = setting(False, doc="skip hostname verification (test brokers only)")
+
+
+@dataclass(frozen=True)
+class MqttConfig:
+    host: str = setting("localhost", doc="broker host")
+    port: int = setting(1883, ge=1, le=65535, doc="broker port")
+    prefix: str = setting(DEFAULT_PREFIX, doc="topic prefix: <prefix>/<device>/...")
+    client_id: Optional[str] = setting(None, doc="MQTT client id; default atlas-edge-<device_id>")
+    username: Optional[str] = setting(None, doc="MQTT username")
+    password: Optional[str] = setting(
+        None, doc="password, or 'env:VAR' / 'cred:NAME' (systemd LoadCredential) to keep it out of the file"
+    )
+    tls: Optional[TlsConfig] = setting(None, doc="enable TLS with these files")
+    qos: int = setting(1, choices=(0, 1, 2), doc="QoS of result messages")
+    keepalive_s: int = setting(30, ge=5, le=3600, doc="MQTT keepalive")
+    reconnect_min_s: float = setting(0.5, gt=0, doc="first reconnect delay; doubles up to reconnect_max_s")
+    reconnect_max_s: float = setting(30.0, gt=0, doc="longest reconnect delay")
+    groups: List[str] = setting(factory=list, doc="groups whose commands this device obeys")
+    homeassistant_discovery: bool = setting(False, doc="publish Home Assistant MQTT discovery configs")
+
+    def check(self) -> List[Tuple[str, str]]:
+        problems = []
+        if self.reconnect_max_s < self.reconnect_min_s:
+            problems.append(("reconnect_max_s", "must be >= reconnect_min_s"))
+        for name in (self.prefix, *self.groups):
+            if not name or any(c in name for c in "+#") or name.startswith("/") or name.endswith("/"):
+                problems.append(("prefix" if name == self.prefix else "groups", "bad topic part %r" % name))
+        return problems
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    name: str = setting(doc="source id, used in the results topic")
+    uri: str = setting(doc="image folder, video file, rtsp://... URL, or 'camera:N' for a USB camera")
+    max_fps: float = setting(0.0, ge=0, doc="frame-rate limit; 0 = as fast as frames come")
+    loop: bool = setting(False, doc="restart a folder or file at its end (demo and soak runs)")
+    reopen_min_s: float = setting(0.5, gt=0, doc="first reopen delay after a lost stream")
+    reopen_max_s: float = setting(30.0, gt=0, doc="longest reopen delay")
+
+    def check(self) -> List[Tuple[str, str]]:
+        bad = [c for c in "/+#" if c in self.name]
+        return [("name", "must not contain %s" % "".join(bad))] if bad or not self.name else []
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_batch: int = setting(1, ge=1, le=64, doc="largest batch handed to the backend")
+    max_wait_ms: float = setting(DEFAULT_MAX_WAIT_MS, ge=0, le=1000, doc="longest a frame waits for a batch")
+    queue_size: int = setting(32, ge=1, doc="frames waiting for inference before the oldest is dropped")
+
+
+@dataclass(frozen=True)
+class ThresholdsConfig:
+    conf: Optional[float] = setting(None, ge=0, le=1, doc="confidence threshold; default from the bundle")
+    iou: Optional[float] = setting(None, ge=0, le=1, doc="NMS IoU threshold; default from the bundle")
+    max_det: Optional[int] = setting(None, ge=1, doc="detections per frame; default from the bundle")
+    top_k: Optional[int] = setting(None, ge=1, doc="classes per frame (classify); default from the bundle")
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    max_rate_hz: float = setting(0.0, ge=0, doc="per-source result rate limit; 0 = every frame")
+    telemetry_interval_s: float = setting(10.0, gt=0, doc="period of telemetry messages")
+
+
+@dataclass(frozen=True)
+class OutboxConfig:
+    path: str = setting("outbox.sqlite", doc="SQLite file of unsent messages (relative to state_dir)")
+    max_bytes: int = setting(64 * 1024 * 1024, ge=1024, doc="byte budget; the oldest are dropped (counted)")
+    replay_rate_hz: float = setting(200.0, gt=0, doc="replay rate after a reconnect")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    bundle: str = setting(doc="bundle directory served at first start (later: the confirmed slot)")
+    backend: Optional[str] = setting(None, doc="mindspore | opencv | mslite | acl; default from the device")
+    store: str = setting("bundles", doc="bundle store (relative to state_dir); deploy only reads from here")
+    observation_s: float = setting(60.0, ge=0, doc="a new model is pending this long before it is confirmed")
+    latency_regression: float = setting(2.0, gt=1, doc="roll back when pending p50 latency exceeds this factor")
+    max_error_rate: float = setting(0.05, ge=0, le=1, doc="roll back when pending inference errors exceed this")
+    public_key: Optional[str] = setting(None, doc="Ed25519 public key (hex or PEM file): deploys must be signed")
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    interval_s: float = setting(5.0, gt=0, doc="memory sampling period")
+    window_s: float = setting(300.0, gt=0, doc="sliding window for the leak trend")
+    leak_mb_per_hour: float = setting(50.0, gt=0, doc="steady RSS growth above this is a leak")
+    soft_limit_mb: Optional[float] = setting(None, gt=0, doc="restart above this RSS; default 90% of memory.max")
+    inference_deadline_s: float = setting(10.0, gt=0, doc="an inference call longer than this is a hang")
+    shutdown_timeout_s: float = setting(10.0, gt=0, doc="bound on drain + flush at shutdown")
+    leak_min_samples: int = setting(12, ge=6, doc="samples in the window before a leak trend is trusted")
+    restart_on_leak: bool = setting(True, doc="a host RSS leak restarts the daemon (false: alert only)")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    device_id: str = setting(doc="this box's id in topics")
+    model: ModelConfig = setting(doc="the model to serve")
+    device: str = setting("cpu-dev", doc="device config name (device_configs/<name>.yaml) or path")
+    state_dir: str = setting("/var/lib/atlas-edge", doc="writable directory: slots, outbox, bundle store")
+    sources: List[SourceConfig] = setting(factory=list, doc="frame sources")
+    mqtt: MqttConfig = setting(factory=MqttConfig, doc="broker connection")
+    batching: BatchingConfig = setting(factory=BatchingConfig, doc="dynamic batching")
+    thresholds: ThresholdsConfig = setting(factory=ThresholdsConfig, doc="post-processing overrides")
+    publish: PublishConfig = setting(factory=PublishConfig, doc="result and telemetry publishing")
+    outbox: OutboxConfig = setting(factory=OutboxConfig, doc="durable queue for the broker's absence")
+    watchdog: WatchdogConfig = setting(factory=WatchdogConfig, doc="memory and liveness checks")
+    log_level: str = setting("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), doc="log level")
+
+    def check(self) -> List[Tuple[str, str]]:
+        problems = []
+        if not self.device_id or any(c in self.device_id for c in "/+#"):
+            problems.append(("device_id", "must be non-empty without '/', '+' or '#'"))
+        if self.mqtt.username is not None and self.mqtt.username != self.device_id:
+            # The broker ACL (systemd/mosquitto-acl.example) grants a box its topics by username.
+            problems.append(("mqtt.username", "must equal device_id %r for the per-device ACL" % self.device_id))
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            problems.append(("sources", "source names must be unique (got %s)" % names))
+        return problems
+
+    def state_path(self, relative: str) -> str:
+        return relative if os.path.isabs(relative) else os.path.join(self.state_dir, relative)
+
+
+# Fields that `set-config` may change on a running daemon; anything else needs a restart.
+LIVE_SECTIONS = ("thresholds", "batching", "publish", "sources")
+
+
+def parse_daemon_config(data: Mapping[str, Any], source: str = "") -> DaemonConfig:
+    return parse(DaemonConfig, data, source)
+
+
+def load_daemon_config(path: str) -> DaemonConfig:
+    from agent.config.schema import load_yaml
+
+    config = load_yaml(DaemonConfig, path)
+    base = os.path.dirname(os.path.abspath(path))
+    # Relative paths in a file are relative to that file, so `run --config examples/x.yaml` works from anywhere.
+    model = config.model
+    key = model.public_key
+    if key and os.path.isfile(os.path.join(base, key)):
+        model = replace(model, public_key=os.path.join(base, key))
+    return replace(config, state_dir=os.path.join(base, config.state_dir),
+                   model=replace(model, bundle=os.path.join(base, model.bundle)))
+
+
+def merge_config(config: DaemonConfig, changes: Mapping[str, Any]) -> DaemonConfig:
+    """Apply a partial change (``{"thresholds": {"conf": 0.4}}``) and validate the result whole.
+
+    Only :data:`LIVE_SECTIONS` may change at run time; the whole merged config is re-parsed so cross-field
+    rules hold for the result, and a failure leaves ``config`` untouched (it is immutable).
+    """
+    errors = [FieldError(k, "cannot change while running (allowed: %s)" % ", ".join(LIVE_SECTIONS))
+              for k in changes if k not in LIVE_SECTIONS]
+    if errors:
+        raise ConfigError(errors)
+    merged: Dict[str, Any] = to_dict(config)
+    for key, value in changes.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return parse_daemon_config(merged)
+
+
+def resolve_secret(value: Optional[str]) -> Optional[str]:
+    """Expand ``env:VAR`` and ``cred:NAME`` (a file in ``$CREDENTIALS_DIRECTORY``); other values pass through."""
+    if value is None:
+        return None
+    if value.startswith("env:"):
+        var = value[4:]
+        if var not in os.environ:
+            raise ConfigError([FieldError("mqtt.password", "environment variable %s is not set" % var)])
+        return os.environ[var]
+    if value.startswith("cred:"):
+        directory = os.environ.get("CREDENTIALS_DIRECTORY")
+        if not directory:
+            raise ConfigError([FieldError("mqtt.password", "cred: needs systemd LoadCredential "
+                                          "($CREDENTIALS_DIRECTORY is not set)")])
+        with open(os.path.join(directory, value[5:]), encoding="utf-8") as handle:
+            return handle.read().strip()
+    return value

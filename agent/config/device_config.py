@@ -1,0 +1,85 @@
+"""Device configs: what a box kind is (SoC, backend, artifact format, memory budget, batching defaults).
+
+One YAML file per box kind under ``device_configs/``, named by its stem everywhere (``--device atlas-200dk``).
+The converters read the SoC and precision from here; the agent reads the backend, the memory budget and
+batching defaults, and refuses a bundle whose artifacts do not match.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from agent.config.schema import ConfigError, FieldError, load_yaml, setting
+
+DEVICE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                 "device_configs")
+
+# backend -> artifact formats it reads
+BACKEND_FORMATS = {"mindspore": ("mindir",), "opencv": ("onnx",), "mslite": ("ms", "mindir"), "acl": ("om",)}
+SOC_VERSIONS = ("Ascend310", "Ascend310B1", "Ascend310B4", "Ascend310P1", "Ascend310P3")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    name: str = setting(doc="box kind, equal to the file's stem")
+    target: str = setting(choices=("cpu", "ascend"), doc="where inference runs")
+    backend: str = setting(choices=tuple(BACKEND_FORMATS), doc="preferred inference backend")
+    artifact_format: str = setting(choices=("mindir", "ms", "om", "onnx"), doc="artifact format to serve")
+    memory_budget_mb: int = setting(ge=64, doc="host RSS budget for the daemon (watchdog soft limit)")
+    description: str = setting("", doc="one line for humans")
+    soc_version: Optional[str] = setting(None, choices=SOC_VERSIONS + (None,), doc="ATC/converter --soc_version")
+    fallback_backends: List[str] = setting(factory=list, doc="tried in order when the preferred one is missing")
+    device_id: int = setting(0, ge=0, doc="NPU index (acl / mslite ascend)")
+    cpu_threads: int = setting(2, ge=1, le=256, doc="inference threads on CPU backends")
+    precision_mode: str = setting(
+        "force_fp16", choices=("force_fp16", "force_fp32", "allow_fp32_to_fp16", "must_keep_origin_dtype",
+                               "allow_mix_precision"), doc="ATC --precision_mode")
+    npu_memory_budget_mb: Optional[int] = setting(None, ge=64, doc="NPU memory budget, when the box has one")
+    max_batch: int = setting(1, ge=1, le=64, doc="default batching.max_batch")
+    max_wait_ms: float = setting(10.0, ge=0, le=1000, doc="default batching.max_wait_ms")
+    input_tiers: List[Tuple[int, int]] = setting(factory=list, doc="tiers [h, w] this box serves; empty = all")
+
+    def check(self) -> List[Tuple[str, str]]:
+        problems = []
+        if self.target == "ascend" and self.soc_version is None:
+            problems.append(("soc_version", "required when target is ascend"))
+        if self.target == "cpu" and self.soc_version is not None:
+            problems.append(("soc_version", "must be null on a cpu box (got %s)" % self.soc_version))
+        if self.artifact_format not in BACKEND_FORMATS[self.backend]:
+            problems.append(("artifact_format", "backend %s reads %s, not %s" % (
+                self.backend, "/".join(BACKEND_FORMATS[self.backend]), self.artifact_format)))
+        for name in self.fallback_backends:
+            if name not in BACKEND_FORMATS:
+                problems.append(("fallback_backends", "unknown backend %r" % name))
+        return problems
+
+    def formats(self) -> List[str]:
+        """Artifact formats this box can serve, preferred first."""
+        result = [self.artifact_format]
+        for backend in [self.backend] + self.fallback_backends:
+            result += [f for f in BACKEND_FORMATS[backend] if f not in result]
+        return result
+
+
+def device_config_path(name_or_path: str) -> str:
+    """``atlas-200dk`` -> ``device_configs/atlas-200dk.yaml``; an existing path is used as it is."""
+    if os.path.sep in name_or_path or name_or_path.endswith((".yaml", ".yml")):
+        return name_or_path
+    return os.path.join(DEVICE_CONFIG_DIR, name_or_path + ".yaml")
+
+
+def known_devices() -> List[str]:
+    return sorted(f[:-5] for f in os.listdir(DEVICE_CONFIG_DIR) if f.endswith(".yaml"))
+
+
+def load_device_config(name_or_path: str) -> DeviceConfig:
+    path = device_config_path(name_or_path)
+    if not os.path.exists(path):
+        raise ConfigError([FieldError("device", "no device config %r (known: %s)" % (
+            name_or_path, ", ".join(known_devices())))], path)
+    config = load_yaml(DeviceConfig, path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if config.name != stem:
+        raise ConfigError([FieldError("name", "must equal the file's stem %r (got %r)" % (stem, config.name))],
+                          path)
+    return config

@@ -1,0 +1,127 @@
+"""MindSpore Lite backend: ``.ms`` (MINDIR_LITE) or converted ``.mindir`` files, on the CPU or the Ascend NPU.
+
+Written to the MindSpore Lite 2.x Python API (``mindspore_lite.Context`` with ``target`` / ``cpu`` /
+``ascend`` properties, ``Model.build_from_file``, ``get_inputs``, ``predict``); NOT run here: no
+mindspore_lite wheel exists for this machine's Python, so it is tested against a stand-in
+(tests/fakes/fake_mslite.py). Releases before 2.0 configured devices with ``AscendDeviceInfo`` +
+``append_device_info``; they are refused with :class:`BackendUnavailable` rather than half-supported.
+
+The model is built once at load and its input tensors are fetched once; ``infer`` only copies the batch
+into them (``set_data_from_numpy``), runs ``predict`` and copies the outputs out.
+"""
+
+import logging
+from typing import Any, Dict, List
+
+import numpy as np
+
+from agent.pipeline.backends.base import Backend, BackendUnavailable
+
+logger = logging.getLogger(__name__)
+
+# ATC / device-config precision names -> MindSpore Lite's (per the mapping in mindspore_lite.Context's docs)
+PRECISION_MODES: Dict[str, str] = {
+    "force_fp32": "enforce_fp32",
+    "allow_fp32_to_fp16": "preferred_fp32",
+    "force_fp16": "enforce_fp16",
+    "must_keep_origin_dtype": "enforce_origin",
+    "allow_mix_precision": "preferred_optimal",
+}
+LITE_PRECISION_MODES = tuple(PRECISION_MODES.values())
+MODEL_TYPE_BY_FORMAT = {"ms": "MINDIR_LITE", "mindir": "MINDIR"}
+
+
+def lite_precision_mode(mode: str) -> str:
+    """``force_fp16`` (ATC spelling, as in device configs) or ``enforce_fp16`` -> ``enforce_fp16``."""
+    if mode in LITE_PRECISION_MODES:
+        return mode
+    if mode in PRECISION_MODES:
+        return PRECISION_MODES[mode]
+    raise ValueError("precision_mode %r is not one of %s" % (mode, sorted(PRECISION_MODES) + sorted(
+        LITE_PRECISION_MODES)))
+
+
+def _dtype_name(lite_dtype: Any) -> str:
+    """``DataType.FLOAT32`` -> ``float32``."""
+    return str(getattr(lite_dtype, "name", lite_dtype)).split(".")[-1].lower()
+
+
+class MindSporeLiteBackend(Backend):
+    name = "mslite"
+    formats = ("ms", "mindir")
+    runtime_module = "mindspore_lite"
+    runtime_provider = ("the MindSpore Lite 2.x Python wheel or tarball for this Python and CPU "
+                        "(Huawei's download server; PyPI only has 2.0.0 for CPython 3.7)")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._model: Any = None
+        self._inputs: List[Any] = []
+        self._input_nbytes = 0
+
+    def _load(self) -> None:
+        mslite = self._import_runtime()
+        if not isinstance(getattr(getattr(mslite, "Context", None), "target", None), property):
+            found = getattr(mslite, "__version__", "a pre-2.0 release")
+            raise BackendUnavailable("backend mslite needs MindSpore Lite >= 2.0 (Context.target API); found "
+                                     "%s (install %s)" % (found, self.runtime_provider))
+        context = self._context(mslite)
+        model_type = getattr(mslite.ModelType, MODEL_TYPE_BY_FORMAT[self.artifact_format])
+        model = mslite.Model()
+        try:
+            model.build_from_file(self.artifact_path, model_type, context)
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise self._error("mindspore_lite build_from_file (%s, target %s) failed" % (
+                model_type, self.options.target), err) from err
+        self._model = model
+        self._inputs = self._bind_input(model)
+
+    def _context(self, mslite: Any) -> Any:
+        options = self.options
+        context = mslite.Context()
+        context.target = [options.target]  # ascend also appends cpu as the backup target
+        context.cpu.thread_num = options.cpu_threads
+        if options.target == "ascend":
+            context.ascend.device_id = options.device_id
+            if options.precision_mode:
+                try:
+                    context.ascend.precision_mode = lite_precision_mode(options.precision_mode)
+                except ValueError as err:
+                    raise self._error("options.precision_mode", err) from err
+        return context
+
+    def _bind_input(self, model: Any) -> List[Any]:
+        """Fetch the input tensors once; resize only when the model's shape is not already the spec's."""
+        spec = self.input_spec
+        inputs = model.get_inputs()
+        if len(inputs) != 1:
+            raise self._error("input count", "expected 1 model input, got %d" % len(inputs))
+        if tuple(inputs[0].shape) != spec.shape:
+            logger.info("mslite: resizing input %r of %s from %s to %s", spec.name, self.artifact_path,
+                        tuple(inputs[0].shape), spec.shape)
+            try:
+                model.resize(inputs, [list(spec.shape)])
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise self._error("resize to %s failed" % (spec.shape,), err) from err
+        got = _dtype_name(inputs[0].dtype)
+        if got != spec.dtype:
+            raise self._error("input dtype mismatch for %r" % spec.name,
+                              "expected %s, got %s" % (spec.dtype, got))
+        if inputs[0].data_size != spec.nbytes:
+            raise self._error("input size mismatch for %r" % spec.name, "expected %d bytes, got %d" % (
+                spec.nbytes, inputs[0].data_size))
+        self._input_nbytes = inputs[0].data_size
+        return inputs
+
+    def _infer(self, batch: np.ndarray) -> List[np.ndarray]:
+        if batch.nbytes != self._input_nbytes:
+            raise self._error("input size mismatch for %r" % self.input_spec.name,
+                              "expected %d bytes, got %d" % (self._input_nbytes, batch.nbytes))
+        self._inputs[0].set_data_from_numpy(batch)
+        outputs = self._model.predict(self._inputs)
+        return [np.array(out.get_data_to_numpy(), copy=True) for out in outputs]
+
+    def _release(self) -> None:
+        # the Python API has no explicit free: dropping the last references releases the model
+        self._inputs = []
+        self._model = None

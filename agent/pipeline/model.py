@@ -1,0 +1,235 @@
+"""A bundle loaded for serving: one backend and one preallocated preprocessor per fixed-shape tier.
+
+Everything heavy (runtime contexts, models, buffers) is built in :meth:`LoadedModel.load`, once; a frame only
+costs a letterbox into a reused buffer, the backend call and a vectorised decode. The golden-set self-test
+runs the box's own preprocessing and backend on the host's reference images, so a model whose numbers drift
+on this box (wrong SoC build, double normalisation, colour swap) never serves.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from agent.config.device_config import DeviceConfig
+from agent.config.schema import FieldError
+from agent.lifecycle.bundle import Artifact, Bundle, BundleError, Tier, pick_tier, select_artifacts
+from agent.pipeline.backends import create_backend
+from agent.pipeline.backends.base import Backend, BackendOptions, TensorSpec
+from agent.pipeline.postprocess import classify_topk, decode_yolov5, decode_yolov8
+from agent.pipeline.preprocess import BatchPreprocessor, LetterboxPlan, PreprocessSpec, scale_boxes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    conf: float
+    iou: float
+    max_det: int
+    top_k: int
+
+
+@dataclass
+class FrameResult:
+    """What one frame produced: detections in original-image pixels (or top-k classes), and where time went."""
+
+    tier: Tier
+    detections: Optional[np.ndarray] = None  # (k, 6): x1, y1, x2, y2, score, class_id in source pixels
+    classes: Optional[List[Tuple[int, float]]] = None
+    timings_ms: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class GoldenReport:
+    passed: bool
+    cases: int
+    max_abs_diff: float
+    failures: List[str]
+
+
+@dataclass
+class _TierRunner:
+    artifact: Artifact
+    backend: Backend
+    preprocessor: BatchPreprocessor
+
+
+class LoadedModel:
+    """Serve one verified bundle on this box with one backend."""
+
+    def __init__(self, bundle: Bundle, device: DeviceConfig, backend: str, max_batch: int = 1) -> None:
+        self.bundle = bundle
+        self.device = device
+        self.backend_name = backend
+        self.max_batch = max_batch
+        self.manifest = bundle.manifest
+        self.spec = PreprocessSpec.from_manifest(_preprocessing_dict(bundle))
+        self.artifacts = select_artifacts(bundle, device, backend, batch=max_batch)
+        self.tiers: List[Tier] = sorted(self.artifacts)
+        self._runners: Dict[Tier, _TierRunner] = {}
+        self._tier_of_size: Dict[Tuple[int, int], Tier] = {}
+        post = self.manifest.postprocessing
+        self.thresholds = Thresholds(conf=post.conf, iou=post.iou, max_det=post.max_det, top_k=post.top_k)
+
+    @property
+    def label(self) -> str:
+        return self.bundle.label
+
+    def load(self) -> None:
+        """Build every backend and buffer now; on failure release what was built and raise."""
+        try:
+            for tier, art in self.artifacts.items():
+                options = BackendOptions.for_device(self.device, target=art.target)
+                h, w = tier
+                shape = (art.batch, 3, h, w) if art.input_layout == "NCHW" else (art.batch, h, w, 3)
+                spec = TensorSpec(name=self.manifest.input.name, shape=shape, dtype=art.input_dtype)
+                backend = create_backend(self.backend_name, self.bundle.path(art.file), spec, options)
+                backend.load()
+                preprocessor = BatchPreprocessor(
+                    self.spec, tier, art.batch, input_dtype=art.input_dtype, input_layout=art.input_layout,
+                    input_color=art.input_color, normalize=art.normalize_on == "host")
+                self._runners[tier] = _TierRunner(art, backend, preprocessor)
+                log.info("loaded %s tier %dx%d with %s (%s, batch %d)", self.label, h, w, self.backend_name,
+                         art.file, art.batch)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for runner in self._runners.values():
+            try:
+                runner.backend.close()
+            except Exception:  # closing must go on for the other tiers
+                log.exception("closing %s failed", runner.artifact.file)
+        self._runners.clear()
+
+    def set_thresholds(self, conf: Optional[float] = None, iou: Optional[float] = None,
+                       max_det: Optional[int] = None, top_k: Optional[int] = None) -> None:
+        """Config overrides; None keeps the bundle's default."""
+        post = self.manifest.postprocessing
+        self.thresholds = Thresholds(
+            conf=post.conf if conf is None else conf, iou=post.iou if iou is None else iou,
+            max_det=post.max_det if max_det is None else max_det, top_k=post.top_k if top_k is None else top_k)
+
+    def tier_for(self, src_hw: Tuple[int, int]) -> Tier:
+        tier = self._tier_of_size.get(src_hw)
+        if tier is None:
+            tier = self._tier_of_size[src_hw] = pick_tier(self.tiers, src_hw)
+        return tier
+
+    def infer_frames(self, images: List[np.ndarray]) -> List[FrameResult]:
+        """Run frames (BGR, any sizes) and return one result per frame, in order.
+
+        Frames are grouped by tier; each group goes through that tier's fixed batch in chunks, a short last
+        chunk is padded with the buffer's stale slots and their outputs are discarded.
+        """
+        results: List[Optional[FrameResult]] = [None] * len(images)
+        groups: Dict[Tier, List[int]] = {}
+        for index, image in enumerate(images):
+            groups.setdefault(self.tier_for(image.shape[:2]), []).append(index)
+        for tier, indices in groups.items():
+            runner = self._runners[tier]
+            step = runner.artifact.batch
+            for start in range(0, len(indices), step):
+                chunk = indices[start:start + step]
+                for slot, result in zip(chunk, self._run_chunk(runner, [images[i] for i in chunk])):
+                    results[slot] = result
+        return [r for r in results if r is not None]
+
+    def _run_chunk(self, runner: _TierRunner, images: List[np.ndarray]) -> List[FrameResult]:
+        t0 = time.perf_counter()
+        plans: List[LetterboxPlan] = [runner.preprocessor.fill(i, image) for i, image in enumerate(images)]
+        t1 = time.perf_counter()
+        outputs = runner.backend.infer(runner.preprocessor.batch)
+        t2 = time.perf_counter()
+        results = self._decode(runner.artifact.tier, outputs[0][:len(images)], plans)
+        t3 = time.perf_counter()
+        n = len(images)
+        timings = {"preprocess": (t1 - t0) * 1e3 / n, "infer": (t2 - t1) * 1e3 / n,
+                   "postprocess": (t3 - t2) * 1e3 / n}
+        for result in results:
+            result.timings_ms.update(timings)
+        return results
+
+    def _decode(self, tier: Tier, output: np.ndarray, plans: List[LetterboxPlan]) -> List[FrameResult]:
+        th = self.thresholds
+        task = self.manifest.task
+        if task == "classify":
+            return [FrameResult(tier=tier, classes=top) for top in classify_topk(output, th.top_k)]
+        decode = decode_yolov8 if task == "detect-yolov8" else decode_yolov5
+        per_image = decode(output, th.conf, th.iou, th.max_det)
+        results = []
+        for dets, plan in zip(per_image, plans):
+            if len(dets):
+                dets = dets.copy()
+                dets[:, :4] = scale_boxes(dets[:, :4], plan)
+            results.append(FrameResult(tier=tier, detections=dets))
+        return results
+
+    def warm_up(self, rounds: int = 2) -> None:
+        """First calls pay for lazy initialisation (graph compile, allocator growth): pay it before serving."""
+        for runner in self._runners.values():
+            for _ in range(rounds):
+                runner.backend.infer(runner.preprocessor.batch)
+
+    def golden_check(self) -> GoldenReport:
+        """Run the manifest's golden cases through this box's preprocessing and backend; compare raw outputs."""
+        golden = self.manifest.golden
+        if golden is None:
+            return GoldenReport(passed=False, cases=0, max_abs_diff=0.0, failures=["the bundle has no golden set"])
+        failures: List[str] = []
+        worst = 0.0
+        checked = 0
+        for index, case in enumerate(golden.cases):
+            runner = self._runners.get(case.tier)
+            if runner is None or runner.artifact.file not in case.expected:
+                continue
+            image = np.load(self.bundle.path(case.image))
+            expected = np.load(self.bundle.path(case.expected[runner.artifact.file]))
+            runner.preprocessor.fill_letterboxed(0, image)
+            got = runner.backend.infer(runner.preprocessor.batch)[0][:1]
+            checked += 1
+            if got.shape != expected.shape:
+                failures.append("case %d: output shape %s, expected %s" % (index, got.shape, expected.shape))
+                continue
+            diff = float(np.max(np.abs(got.astype(np.float64) - expected)))
+            worst = max(worst, diff)
+            if not np.allclose(got, expected, atol=golden.atol, rtol=golden.rtol):
+                failures.append("case %d: max abs diff %.3g beyond atol %g / rtol %g" % (
+                    index, diff, golden.atol, golden.rtol))
+        if checked == 0:
+            failures.append("no golden case covers the artifacts this box serves (%s)" % ", ".join(
+                r.artifact.file for r in self._runners.values()))
+        return GoldenReport(passed=not failures, cases=checked, max_abs_diff=worst, failures=failures)
+
+    def describe(self) -> Dict[str, Any]:
+        return {"name": self.manifest.name, "version": self.manifest.version, "task": self.manifest.task,
+                "backend": self.backend_name, "manifest_sha256": self.bundle.manifest_sha256,
+                "tiers": [list(t) for t in self.tiers],
+                "artifacts": {"%dx%d" % t: r.artifact.file for t, r in self._runners.items()}}
+
+
+def _preprocessing_dict(bundle: Bundle) -> Dict[str, Any]:
+    from agent.config.schema import to_dict
+
+    return to_dict(bundle.manifest.preprocessing)
+
+
+def load_model(bundle: Bundle, device: DeviceConfig, backend: str, max_batch: int = 1,
+               require_golden: bool = True) -> LoadedModel:
+    """Load, warm up and self-test; raises BundleError (naming the golden cases) if the self-test fails."""
+    model = LoadedModel(bundle, device, backend, max_batch)
+    model.load()
+    try:
+        model.warm_up()
+        report = model.golden_check()
+        if require_golden and not report.passed:
+            raise BundleError([FieldError("golden", f) for f in report.failures], bundle.root)
+        log.info("golden set: %d case(s), max abs diff %.3g", report.cases, report.max_abs_diff)
+    except Exception:
+        model.close()
+        raise
+    return model

@@ -1,0 +1,97 @@
+"""The serving loop's one handover queue: order, results, errors, and a caller's timeout withdrawing its item."""
+
+import threading
+import time
+
+import pytest
+
+from agent.pipeline.handover import BetweenBatches, HandoverTimeout
+
+
+def _submit_in_thread(queue: BetweenBatches, fn, timeout: float, out: dict, key: str) -> threading.Thread:
+    def call() -> None:
+        try:
+            out[key] = queue.submit(fn, timeout, what=key)
+        except BaseException as exc:  # recorded for the assertion
+            out[key] = exc
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread
+
+
+def _wait_pending(queue: BetweenBatches, n: int) -> None:
+    deadline = time.monotonic() + 5
+    while queue.pending() < n:
+        assert time.monotonic() < deadline, "items never arrived"
+        time.sleep(0.001)
+
+
+def test_items_run_in_submission_order_and_return_results() -> None:
+    queue = BetweenBatches()
+    ran, out = [], {}
+    threads = []
+    for name in ("config", "swap", "rollback"):
+        threads.append(_submit_in_thread(queue, lambda n=name: ran.append(n) or n.upper(), 5.0, out, name))
+        _wait_pending(queue, len(threads))
+    assert ran == []  # nothing runs outside the serving loop
+    assert queue.run_pending() == 3
+    for thread in threads:
+        thread.join(5)
+    assert ran == ["config", "swap", "rollback"]
+    assert out == {"config": "CONFIG", "swap": "SWAP", "rollback": "ROLLBACK"}
+
+
+def test_an_error_reaches_the_caller_and_later_items_still_run() -> None:
+    queue = BetweenBatches()
+    out = {}
+
+    def boom() -> None:
+        raise ValueError("bad threshold")
+
+    first = _submit_in_thread(queue, boom, 5.0, out, "bad")
+    _wait_pending(queue, 1)
+    second = _submit_in_thread(queue, lambda: 42, 5.0, out, "good")
+    _wait_pending(queue, 2)
+    queue.run_pending()
+    first.join(5)
+    second.join(5)
+    assert isinstance(out["bad"], ValueError) and "bad threshold" in str(out["bad"])
+    assert out["good"] == 42
+
+
+def test_a_timed_out_item_is_withdrawn_and_never_runs() -> None:
+    queue = BetweenBatches()
+    ran = []
+    with pytest.raises(HandoverTimeout, match="within 0.1 s; withdrawn"):
+        queue.submit(lambda: ran.append("late"), 0.1, what="config change")
+    assert queue.run_pending() == 0
+    assert ran == []
+
+
+def test_an_item_taken_before_the_timeout_completes_and_returns() -> None:
+    queue = BetweenBatches()
+    started, release, out = threading.Event(), threading.Event(), {}
+
+    def slow() -> str:
+        started.set()
+        release.wait(5)
+        return "applied"
+
+    caller = _submit_in_thread(queue, slow, 0.2, out, "swap")
+    _wait_pending(queue, 1)
+    loop = threading.Thread(target=queue.run_pending)
+    loop.start()
+    assert started.wait(5)
+    time.sleep(0.3)  # the caller's timeout passes while the item runs
+    release.set()
+    loop.join(5)
+    caller.join(5)
+    assert out["swap"] == "applied"
+
+
+def test_post_runs_without_a_waiting_caller() -> None:
+    queue = BetweenBatches()
+    ran = []
+    queue.post(lambda: ran.append(1), what="reload")
+    assert queue.run_pending() == 1 and ran == [1]
