@@ -6,9 +6,10 @@ import sys
 import pytest
 import yaml
 
-from agent.config.daemon_config import load_daemon_config, merge_config, parse_daemon_config, resolve_secret
+from agent.config.daemon_config import load_daemon_config, merge_config, parse_daemon_config
 from agent.config.device_config import known_devices, load_device_config
 from agent.config.schema import ConfigError
+from agent.config.secrets import credential_path, resolve_secret
 
 GOOD = {"device_id": "cam-01", "model": {"bundle": "b"}}
 
@@ -65,6 +66,24 @@ def test_secrets_from_env_and_credentials(tmp_path, monkeypatch):
     monkeypatch.delenv("MQTT_PW")
     with pytest.raises(ConfigError, match="MQTT_PW"):
         resolve_secret("env:MQTT_PW")
+
+
+def test_one_resolver_names_the_field_for_files_and_values(tmp_path, monkeypatch):
+    """Config, transport (TLS files) and ctl share these; each failure names the field that asked."""
+    (tmp_path / "tls-key").write_text("KEY")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    assert credential_path("cred:tls-key", "mqtt.tls.key_file") == str(tmp_path / "tls-key")
+    assert credential_path(str(tmp_path / "tls-key"), "mqtt.tls.key_file") == str(tmp_path / "tls-key")
+    with pytest.raises(ConfigError, match="mqtt.tls.key_file: file not found"):
+        credential_path("cred:absent", "mqtt.tls.key_file")
+    with pytest.raises(ConfigError, match="mqtt.password: cannot read credential"):
+        resolve_secret("cred:absent")
+    with pytest.raises(ConfigError, match="bad credential name"):
+        resolve_secret("cred:../etc/passwd")
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY")
+    with pytest.raises(ConfigError, match=r"mqtt.tls.ca_file: cred: needs systemd LoadCredential"):
+        credential_path("cred:ca", "mqtt.tls.ca_file")
+    assert resolve_secret("plain") == "plain" and resolve_secret(None) is None
 
 
 @pytest.mark.parametrize("name", ["atlas-200dk", "atlas-200i-dk-a2", "atlas-300i-pro", "atlas-500", "cpu-dev"])

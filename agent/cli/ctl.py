@@ -19,8 +19,9 @@ import uuid
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 from urllib.parse import urlsplit
 
-from agent.config.daemon_config import DEFAULT_PREFIX, resolve_secret
+from agent.config.daemon_config import DEFAULT_PREFIX
 from agent.config.schema import ConfigError
+from agent.config.secrets import resolve_secret
 from agent.ops.commands import FINAL_STATES, REQUEST_ID_RE, SUCCEEDED, VERBS
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 ``atlas-edge validate FILE``, ``atlas-edge run --config FILE``, the ``validate``/``set-config`` MQTT verbs and
 SIGHUP reloads all go through :func:`load_daemon_config` / :func:`parse_daemon_config`, so a file that passes
 one passes them all. Secrets (MQTT password, TLS key) may come from the environment or from systemd
-credentials (``$CREDENTIALS_DIRECTORY``) instead of the file: see :func:`resolve_secret`.
+credentials (``$CREDENTIALS_DIRECTORY``) instead of the file: see :mod:`agent.config.secrets`.
 """
 
 import os
@@ -188,21 +188,3 @@ def merge_config(config: DaemonConfig, changes: Mapping[str, Any]) -> DaemonConf
             merged[key] = value
     return parse_daemon_config(merged)
 
-
-def resolve_secret(value: Optional[str]) -> Optional[str]:
-    """Expand ``env:VAR`` and ``cred:NAME`` (a file in ``$CREDENTIALS_DIRECTORY``); other values pass through."""
-    if value is None:
-        return None
-    if value.startswith("env:"):
-        var = value[4:]
-        if var not in os.environ:
-            raise ConfigError([FieldError("mqtt.password", "environment variable %s is not set" % var)])
-        return os.environ[var]
-    if value.startswith("cred:"):
-        directory = os.environ.get("CREDENTIALS_DIRECTORY")
-        if not directory:
-            raise ConfigError([FieldError("mqtt.password", "cred: needs systemd LoadCredential "
-                                          "($CREDENTIALS_DIRECTORY is not set)")])
-        with open(os.path.join(directory, value[5:]), encoding="utf-8") as handle:
-            return handle.read().strip()
-    return value

@@ -31,7 +31,6 @@ Who does what, and why:
 import functools
 import json
 import logging
-import os
 import queue
 import ssl
 import threading
@@ -41,8 +40,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Se
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from agent.config.daemon_config import MqttConfig, TlsConfig, resolve_secret
+from agent.config.daemon_config import MqttConfig, TlsConfig
 from agent.config.schema import ConfigError, FieldError
+from agent.config.secrets import credential_path, resolve_secret
 from agent.ops.outbox import Outbox
 
 logger = logging.getLogger(__name__)
@@ -121,26 +121,11 @@ def _catch_and_log(callback: Callable[..., None]) -> Callable[..., None]:
     return guarded
 
 
-def _credential_path(value: Optional[str], field: str) -> Optional[str]:
-    """A file path from the config; ``cred:NAME`` means the systemd credential NAME."""
-    if value is None:
-        return None
-    if value.startswith("cred:"):
-        directory = os.environ.get("CREDENTIALS_DIRECTORY")
-        if not directory:
-            raise ConfigError([FieldError(field, "cred: needs systemd LoadCredential ($CREDENTIALS_DIRECTORY"
-                                                 " is not set)")])
-        value = os.path.join(directory, value[5:])
-    if not os.path.isfile(value):
-        raise ConfigError([FieldError(field, "file not found: %s" % value)])
-    return value
-
-
 def build_tls_context(tls: TlsConfig) -> ssl.SSLContext:
     """TLS client context from the config; bad or missing files fail here, naming the field."""
-    ca_file = _credential_path(tls.ca_file, "mqtt.tls.ca_file")
-    cert_file = _credential_path(tls.cert_file, "mqtt.tls.cert_file")
-    key_file = _credential_path(tls.key_file, "mqtt.tls.key_file")
+    ca_file = credential_path(tls.ca_file, "mqtt.tls.ca_file")
+    cert_file = credential_path(tls.cert_file, "mqtt.tls.cert_file")
+    key_file = credential_path(tls.key_file, "mqtt.tls.key_file")
     if key_file and not cert_file:
         raise ConfigError([FieldError("mqtt.tls.cert_file", "required when key_file is set")])
     try:
