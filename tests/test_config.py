@@ -1,5 +1,8 @@
 """Config schemas: every bad field is named, unknown keys fail, device configs load by stem."""
 
+import json
+import os
+import random
 import subprocess
 import sys
 
@@ -8,6 +11,7 @@ import yaml
 
 from agent.config.daemon_config import load_daemon_config, merge_config, parse_daemon_config
 from agent.config.device_config import known_devices, load_device_config
+from agent.config.overrides import OVERRIDES_FILE, load_with_overrides
 from agent.config.schema import ConfigError
 from agent.config.secrets import credential_path, resolve_secret
 
@@ -130,3 +134,83 @@ def test_validate_cli_prints_fields_and_exit_codes(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("device_id: [unclosed\n")
     assert _cli("validate", str(broken)).returncode != 0
+
+
+# --- overrides: remote set-config changes in the state directory --------------------------------------------
+
+def write_config(tmp_path, **extra):
+    data = {"device_id": "cam-01", "model": {"bundle": "b"}, "state_dir": "state", **extra}
+    path = tmp_path / "config.yaml"
+    path.write_text("# the operator's comment\n" + yaml.safe_dump(data))
+    return path
+
+
+def test_overrides_merge_over_the_file_survive_a_reload_and_never_touch_it(tmp_path):
+    path = write_config(tmp_path, thresholds={"iou": 0.6})
+    before = path.read_bytes()
+    config, overrides = load_with_overrides(str(path))
+    assert overrides.values() == {} and config.thresholds.conf is None
+    overrides.record({"thresholds": {"conf": 0.4}})
+    overrides.record({"batching": {"max_batch": 4}})
+    stored = json.loads((tmp_path / "state" / OVERRIDES_FILE).read_text())
+    assert stored == {"version": 1, "changes": {"thresholds": {"conf": 0.4}, "batching": {"max_batch": 4}}}
+    again, reread = load_with_overrides(str(path))  # what a restart does
+    assert again.thresholds.conf == 0.4 and again.thresholds.iou == 0.6 and again.batching.max_batch == 4
+    assert reread.values() == {"batching.max_batch": 4, "thresholds.conf": 0.4}
+    assert path.read_bytes() == before  # the operator's file, comment included, is never rewritten
+    previous = reread.record({"thresholds": {"conf": 0.2}})
+    reread.restore(previous)  # the change could not be applied: the file says what is in effect again
+    assert load_with_overrides(str(path))[0].thresholds.conf == 0.4
+
+
+def test_an_override_that_no_longer_validates_is_reported_and_ignored(tmp_path):
+    path = write_config(tmp_path)
+    state = tmp_path / "state"
+    state.mkdir()
+    # A section that is not live (any more) and a value out of bounds, next to one that still applies.
+    (state / OVERRIDES_FILE).write_text(json.dumps({"version": 1, "changes": {
+        "mqtt": {"port": 1884}, "batching": {"max_batch": 999}, "thresholds": {"conf": 0.3}}}))
+    config, overrides = load_with_overrides(str(path))
+    assert config.thresholds.conf == 0.3 and config.batching.max_batch == 1 and config.mqtt.port == 1883
+    ignored = {item["section"]: item["errors"][0]["field"] for item in overrides.ignored}
+    assert ignored == {"mqtt": "mqtt", "batching": "batching.max_batch"}
+    assert overrides.damaged is None and (state / OVERRIDES_FILE).exists()  # not damaged: kept for a person
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param(lambda good: good[: len(good) // 2], id="truncated"),
+    pytest.param(lambda good: bytes(random.Random(7).getrandbits(8) for _ in range(100)), id="random-bytes"),
+    pytest.param(lambda good: b'{"thresholds": {"conf": 0.4}}', id="json-of-the-wrong-schema"),
+    pytest.param(lambda good: b'[1, 2, 3]', id="json-not-a-mapping"),
+])
+def test_a_damaged_overrides_file_is_moved_aside_and_the_file_config_serves(tmp_path, damage):
+    path = write_config(tmp_path)
+    config, overrides = load_with_overrides(str(path))
+    overrides.record({"thresholds": {"conf": 0.4}})
+    target = tmp_path / "state" / OVERRIDES_FILE
+    target.write_bytes(damage(target.read_bytes()))
+    config, overrides = load_with_overrides(str(path))
+    assert config.thresholds.conf is None  # the config file alone
+    assert overrides.damaged and overrides.moved_to and os.path.exists(overrides.moved_to)
+    assert not target.exists() and overrides.moved_to.startswith(str(target) + ".corrupt-")
+    assert overrides.report()["moved_to"] == overrides.moved_to
+    overrides.record({"thresholds": {"conf": 0.5}})  # and set-config works again on a fresh file
+    assert load_with_overrides(str(path))[0].thresholds.conf == 0.5
+
+
+def test_validate_marks_values_from_overrides_and_changes_nothing(tmp_path):
+    path = write_config(tmp_path)
+    _config, overrides = load_with_overrides(str(path))
+    overrides.record({"thresholds": {"conf": 0.4}, "mqtt": {"port": 1}})  # as if written by an older version
+    result = _cli("validate", str(path))
+    assert result.returncode == 0, result.stderr
+    line = next(ln for ln in result.stdout.splitlines() if "thresholds.conf" in ln and "0.4" in ln)
+    assert line.startswith("*")
+    assert not any(ln.startswith("*") and "thresholds.iou" in ln for ln in result.stdout.splitlines())
+    assert "ignored (no longer valid against this file): mqtt" in result.stdout
+    # a damaged file is reported by validate but left where it is (validate only reads)
+    target = tmp_path / "state" / OVERRIDES_FILE
+    target.write_bytes(b"\x00garbage")
+    result = _cli("validate", str(path))
+    assert result.returncode == 0 and "damaged and would be moved aside" in result.stdout
+    assert target.read_bytes() == b"\x00garbage" and os.listdir(tmp_path / "state") == [OVERRIDES_FILE]

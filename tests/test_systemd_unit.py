@@ -10,10 +10,14 @@ ignores them), so the test also requires it to print nothing, and a control case
 import os
 import re
 import shutil
+import socket
 import subprocess
+import sys
+import tempfile
 from typing import Dict, List
 
 import pytest
+import yaml
 
 from agent.config.daemon_config import WatchdogConfig
 from agent.config.device_config import load_device_config
@@ -223,3 +227,45 @@ def test_install_rejects_bad_options_before_doing_anything(args, message):
     done = run_install("--dry-run", *args)
     assert done.returncode == 2 and message in done.stderr
     assert "+ " not in done.stdout
+
+
+# --- start-up failures that no restart can fix -------------------------------------------------------------
+
+def run_daemon_cli(config_path, notify_path):
+    env = dict(os.environ, NOTIFY_SOCKET=notify_path, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "agent", "run", "--config", str(config_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("case", ["bad-config", "missing-bundle"])
+def test_unfixable_start_failures_exit_with_a_status_the_unit_does_not_restart(tmp_path, case):
+    from agent.cli.main import EXIT_CANNOT_START
+    from agent.daemon import EXIT_RESTART
+
+    service = directives(unit_text())["Service"]
+    prevented = one(service, "RestartPreventExitStatus").split()
+    assert str(EXIT_CANNOT_START) in prevented and one(service, "Restart") == "on-failure"
+    assert str(EXIT_RESTART) not in prevented  # a watchdog-requested restart must still come back
+
+    config = {"device_id": "cam-01", "state_dir": "state", "model": {"bundle": "no-such-bundle",
+                                                                     "backend": "opencv"},
+              "mqtt": {"host": "127.0.0.1", "port": 1}}
+    if case == "bad-config":
+        config["batching"] = {"max_batch": 0}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    directory = tempfile.mkdtemp(prefix="sdn-", dir="/tmp")  # AF_UNIX paths are limited to 108 bytes
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        notify.bind(os.path.join(directory, "notify"))
+        notify.settimeout(5.0)
+        result = run_daemon_cli(path, os.path.join(directory, "notify"))
+        status = notify.recv(4096).decode()
+    finally:
+        notify.close()
+        shutil.rmtree(directory)
+    assert result.returncode == EXIT_CANNOT_START, result.stderr[-2000:]
+    why = "batching.max_batch" if case == "bad-config" else "no-such-bundle"
+    assert result.stderr.count("cannot start") == 1 and why in result.stderr
+    assert "Traceback" not in result.stderr
+    assert status.startswith("STATUS=cannot start: ") and why in status

@@ -6,9 +6,13 @@ bench) import their modules when called, and say which extra to install when tha
 
 import argparse
 import importlib
+import json
 import logging
 import sys
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
+
+if TYPE_CHECKING:
+    from agent.config.overrides import Overrides
 
 EPILOG = """examples:
   atlas-edge demo --frames 24                       the whole pipeline on embedded defaults
@@ -38,15 +42,36 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="daemon config (YAML); see examples/daemon.yaml")
 
 
+# sysexits.h EX_CONFIG (systemd shows "status=78/CONFIG"): a start-up failure that no restart can fix (a bad
+# config, a missing or damaged bundle, a backend whose runtime is not installed). The unit lists it in
+# RestartPreventExitStatus=, so systemd stops instead of retrying every RestartSec until StartLimitBurst.
+EXIT_CANNOT_START = 78
+# argparse's status for a bad command line (a typo in a drop-in's ExecStart=): also not fixed by a restart.
+EXIT_USAGE = 2
+
+
 def _run(args: argparse.Namespace) -> int:
     from agent.config.schema import ConfigError
     from agent.daemon import run_daemon
+    from agent.pipeline.backends import BackendUnavailable
 
     try:
         return run_daemon(args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    except (ConfigError, BackendUnavailable) as exc:
+        _cannot_start(exc)
+        return EXIT_CANNOT_START
+
+
+def _cannot_start(exc: BaseException) -> None:
+    """Say once, on stderr (the journal) and in ``systemctl status``, why the daemon will not be restarted."""
+    from agent.health.sdnotify import SystemdNotifier
+
+    print("atlas-edge cannot start, and a restart would fail the same way (exit %d, not restarted): %s\n"
+          "Fix it, check with `atlas-edge validate`, then `systemctl restart atlas-edge`." % (
+              EXIT_CANNOT_START, exc), file=sys.stderr)
+    notifier = SystemdNotifier()
+    notifier.status("cannot start: %s" % (exc or type(exc).__name__))  # flattened to one line by status()
+    notifier.close()
 
 
 def _add_validate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,34 +79,63 @@ def _add_validate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    """Decide the file's kind by its keys, validate it whole, print every error or the parsed result."""
+    """Decide the file's kind by its keys, validate it whole, print every error or the parsed result.
+
+    For a daemon config, the state directory's overrides (remote ``set-config`` changes) are merged as ``run``
+    would, and the values they set are marked; the files are only read.
+    """
     import yaml
 
     from agent.config.daemon_config import DaemonConfig
     from agent.config.device_config import DeviceConfig, load_device_config
-    from agent.config.schema import ConfigError, describe, load_yaml, to_dict
+    from agent.config.overrides import load_with_overrides
+    from agent.config.schema import ConfigError, describe, to_dict
 
     try:
         with open(args.file, encoding="utf-8") as handle:
             data = yaml.safe_load(handle) or {}
     except (OSError, yaml.YAMLError) as exc:
         print("%s: %s" % (args.file, exc), file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     is_device = isinstance(data, dict) and ("soc_version" in data or "target" in data)
+    overrides = None
     try:
-        config = load_device_config(args.file) if is_device else load_yaml(DaemonConfig, args.file)
+        if is_device:
+            config = load_device_config(args.file)
+        else:
+            config, overrides = load_with_overrides(args.file, quarantine=False)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
     kind = DeviceConfig if is_device else DaemonConfig
     print("%s: valid %s" % (args.file, "device config" if is_device else "daemon config"))
     values = to_dict(config)
+    from_overrides = overrides.values() if overrides is not None else {}
     for path, _default, doc in describe(kind):
         value = values
         for part in path.split("."):
             value = value.get(part) if isinstance(value, dict) else None
-        print("  %-34s %-28s %s" % (path, yaml.safe_dump(value, default_flow_style=True).strip()[:28], doc))
+        marked = any(path == key or path.startswith(key + ".") for key in from_overrides)
+        print("%s %-34s %-28s %s" % ("*" if marked else " ", path,
+                                     yaml.safe_dump(value, default_flow_style=True).strip()[:28], doc))
+    if overrides is not None:
+        _print_overrides(overrides)
     return 0
+
+
+def _print_overrides(overrides: "Overrides") -> None:
+    """What the state directory's overrides file contributes, or why it would be ignored by ``run``."""
+    report = overrides.report()
+    if report["damaged"]:
+        print("overrides %s are damaged and would be moved aside at start: %s" % (report["file"],
+                                                                                  report["damaged"]))
+    elif report["values"] or report["ignored"]:
+        print("* from overrides %s (remote set-config; the file above is unchanged):" % report["file"])
+        for key, value in report["values"].items():
+            print("    %s = %s" % (key, json.dumps(value)))
+        for item in report["ignored"]:
+            print("  ignored (no longer valid against this file): %s: %s" % (
+                item["section"], "; ".join("%s: %s" % (e["field"], e["message"]) for e in item["errors"])))
 
 
 LOCAL = {"run": (_add_run_arguments, _run), "validate": (_add_validate_arguments, _validate)}
