@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -13,9 +14,14 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "ma
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
 
 
-def run_demo(*args):
+def run_demo(*args, tmpdir=None):
+    env = dict(os.environ, TMPDIR=str(tmpdir)) if tmpdir is not None else None
     return subprocess.run([sys.executable, "-m", "agent", "demo", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
+
+
+def work_dirs(tmpdir):
+    return sorted(p.name for p in tmpdir.iterdir() if p.name.startswith("atlas-edge-demo-"))
 
 
 def check_output(result, frames):
@@ -43,3 +49,41 @@ def test_demo_against_an_external_broker_with_the_opencv_backend(mosquitto):
 def test_demo_rejects_a_bad_broker_url():
     result = run_demo("--frames", "1", "--broker", "http://nope")
     assert result.returncode != 0 and "--broker must look like mqtt://HOST:PORT" in result.stderr
+
+
+def test_demo_removes_its_work_directory_unless_asked_to_keep_it(tmp_path, mosquitto):
+    result = run_demo("--frames", "2", "--broker", mosquitto.url, "--backend", "opencv", tmpdir=tmp_path)
+    check_output(result, 2)
+    assert work_dirs(tmp_path) == []
+    kept = run_demo("--frames", "2", "--broker", mosquitto.url, "--backend", "opencv", "--keep", tmpdir=tmp_path)
+    check_output(kept, 2)
+    (name,) = work_dirs(tmp_path)
+    assert "kept the work directory: %s" % (tmp_path / name) in kept.stdout
+    assert (tmp_path / name / "frames" / "ground_truth.json").exists()
+
+
+def test_demo_removes_its_work_directory_after_an_error(tmp_path, mosquitto):
+    result = run_demo("--frames", "2", "--broker", mosquitto.url, "--backend", "opencv",
+                      "--bundle", str(tmp_path / "no-such-bundle"), tmpdir=tmp_path)
+    assert result.returncode != 0 and "no-such-bundle" in result.stderr
+    assert work_dirs(tmp_path) == []
+
+
+def test_demo_removes_its_work_directory_on_ctrl_c(tmp_path, mosquitto):
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    process = subprocess.Popen([sys.executable, "-m", "agent", "demo", "--broker", mosquitto.url, "--backend",
+                                "opencv"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        output = []
+        for line in process.stdout:  # serving, until the first result is read back over MQTT
+            output.append(line)
+            if re.match(r"#1 ", line):
+                break
+        assert work_dirs(tmp_path), "".join(output)
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, "".join(output) + rest
+    assert work_dirs(tmp_path) == []

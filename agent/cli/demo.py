@@ -7,13 +7,15 @@ prints what arrives: detections, fps and per-stage latency.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import cv2
 import numpy as np
@@ -124,51 +126,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames-dir", default=None,
                         help="folder of images to serve (default: generated sample frames)")
     parser.add_argument("--max-batch", type=int, default=1, help="dynamic batching: largest batch")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work directory (sample frames, outbox, bundle store) instead of removing it")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve in a fresh work directory (sample frames, state: about 22 MB), removed on every way out (the
+    end, Ctrl-C, an error) unless ``--keep``."""
+    if args.frames is not None and args.frames < 1:
+        raise SystemExit("--frames must be >= 1")
+    work = tempfile.mkdtemp(prefix="atlas-edge-demo-")
+    try:
+        return _serve(args, work)
+    finally:
+        if args.keep:
+            print("kept the work directory: %s" % work)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, work: str) -> int:
     from agent.config.daemon_config import parse_daemon_config
     from agent.daemon import Daemon
     from agent.devtools.broker import EmbeddedBroker
 
-    if args.frames is not None and args.frames < 1:
-        raise SystemExit("--frames must be >= 1")
-    work = tempfile.mkdtemp(prefix="atlas-edge-demo-")
     frames_dir = args.frames_dir or os.path.join(work, "frames")
     if args.frames_dir is None:
         write_sample_frames(frames_dir)
         print("sample frames: %s (%s)" % (frames_dir, ", ".join("%dx%d" % (w, h) for h, w in SAMPLE_SIZES_HW)))
-    broker: Optional[EmbeddedBroker] = None
-    if args.broker:
-        host, port = _parse_broker(args.broker)
-    else:
-        broker = EmbeddedBroker()
-        broker.start()
-        host, port = broker.host, broker.port
-        print("embedded broker: mosquitto on %s:%d" % (host, port))
-    config = parse_daemon_config({
-        "device_id": args.device_id,
-        "device": "cpu-dev",
-        "state_dir": os.path.join(work, "state"),
-        "model": {"bundle": os.path.abspath(args.bundle), "backend": args.backend, "store": "bundles"},
-        # Paced like a camera: a looping folder read flat out would only fill the queue and drop frames.
-        "sources": [{"name": "samples", "uri": frames_dir, "loop": True, "max_fps": DEMO_FPS}],
-        "mqtt": {"host": host, "port": port},
-        "batching": {"max_batch": args.max_batch, "max_wait_ms": 10.0},
-        "publish": {"telemetry_interval_s": 5.0},
-    }, source="demo defaults")
-    view = ConsoleView(host, port, config.mqtt.prefix, config.device_id)
-    view.subscribed.wait(5.0)
-    daemon = Daemon(config)
-    daemon.install_signal_handlers()
-    started = time.monotonic()
-    try:
+    with contextlib.ExitStack() as cleanup:  # whatever started is stopped, on every way out
+        if args.broker:
+            host, port = _parse_broker(args.broker)
+        else:
+            broker = EmbeddedBroker()
+            broker.start()
+            cleanup.callback(broker.stop)
+            host, port = broker.host, broker.port
+            print("embedded broker: mosquitto on %s:%d" % (host, port))
+        config = parse_daemon_config({
+            "device_id": args.device_id,
+            "device": "cpu-dev",
+            "state_dir": os.path.join(work, "state"),
+            "model": {"bundle": os.path.abspath(args.bundle), "backend": args.backend, "store": "bundles"},
+            # Paced like a camera: a looping folder read flat out would only fill the queue and drop frames.
+            "sources": [{"name": "samples", "uri": frames_dir, "loop": True, "max_fps": DEMO_FPS}],
+            "mqtt": {"host": host, "port": port},
+            "batching": {"max_batch": args.max_batch, "max_wait_ms": 10.0},
+            "publish": {"telemetry_interval_s": 5.0},
+        }, source="demo defaults")
+        view = ConsoleView(host, port, config.mqtt.prefix, config.device_id)
+        cleanup.callback(view.close)
+        view.subscribed.wait(5.0)
+        daemon = Daemon(config)
+        daemon.install_signal_handlers()
+        started = time.monotonic()
         code = daemon.run(max_frames=args.frames)
         received = view.wait_for(daemon.published, timeout=10.0)
-    finally:
-        view.close()
-        if broker is not None:
-            broker.stop()
     elapsed = time.monotonic() - started
     latency = daemon.stats.percentiles()
     print("\n%d frames served in %.1fs (%.1f fps); %d results published, %d received over MQTT" % (
