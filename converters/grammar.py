@@ -1,8 +1,9 @@
 """The documented grammar of what the converters write, and a validator that rejects anything else.
 
-Key sets and value domains come from the public documentation collected in
-shared/reference/ascend-toolchain.md, the AIPP protobuf (``insert_op.proto``: key names and types) and the
-MindSpore Lite converter pages. Generated files and argument lists are run through these checks before a
+Key sets and value domains come from the public documentation: Huawei's ATC parameter pages (e.g.
+``atlasatcparam_16_0015``, ``atlasatcparam_16_0029``) and AIPP template (``atlasatc_16_0025``), the AIPP protobuf
+(mindspore-ai/graphengine ``ge/proto/insert_op.proto``: key names and types) and the MindSpore Lite converter
+pages. Generated files and argument lists are run through these checks before a
 tool sees them, and the test stand-ins of ``atc`` and ``converter_lite`` use the same checks, so a typo in a
 key, flag or value fails here instead of on an Ascend host. Bounds marked "project" below are this
 project's own conservative limits where the documentation gives none.

@@ -293,6 +293,22 @@ def test_real_allocation_that_plateaus_is_not_a_leak():
     assert memory.rss_trend.verdict() == "ok"  # judged on a full window, not merely "insufficient"
 
 
+def test_leak_settings_come_from_the_config():
+    """restart_on_leak=false turns a host leak into an alert only; leak_min_samples is the detector's."""
+    config = WatchdogConfig(interval_s=1.0, window_s=60.0, leak_mb_per_hour=600.0, restart_on_leak=False,
+                            leak_min_samples=40)
+    clock = ManualClock()
+    rss = [100.0]
+    memory = MemoryWatchdog(config, clock=clock, read_rss=lambda: rss[0], read_limit=lambda: None)
+    assert memory.rss_trend.min_samples == 40
+    leaks = []
+    for _ in range(70):  # 1 MiB/s: 3600 MiB/h against 600 MiB/h
+        rss[0] += 1.0
+        clock.advance(1.0)
+        leaks += [a for a in memory.check_all() if a.kind == "leak"]
+    assert len(leaks) == 1 and leaks[0].restart is False
+
+
 @pytest.mark.parametrize("soft, budget, cgroup, expected", [
     (None, None, None, (None, "")),
     (500.0, 400, None, (400.0, "device memory_budget_mb")),

@@ -14,6 +14,8 @@ from agent.config.schema import ConfigError, FieldError, parse, setting, to_dict
 
 DEFAULT_PREFIX = "atlas-edge"
 DEFAULT_MAX_WAIT_MS = 10.0  # the seeds' server: flush a batch of 8 or after 10 ms, whichever comes first
+DEFAULT_LEAK_MIN_SAMPLES = 12  # one minute at the default 5 s interval before any leak trend is trusted
+MIN_LEAK_SAMPLES = 6  # each half of the leak window needs >= 3 points for its own slope
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ class WatchdogConfig:
     soft_limit_mb: Optional[float] = setting(None, gt=0, doc="restart above this RSS; default 90% of memory.max")
     inference_deadline_s: float = setting(10.0, gt=0, doc="an inference call longer than this is a hang")
     shutdown_timeout_s: float = setting(10.0, gt=0, doc="bound on drain + flush at shutdown")
-    leak_min_samples: int = setting(12, ge=6, doc="samples in the window before a leak trend is trusted")
+    leak_min_samples: int = setting(DEFAULT_LEAK_MIN_SAMPLES, ge=MIN_LEAK_SAMPLES,
+                                    doc="samples in the window before a leak trend is trusted")
     restart_on_leak: bool = setting(True, doc="a host RSS leak restarts the daemon (false: alert only)")
 
 

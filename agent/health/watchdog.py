@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from agent.config.daemon_config import WatchdogConfig
+from agent.config.daemon_config import DEFAULT_LEAK_MIN_SAMPLES, MIN_LEAK_SAMPLES, WatchdogConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,6 @@ CGROUP_LIMIT_FRACTION = 0.9
 # has 1 EiB, so anything at or above it means no limit.
 V1_UNLIMITED_BYTES = 1 << 60
 SOFT_LIMIT_CONSECUTIVE = 2  # one sample over the limit can be a batch's transient peak; two in a row is not
-DEFAULT_LEAK_MIN_SAMPLES = 12  # one minute at the default 5 s interval before any trend is trusted
-MIN_LEAK_SAMPLES = 6  # each half of the window needs >= 3 points for its own slope
 WINDOW_COVERAGE = 0.9  # a trend must span 90% of window_s (sampling jitter) before it can be called a leak
 MIN_FIT_R2 = 0.8  # a leak is a steady climb: the straight line must explain >= 80% of the variance
 HANG_MISSES_FOR_RESTART = 2  # one overrun can be a slow first call after a model load; two in a row is a hang
@@ -296,11 +294,9 @@ class MemoryWatchdog:
         self._read_npu: Optional[Callable[[], Optional[NpuReading]]] = getattr(npu_probe, "read", npu_probe)
         self._npu_error = ""
         self.clock = clock
-        # Proposed WatchdogConfig fields; the getattr defaults keep this working until they exist.
-        min_samples = getattr(config, "leak_min_samples", DEFAULT_LEAK_MIN_SAMPLES)
-        self.restart_on_leak = bool(getattr(config, "restart_on_leak", True))
-        self.rss_trend = LeakDetector(config.window_s, config.leak_mb_per_hour, min_samples)
-        self.npu_trend = LeakDetector(config.window_s, config.leak_mb_per_hour, min_samples)
+        self.restart_on_leak = config.restart_on_leak
+        self.rss_trend = LeakDetector(config.window_s, config.leak_mb_per_hour, config.leak_min_samples)
+        self.npu_trend = LeakDetector(config.window_s, config.leak_mb_per_hour, config.leak_min_samples)
         self.last_sample: Optional[MemorySample] = None
         self._read_rss = read_rss
         self._read_limit = read_limit

@@ -1,6 +1,7 @@
 """pyACL backend: an ATC-built ``.om`` model on the Ascend NPU.
 
-Written to the pyACL API as documented (reference/ascend-toolchain.md, Ascend/samples ``acllite_model.py``);
+Written to the pyACL API as documented (CANN's pyACL API reference; Ascend/samples
+``python/common/acllite/acllite_model.py``);
 NOT run here: pyACL ships with the CANN toolkit on Ascend hosts only, so it is tested against a stand-in
 (tests/fakes/fake_acl.py). Every call that returns an error code is checked; a non-zero code becomes a
 :class:`BackendError` with the code and its meaning.
