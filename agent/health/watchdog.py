@@ -335,11 +335,6 @@ class MemoryWatchdog:
         self.last_sample = result
         return result
 
-    def check(self, sample: Optional[MemorySample] = None) -> Optional[Alert]:
-        """Sample (unless given one), update the trends, return the most pressing new alert or None."""
-        alerts = self.check_all(sample)
-        return alerts[0] if alerts else None
-
     def check_all(self, sample: Optional[MemorySample] = None) -> List[Alert]:
         """Every new alert, most pressing first (soft limits before leaks, host before NPU).
 

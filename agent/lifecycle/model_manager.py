@@ -194,8 +194,12 @@ class ModelManager:
 
     def __init__(self, config: DaemonConfig, device: DeviceConfig, backend: str,
                  on_event: Callable[[Dict[str, Any]], None], clock: Callable[[], float] = time.monotonic,
-                 switch_timeout_s: float = DEFAULT_SWITCH_TIMEOUT_S) -> None:
+                 switch_timeout_s: float = DEFAULT_SWITCH_TIMEOUT_S,
+                 on_phase: Optional[Callable[[str], None]] = None) -> None:
         self.config = config
+        # Called as each loading step begins ("verify", "load", "warm-up", "golden check"): the daemon extends
+        # systemd's start-up timeout per step.
+        self.on_phase: Callable[[str], None] = on_phase or (lambda name: None)
         self.device = device
         self.backend = backend
         self.on_event = on_event
@@ -560,6 +564,7 @@ class ModelManager:
             if not os.path.exists(source):
                 raise BundleError([FieldError("model.bundle", "not found: %s" % source)], source)
             root = copy_local(os.path.realpath(source), staging, source=source)
+            self.on_phase("verify")
             bundle = verify_bundle(root, self.public_key)
             installed = self._install(root, slot, bundle)
             model = self._load(replace(bundle, root=installed))
@@ -619,6 +624,7 @@ class ModelManager:
     def _verified_slot(self, slot: Slot) -> Bundle:
         """Re-verify a slot's bundle from disk (hashes and signature): the store may have been altered."""
         assert slot.bundle is not None
+        self.on_phase("verify")
         bundle = verify_bundle(os.path.join(self.store, slot.bundle), self.public_key)
         if bundle.manifest_sha256 != slot.manifest_sha256:
             raise BundleError([FieldError(MANIFEST, "changed on disk: sha256 %s, slot table says %s" % (
@@ -626,7 +632,8 @@ class ModelManager:
         return bundle
 
     def _load(self, bundle: Bundle) -> LoadedModel:
-        model = load_model(bundle, self.device, self.backend, max_batch=self.config.batching.max_batch)
+        model = load_model(bundle, self.device, self.backend, max_batch=self.config.batching.max_batch,
+                           on_phase=self.on_phase)
         self._apply_thresholds(model)
         return model
 

@@ -9,7 +9,7 @@ on this box (wrong SoC build, double normalisation, colour swap) never serves.
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -219,12 +219,21 @@ def _preprocessing_dict(bundle: Bundle) -> Dict[str, Any]:
 
 
 def load_model(bundle: Bundle, device: DeviceConfig, backend: str, max_batch: int = 1,
-               require_golden: bool = True) -> LoadedModel:
-    """Load, warm up and self-test; raises BundleError (naming the golden cases) if the self-test fails."""
+               require_golden: bool = True, on_phase: Optional[Callable[[str], None]] = None) -> LoadedModel:
+    """Load, warm up and self-test; raises BundleError (naming the golden cases) if the self-test fails.
+
+    ``on_phase(name)`` is called as each step begins (``load``, ``warm-up``, ``golden check``): at start-up the
+    daemon turns it into systemd's EXTEND_TIMEOUT_USEC, so a slow box gets time per step, and a step that hangs
+    does not get more.
+    """
+    phase = on_phase or (lambda name: None)
+    phase("load")
     model = LoadedModel(bundle, device, backend, max_batch)
     model.load()
     try:
+        phase("warm-up")
         model.warm_up()
+        phase("golden check")
         report = model.golden_check()
         if require_golden and not report.passed:
             raise BundleError([FieldError("golden", f) for f in report.failures], bundle.root)
