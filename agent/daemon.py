@@ -98,7 +98,8 @@ class Daemon:
                                        on_connected=self._publish_discovery if discovery else None)
         self.dispatcher = CommandDispatcher(self.transport, self._handlers(),
                                             record_path=cfg.state_path("requests.sqlite"))
-        self.models = ModelManager(cfg, self.device, self.backend, on_event=self._publish_event)
+        self.models = ModelManager(cfg, self.device, self.backend, on_event=self._publish_event,
+                                   handover=self.handover)
         self.sources = SourceSet(list(cfg.sources), self.frames)
         self.notifier = SystemdNotifier()
         self.progress = ProgressMonitor(cfg.watchdog.inference_deadline_s)

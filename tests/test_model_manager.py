@@ -19,6 +19,7 @@ import sys
 import tarfile
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -30,10 +31,13 @@ from agent.config.schema import ConfigError, parse
 from agent.errors import CommandError
 from agent.lifecycle.bundle import MANIFEST, BundleError, sha256_file, sign_bundle, write_manifest
 from agent.lifecycle.fetch import FetchError, download, fetch_bundle
-from agent.lifecycle.model_manager import STAGING_DIR, ModelManager, _Window
+from agent.lifecycle.model_manager import ModelManager
+from agent.lifecycle.probation import Window
 from agent.lifecycle.slots import CONFIRMED, EMPTY, PENDING, STANDBY, load_slots
+from agent.lifecycle.store import STAGING_DIR
 from agent.pipeline import backends
 from agent.pipeline.backends.opencv_backend import OpenCvBackend
+from agent.pipeline.handover import BetweenBatches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIER = 32
@@ -136,8 +140,9 @@ class Harness:
                                            "model": settings})
         self.device = load_device_config(device) if isinstance(device, str) else device
         self.events = []
+        self.handover = BetweenBatches()
         self.manager = ModelManager(self.config, self.device, backend, on_event=self.events.append,
-                                    switch_timeout_s=switch_timeout_s)
+                                    handover=self.handover, switch_timeout_s=switch_timeout_s)
         self.store = os.path.join(str(tmp_path / "state"), "bundles")
         self.state_file = os.path.join(str(tmp_path / "state"), "slots.json")
 
@@ -192,6 +197,7 @@ class ServingLoop(threading.Thread):
 
     def run(self):
         while not self.stop_event.is_set():
+            self.manager.handover.run_pending()
             self.manager.between_batches()
             if not self.inference.is_set():
                 self.stop_event.wait(0.001)
@@ -265,21 +271,56 @@ def test_first_start_imports_the_bundle_into_slot_a_and_a_restart_keeps_it(harne
     assert again.events == []
 
 
-def test_a_corrupt_slot_file_is_set_aside_and_the_configured_bundle_serves(harness):
+def _truncated(path):
+    with open(path, "rb") as handle:
+        data = handle.read()
+    with open(path, "wb") as handle:
+        handle.write(data[:len(data) // 2])  # a write cut short by a power loss
+
+
+def _random_bytes(path):
+    with open(path, "wb") as handle:
+        handle.write(np.random.default_rng(5).integers(0, 256, size=200, dtype=np.uint8).tobytes())
+
+
+def _wrong_schema(path):
+    with open(path, "w") as handle:
+        json.dump({"schema": 1, "serving": "c", "name": ["not", "a", "string"], "slots": []}, handle)
+
+
+DAMAGE = {"truncated": _truncated, "random-bytes": _random_bytes, "wrong-schema": _wrong_schema}
+
+
+def _serves(manager, batches=3):
+    """The manager serves: a few batches through its current model with no error."""
+    with ServingLoop(manager) as loop:
+        loop.wait_batches(batches)
+    assert loop.errors == 0 and all(fed == got for _l, fed, got in loop.log)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_slot_table_is_set_aside_and_the_configured_bundle_serves(harness, damage):
     h = harness()
     h.manager.start()
     h.manager.close()
-    with open(h.state_file, "w") as handle:
-        handle.write("{half a table")
+    DAMAGE[damage](h.state_file)
     again = harness()
     assert again.manager.start().label == "tiny 1.0.0"
     [event] = again.events_named("slots_reset")
-    assert "not valid JSON" in event["reason"]
-    assert os.path.exists(event["moved_to"])
+    assert os.path.exists(event["moved_to"]) and event["moved_to"].startswith(again.state_file + ".corrupt-")
+    assert event["reason"]
     assert load_slots(again.state_file).serving == "a"
+    _serves(again.manager)
 
 
-def test_a_damaged_confirmed_bundle_at_start_falls_back_to_the_standby(harness, base_bundle):
+def _damage_bundle(h, slot_dir, damage):
+    """Truncate the artifact, or replace the manifest with random bytes or with JSON of another schema."""
+    target = "model_32x32.onnx" if damage == "truncated" else MANIFEST
+    DAMAGE[damage](os.path.join(h.store, slot_dir, target))
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_confirmed_bundle_at_start_is_set_aside_and_the_standby_serves(harness, base_bundle, damage):
     h = harness(observation_s=0.2)
     h.manager.start()
     sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
@@ -288,17 +329,40 @@ def test_a_damaged_confirmed_bundle_at_start_falls_back_to_the_standby(harness, 
         h.wait_for_event("confirmed")
     h.manager.close()
     confirmed_dir = load_slots(h.state_file).slots["b"].bundle
-    with open(os.path.join(h.store, confirmed_dir, "model_32x32.onnx"), "ab") as handle:
-        handle.write(b"bit rot")
+    _damage_bundle(h, confirmed_dir, damage)
 
     again = harness()
     assert again.manager.start().label == "tiny 1.0.0"
+    [moved] = again.events_named("bundle_moved_aside")
+    assert moved["slot"] == "b" and moved["model"]["version"] == "2.0.0"
+    assert moved["moved_to"].startswith(os.path.join(again.store, confirmed_dir) + ".corrupt-")
+    assert os.path.isdir(moved["moved_to"]) and not os.path.exists(os.path.join(again.store, confirmed_dir))
     [event] = again.events_named("rollback")
-    assert event["trigger"] == "restart" and "confirmed slot failed to load" in event["reason"]
-    assert "artifacts[0].size" in event["reason"]
+    assert event["trigger"] == "restart" and "slot b (tiny 2.0.0) failed verification" in event["reason"]
+    assert event["to"]["version"] == "1.0.0"
     status = again.manager.status()
     assert status["serving"] == "a"
-    assert (status["slots"]["a"]["state"], status["slots"]["b"]["state"]) == (CONFIRMED, STANDBY)
+    assert (status["slots"]["a"]["state"], status["slots"]["b"]["state"]) == (CONFIRMED, EMPTY)
+    assert status["last_rollback"]["version"] == "2.0.0"
+    _serves(again.manager)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_only_bundle_at_start_is_set_aside_and_the_configured_one_imported(harness, damage):
+    h = harness()
+    h.manager.start()
+    h.manager.close()
+    [slot_dir] = h.slot_dirs()
+    _damage_bundle(h, "slots/" + slot_dir, damage)
+
+    again = harness()
+    assert again.manager.start().label == "tiny 1.0.0"
+    [moved] = again.events_named("bundle_moved_aside")
+    assert moved["slot"] == "a" and os.path.isdir(moved["moved_to"])
+    table = load_slots(again.state_file)
+    assert table.serving == "a" and table.slots["b"].state == EMPTY
+    assert sorted(again.slot_dirs()) == sorted([slot_dir, os.path.basename(moved["moved_to"])])
+    _serves(again.manager)
 
 
 # --- deploy: the switch ------------------------------------------------------------------------------------
@@ -611,6 +675,104 @@ def test_a_deploy_the_serving_loop_never_takes_is_withdrawn(harness, base_bundle
     assert_unchanged(h, before)
 
 
+# --- the one handover queue: everything that changes the serving model happens between batches, in order ----
+
+def _in_thread(out, key, fn, *args, **kwargs):
+    def call():
+        try:
+            out[key] = fn(*args, **kwargs)
+        except BaseException as exc:  # recorded for the assertions
+            out[key] = exc
+
+    thread = threading.Thread(target=call, name="test-" + key)
+    thread.start()
+    return thread
+
+
+def _wait_queued(handover, count):
+    deadline = time.monotonic() + WAIT_S
+    while handover.pending() < count:
+        assert time.monotonic() < deadline, "only %d of %d items reached the queue" % (handover.pending(), count)
+        time.sleep(0.005)
+
+
+def test_a_config_change_a_swap_and_a_rollback_at_once_apply_in_order_between_batches(harness, base_bundle):
+    """The test is the serving loop: it runs a batch, lets three callers queue their changes, then runs the
+    queue once and the next batch. Nothing is applied outside the loop, all three are applied, in order."""
+    h = harness()
+    old = h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    frames = [np.zeros((32, 32, 3), np.uint8)] * BATCH
+    served = []
+
+    def batch():
+        model = h.manager.current
+        results = model.infer_frames(frames)
+        h.manager.record_batch(BATCH, results[0].timings_ms["infer"], failed=False)
+        served.append((model.label, len(results)))
+
+    def config_change():  # what the daemon's set-config hands over: thresholds for the models in memory
+        h.events.append({"event": "config", "serving": h.manager.current.label})
+        h.manager.set_thresholds(replace(h.config.thresholds, top_k=2))
+
+    batch()
+    out = {}
+    threads = [_in_thread(out, "config", h.handover.submit, config_change, WAIT_S, what="config change")]
+    _wait_queued(h.handover, 1)
+    threads.append(_in_thread(out, "deploy", h.manager.deploy, {"bundle": "incoming/tiny-2", "sha256": sha},
+                              no_progress))
+    _wait_queued(h.handover, 2)  # the deploy loaded and self-tested v2 off the serving thread
+    threads.append(_in_thread(out, "rollback", h.manager.rollback, "changed my mind"))
+    _wait_queued(h.handover, 3)
+    assert h.manager.current is old and h.events == []  # nothing happened outside the serving loop
+
+    assert h.handover.run_pending() == 3
+    h.manager.between_batches()
+    batch()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert [e["event"] for e in h.events] == ["config", "switched", "rollback"]
+    assert h.events[0]["serving"] == "tiny 1.0.0"
+    assert out["config"] is None
+    assert out["deploy"]["state"] == "pending" and out["deploy"]["model"]["version"] == "2.0.0"
+    assert out["rollback"]["reason"] == "operator: changed my mind"
+    assert out["rollback"]["model"]["version"] == "1.0.0" and out["rollback"]["rolled_back"]["version"] == "2.0.0"
+    assert served == [("tiny 1.0.0", BATCH), ("tiny 1.0.0", BATCH)]  # v2 came and went between two batches
+    assert h.manager.current is old and old.thresholds.top_k == 2
+    table = load_slots(h.state_file)
+    assert table.serving == "a" and table.slots["b"].state == EMPTY
+    assert table.last_rollback.version == "2.0.0"
+    assert len(h.slot_dirs()) == 1
+
+
+def test_a_callers_timeout_withdraws_the_swap_and_releases_the_staged_model(harness, base_bundle, monkeypatch):
+    import agent.pipeline.model as model_module
+
+    created = []
+    real_create = model_module.create_backend
+
+    def recording_create(*args, **kwargs):
+        backend = real_create(*args, **kwargs)
+        created.append(backend)
+        return backend
+
+    h = harness()
+    h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    before = snapshot(h)
+    monkeypatch.setattr(model_module, "create_backend", recording_create)
+    with pytest.raises(CommandError) as info:  # no serving loop runs the queue
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress, timeout_s=0.3)
+    assert info.value.code == "switch_timeout" and "within 0.3 s; still serving" in info.value.message
+    assert h.handover.run_pending() == 0  # withdrawn: the loop passes it without running it
+    assert created and all(backend.closed for backend in created)  # the staged model was released
+    assert_unchanged(h, before)
+    assert h.events == []
+    with pytest.raises(CommandError) as info:
+        h.manager.rollback(timeout_s=0.3)  # nothing pending and nothing kept: refused at once, not queued
+    assert info.value.code == "nothing_to_roll_back" and h.handover.pending() == 0
+
+
 # --- the observation window ------------------------------------------------------------------------------
 
 class SlowBackendForTests(OpenCvBackend):
@@ -715,7 +877,7 @@ def test_operator_rollback_while_pending_and_no_second_deploy_meanwhile(harness,
     ([], 0, 60.0, None),  # served nothing: not shown healthy, stays pending
 ])
 def test_window_verdicts_golden_values(latencies, failed, elapsed, expected):
-    window = _Window(slot="b", started=100.0, baseline_ms=2.0, baseline_samples=[2.0] * 10)
+    window = Window(slot="b", started=100.0, baseline_ms=2.0, baseline_samples=[2.0] * 10)
     for value in latencies:
         window.add(2, value, False)
     for _ in range(failed):
@@ -726,7 +888,7 @@ def test_window_verdicts_golden_values(latencies, failed, elapsed, expected):
 
 
 def test_without_a_baseline_latency_is_not_judged():
-    window = _Window(slot="b", started=0.0, baseline_ms=None, baseline_samples=[])
+    window = Window(slot="b", started=0.0, baseline_ms=None, baseline_samples=[])
     for _ in range(20):
         window.add(1, 1000.0, False)
     assert window.verdict(1.0, 60.0, 2.0, 0.05)[0] is None
@@ -741,14 +903,17 @@ import numpy as np
 from agent.config.daemon_config import parse_daemon_config
 from agent.config.device_config import load_device_config
 from agent.lifecycle.model_manager import ModelManager
+from agent.pipeline.handover import BetweenBatches
 
 config = parse_daemon_config(json.loads(sys.argv[1]))
-manager = ModelManager(config, load_device_config("cpu-dev"), "opencv", on_event=lambda event: None)
+manager = ModelManager(config, load_device_config("cpu-dev"), "opencv", on_event=lambda event: None,
+                       handover=BetweenBatches())
 manager.start()
 frame = np.zeros((32, 32, 3), np.uint8)
 
 def serve():
     while True:
+        manager.handover.run_pending()
         manager.between_batches()
         results = manager.current.infer_frames([frame])
         manager.record_batch(1, results[0].timings_ms["infer"], False)

@@ -190,6 +190,24 @@ def with_swapped(table: SlotTable) -> SlotTable:
     return validated(replace(table, serving=standby))
 
 
+def with_lost(table: SlotTable, slot: str, reason: str) -> SlotTable:
+    """``slot``'s bundle is gone (damaged, set aside): it is emptied; if it was confirmed, the standby takes over.
+
+    Raises ValueError when that would leave no confirmed slot: the caller then starts from the configured bundle.
+    """
+    if table.slots[slot].state == CONFIRMED:
+        standby = table.slot_in(STANDBY)
+        if standby is None:
+            raise ValueError("slot %s is confirmed and no standby slot is kept" % slot)
+        now = utc_now()
+        table = replace(table, serving=standby).with_slot(standby, replace(table.slots[standby], state=CONFIRMED,
+                                                                           since=now))
+    lost = table.slots[slot]
+    rejection = Rejection(name=lost.name, version=lost.version, manifest_sha256=lost.manifest_sha256,
+                          reason=reason, at=utc_now())
+    return validated(replace(table, last_rollback=rejection).with_slot(slot, Slot()))
+
+
 def validated(table: SlotTable) -> SlotTable:
     """Re-check a table built in code: a transition must never produce a table that a restart would reject."""
     return parse(SlotTable, to_dict(table), "slot table")
