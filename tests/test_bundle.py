@@ -27,10 +27,10 @@ from agent.lifecycle.bundle import (
     select_artifacts,
     sha256_file,
     sign_bundle,
-    unpack_archive,
     verify_bundle,
     write_manifest,
 )
+from agent.lifecycle.fetch import unpack_archive
 
 
 def artifact(file, **extra):

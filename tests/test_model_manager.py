@@ -30,7 +30,7 @@ from agent.config.device_config import load_device_config
 from agent.config.schema import ConfigError, parse
 from agent.errors import CommandError
 from agent.lifecycle.bundle import MANIFEST, BundleError, sha256_file, sign_bundle, write_manifest
-from agent.lifecycle.fetch import FetchError, download, fetch_bundle
+from agent.lifecycle.fetch import FetchError, download, fetch_bundle, unpack_archive
 from agent.lifecycle.model_manager import ModelManager
 from agent.lifecycle.probation import Window
 from agent.lifecycle.slots import CONFIRMED, EMPTY, PENDING, STANDBY, load_slots
@@ -1029,10 +1029,10 @@ class _NoLengthHandler(http.server.BaseHTTPRequestHandler):
 def test_download_refuses_more_than_the_limit_with_or_without_a_length(tmp_path):
     (tmp_path / "big.tar").write_bytes(b"\0" * 10000)
     with _http_server(str(tmp_path)) as url:
-        with pytest.raises(FetchError, match="is 10000 bytes, over the limit of 1000"):
+        with pytest.raises(FetchError, match="is 10000 bytes, more than the limit of 1000 bytes"):
             download(url + "/big.tar", str(tmp_path / "out"), max_bytes=1000)
     with _http_server(str(tmp_path), handler=_NoLengthHandler) as url:
-        with pytest.raises(FetchError, match="over the limit of 1000 bytes"):
+        with pytest.raises(FetchError, match="sent more than the limit of 1000 bytes"):
             download(url + "/x", str(tmp_path / "out"), max_bytes=1000)
         assert download(url + "/x", str(tmp_path / "out")) == 65536
 
@@ -1075,3 +1075,115 @@ def test_fetch_refuses_other_schemes_and_non_bundles(tmp_path):
         fetch_bundle("incoming/nothing", str(store), str(staging))
     with pytest.raises(FetchError, match="outside the bundle store"):
         fetch_bundle(".", str(store), str(staging))  # the store itself is not a bundle
+
+
+# --- a deploy cannot fill the disk ----------------------------------------------------------------------
+
+ZERO_CHUNK = 1 << 20
+
+
+def _tar_gz_with_zeros(path, bundle_dir, zeros):
+    """A real ``.tar.gz``: the bundle's files, then ``padding.bin`` of ``zeros`` zero bytes.
+
+    The zeros are written as concatenated gzip members of 1 MiB each (RFC 1952 allows several members; Python's
+    gzip and GNU tar read them), so a 1 GiB bomb costs one compression of 1 MiB and a megabyte of disk.
+    """
+    import gzip
+    import io
+
+    assert zeros % ZERO_CHUNK == 0
+    head = io.BytesIO()
+    with tarfile.open(fileobj=head, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(bundle_dir, arcname="tiny")
+        # tarfile writes its end-of-archive blocks on close: cut them off, the zeros member follows
+    body = head.getvalue().rstrip(b"\0")
+    body += b"\0" * (-len(body) % tarfile.BLOCKSIZE)
+    info = tarfile.TarInfo("tiny/padding.bin")
+    info.size = zeros
+    member = gzip.compress(b"\0" * ZERO_CHUNK, compresslevel=9)
+    with open(path, "wb") as out:
+        out.write(gzip.compress(body + info.tobuf(tarfile.PAX_FORMAT)))
+        for _ in range(zeros // ZERO_CHUNK):
+            out.write(member)
+        out.write(gzip.compress(b"\0" * (2 * tarfile.BLOCKSIZE)))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Mounts a tmpfs of the given size at ``<tmp_path>/state`` (the harness's state dir): a real small disk.
+
+    Skips, naming why, where this process may not mount (not root, or no CAP_SYS_ADMIN in a container).
+    """
+    mounted = []
+
+    def mount(size_bytes):
+        path = tmp_path / "state"
+        path.mkdir(exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%d" % size_bytes, "tmpfs", str(path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            pytest.skip("needs a tmpfs mount for a real small filesystem: %s" % done.stdout.decode().strip())
+        mounted.append(str(path))
+        return str(path)
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+@pytest.mark.parametrize("disk_mb, zeros_mb, binding", [
+    (2048, 1025, "the limit of 1073741824 bytes"),  # room for it, but over the 1 GiB cap
+    (48, 24, "free on"),  # under the cap, but more than 48 MiB less the 32 MiB reserve
+])
+def test_an_archive_that_unpacks_past_the_cap_or_the_free_space_is_refused_before_extraction(
+        small_disk, harness, base_bundle, tmp_path, disk_mb, zeros_mb, binding):
+    state = small_disk(disk_mb << 20)
+    h = harness()
+    h.manager.start()
+    source = str(tmp_path / "tiny-2")
+    sha = new_version(base_bundle, source, "2.0.0")
+    archive = h.incoming("bomb.tar.gz")
+    _tar_gz_with_zeros(archive, source, zeros_mb << 20)
+    assert os.path.getsize(archive) < 2 << 20  # small on the wire and on disk
+    before = snapshot(h)
+    free_before = shutil.disk_usage(state).free
+    with ServingLoop(h.manager) as loop:
+        loop.wait_batches(2)
+        with pytest.raises(BundleError) as info:
+            h.manager.deploy({"bundle": "incoming/bomb.tar.gz", "sha256": sha}, no_progress)
+        loop.wait_batches(2)
+    message = str(info.value)
+    assert "archive unpacks to at least" in message and binding in message
+    if binding == "free on":
+        assert "less the reserve of %d bytes" % (32 << 20) in message
+    assert_unchanged(h, before)  # serving model, table and slot dirs unchanged; staging empty
+    assert {label for label, _f, _g in loop.log} == {"tiny 1.0.0"}
+    assert shutil.disk_usage(state).free >= free_before - (1 << 20)  # nothing was extracted
+    assert h.events == []
+
+
+def test_unpacking_counts_the_bytes_it_writes_not_only_the_declared_sizes(tmp_path, monkeypatch):
+    """A member that yields more bytes than its header declared (a lying header) is stopped while writing."""
+    import io
+
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / MANIFEST).write_text("{}")
+    (tmp_path / "b" / "w.bin").write_bytes(b"x" * 1000)
+    archive = str(tmp_path / "b.tar")
+    with tarfile.open(archive, "w") as tar:
+        tar.add(str(tmp_path / "b"), arcname="b")
+    real = tarfile.TarFile.extractfile
+
+    def lying(self, member):
+        if member.name.endswith("w.bin"):
+            return io.BytesIO(b"x" * 5000)  # the header said 1000
+        return real(self, member)
+
+    monkeypatch.setattr(tarfile.TarFile, "extractfile", lying)
+    dest = tmp_path / "out"
+    dest.mkdir()
+    with pytest.raises(BundleError, match="archive unpacked past the limit of 4096 bytes while extracting"):
+        unpack_archive(archive, str(dest), max_bytes=4096)
+    monkeypatch.setattr(tarfile.TarFile, "extractfile", real)
+    assert unpack_archive(archive, str(tmp_path / "again"), max_bytes=4096).endswith("b")  # honest: fits
+

@@ -18,11 +18,11 @@ from typing import Any, Optional, Tuple
 
 from agent.config.schema import ConfigError
 from agent.lifecycle.bundle import Bundle, BundleError, load_public_key, select_artifacts, sign_bundle, verify_bundle
+from agent.lifecycle.fetch import ARCHIVE_SUFFIXES, unpack_archive
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
-ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 PRIVATE_KEY_MODE = 0o600  # a signing key readable by others is a signing key for others
 
 
@@ -142,8 +142,6 @@ class _opened:
             print("%s: not a bundle directory or %s archive" % (self.path, "/".join(ARCHIVE_SUFFIXES)),
                   file=sys.stderr)
             return None
-        from agent.lifecycle.bundle import unpack_archive
-
         self.tmp = tempfile.mkdtemp(prefix="atlas-edge-verify-")
         try:
             return unpack_archive(self.path, self.tmp)

@@ -9,13 +9,12 @@ The host writes bundles with :func:`write_manifest`; the box trusts one only aft
 import hashlib
 import json
 import os
-import tarfile
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent._util.atomic import atomic_write
 from agent.config.device_config import BACKEND_FORMATS, DeviceConfig
-from agent.config.schema import ConfigError, FieldError, parse, setting, to_dict
+from agent.config.schema import ConfigError, FieldError, parse, setting
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
@@ -296,10 +295,6 @@ def write_manifest(root: str, manifest: Mapping[str, Any]) -> Dict[str, Any]:
     return data
 
 
-def manifest_dict(manifest: Manifest) -> Dict[str, Any]:
-    return to_dict(manifest)
-
-
 # --- compatibility with a box -------------------------------------------------------------------------------
 
 def select_artifacts(bundle: Bundle, device: DeviceConfig, backend: str, batch: Optional[int] = None
@@ -409,33 +404,3 @@ def sign_bundle(root: str, private_key_pem: bytes) -> str:
         handle.write(signature)
     public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return public.hex()
-
-
-# --- archives -----------------------------------------------------------------------------------------------
-
-def unpack_archive(archive: str, dest: str) -> str:
-    """Extract a bundle tar into ``dest`` refusing absolute paths, ``..``, links and devices; returns the root.
-
-    The root is ``dest`` itself or its single top-level directory holding manifest.json.
-    """
-    with tarfile.open(archive, "r:*") as tar:
-        members = tar.getmembers()
-        for member in members:
-            name = member.name
-            if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-                raise BundleError([FieldError("bundle", "archive member escapes the bundle: %s" % name)],
-                                  archive)
-            if not (member.isfile() or member.isdir()):
-                raise BundleError([FieldError("bundle", "archive member is not a plain file: %s" % name)],
-                                  archive)
-        for member in members:
-            if hasattr(tarfile, "data_filter"):  # Python >= 3.8.17/3.12: the stdlib's own safety net as well
-                tar.extract(member, dest, filter="data")
-            else:
-                tar.extract(member, dest)
-    if os.path.exists(os.path.join(dest, MANIFEST)):
-        return dest
-    tops = [d for d in os.listdir(dest) if os.path.isdir(os.path.join(dest, d))]
-    if len(tops) == 1 and os.path.exists(os.path.join(dest, tops[0], MANIFEST)):
-        return os.path.join(dest, tops[0])
-    raise BundleError([FieldError("manifest.json", "missing at the archive's root")], archive)
