@@ -1,5 +1,6 @@
 """The durable outbox: order, byte budget with counted drop-oldest, survival of a killed process."""
 
+import errno
 import os
 import signal
 import sqlite3
@@ -9,7 +10,8 @@ import sys
 import pytest
 from conftest import REPO_ROOT, WAIT_S
 
-from agent.ops.outbox import Outbox, OutboxError, message_size
+from agent._util import quarantine
+from agent.ops.outbox import MEMORY_MAX_BYTES, Outbox, message_size
 
 TOPIC = "atlas-edge/cam-01/results/front"  # 31 bytes
 
@@ -97,8 +99,9 @@ def test_contents_and_counters_survive_reopen(tmp_path):
     again = Outbox(path, max_bytes=300)
     assert [m.payload[:5] for m in again.peek(10)] == [b"00003", b"00004"]
     assert (len(again), again.bytes) == (2, 200)
-    assert again.counters() == {"stored": 5, "replayed": 1, "dropped_oldest": 2, "rejected_too_large": 0,
-                                "messages": 2, "bytes": 200, "max_bytes": 300}
+    assert again.counters() == {"stored": 5, "replayed": 1, "dropped_oldest": 2, "disk_full": 0,
+                                "rejected_too_large": 0, "messages": 2, "bytes": 200, "max_bytes": 300,
+                                "disk_pressure": False, "in_memory": False}
 
 
 def test_a_killed_writer_loses_nothing_it_committed(tmp_path):
@@ -128,14 +131,6 @@ def test_a_killed_writer_loses_nothing_it_committed(tmp_path):
     assert box.stored == 200
 
 
-def test_bad_file_is_reported_by_name_and_left_alone(tmp_path):
-    path = tmp_path / "o.sqlite"
-    path.write_bytes(b"this is not a database" * 100)
-    with pytest.raises(OutboxError, match="o.sqlite"):
-        Outbox(str(path), max_bytes=1000)
-    assert path.read_bytes() == b"this is not a database" * 100
-
-
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_bad_budget_is_rejected(tmp_path, bad):
     with pytest.raises(ValueError, match="max_bytes"):
@@ -148,3 +143,105 @@ def test_file_is_in_wal_mode(tmp_path):
     Outbox(path, 1000).close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# -- damaged files at start: moved aside, never fatal ---------------------------------------------------------
+
+
+def _populated(path: str, n: int = 200) -> None:
+    with Outbox(path, 10**6) as box:
+        for i in range(n):
+            box.put(TOPIC, payload(i, 300))
+
+
+def _truncate(path) -> None:
+    _populated(str(path))
+    size = path.stat().st_size
+    with open(str(path), "r+b") as handle:
+        handle.truncate(size // 2 + 100)  # mid-page, as a power cut during a copy leaves it
+
+
+def _random_bytes(path) -> None:
+    path.write_bytes(os.urandom(100))
+
+
+def _wrong_schema(path) -> None:
+    with sqlite3.connect(str(path)) as conn:
+        conn.execute("CREATE TABLE messages (id INTEGER PRIMARY KEY, body TEXT)")
+        conn.execute("INSERT INTO messages (body) VALUES ('someone else''s data')")
+
+
+@pytest.mark.parametrize("damage", [_truncate, _random_bytes, _wrong_schema])
+def test_a_damaged_file_is_moved_aside_and_the_outbox_starts_empty(tmp_path, damage):
+    path = tmp_path / "o.sqlite"
+    damage(path)
+    before = path.read_bytes()
+    box = Outbox(str(path), max_bytes=10_000)
+    assert len(box) == 0 and not box.in_memory
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("o.sqlite.corrupt-") and not p.name.endswith(
+        ("-wal", "-shm"))]
+    assert len(aside) == 1 and aside[0].read_bytes() == before  # the evidence is kept, unchanged
+    alerts = box.take_alerts()
+    assert [a["kind"] for a in alerts] == ["state_file_damaged"]
+    assert alerts[0]["figures"]["moved_to"] == str(aside[0]) and "not sent" in alerts[0]["message"]
+    assert box.take_alerts() == []  # taken once
+    assert box.put(TOPIC, payload(1)) is not None and len(box) == 1  # and it works
+
+
+def test_a_file_that_cannot_be_moved_aside_degrades_to_memory(tmp_path, monkeypatch):
+    path = tmp_path / "o.sqlite"
+    path.write_bytes(os.urandom(100))
+
+    def read_only_fs(src, dst):  # what rename(2) says on a file system remounted read-only
+        raise OSError(errno.EROFS, "Read-only file system", src)
+
+    monkeypatch.setattr(quarantine.os, "replace", read_only_fs)
+    box = Outbox(str(path), max_bytes=64 * 1024 * 1024)
+    assert box.in_memory and box.max_bytes == MEMORY_MAX_BYTES
+    alerts = box.take_alerts()
+    assert [a["kind"] for a in alerts] == ["outbox_in_memory"] and "memory" in alerts[0]["message"]
+    assert box.put(TOPIC, payload(1)) is not None and len(box) == 1
+
+
+def test_an_unusable_place_degrades_to_memory(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"x")  # a file where the state directory should be: nothing can be created in it
+    box = Outbox(str(blocker / "o.sqlite"), max_bytes=1000)
+    assert box.in_memory
+    assert [a["kind"] for a in box.take_alerts()] == ["outbox_in_memory"]
+    ids = [box.put(TOPIC, payload(i)) for i in range(12)]  # the budget still applies
+    assert None not in ids and len(box) == 10 and box.dropped_oldest == 2
+
+
+# -- delivered marks, per-topic depth ---------------------------------------------------------------------
+
+
+def test_delivered_rows_are_never_peeked_again_even_when_the_delete_fails(tmp_path):
+    box = Outbox(str(tmp_path / "o.sqlite"), max_bytes=10_000)
+    ids = [box.put(TOPIC if i % 2 else "t/other", payload(i)) for i in range(6)]
+    assert box.pending_for(TOPIC) == 3 and box.pending_for("t/other") == 3
+    real = box._conn
+    box._conn = _RefusingCommit(real)  # the disk refuses the delete's COMMIT
+    assert box.remove(ids[:3]) == 0
+    assert [m.id for m in box.peek(10)] == ids[3:]  # marked delivered: not replayed again
+    assert len(box) == 3 and box.pending_for(TOPIC) == 2 and box.pending_for("t/other") == 1
+    box._conn = real
+    assert box.retry_deletes() == 3
+    assert len(box) == 3 and box.replayed == 3
+    assert box.bytes == sum(message_size(m.topic, m.payload) for m in box.peek(10))
+
+
+class _RefusingCommit:
+    """A connection whose COMMIT fails the way SQLite's does on a full disk (reads and BEGIN still work)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, *args):
+        if sql == "COMMIT":
+            raise sqlite3.OperationalError("database or disk is full")
+        return self._conn.execute(sql, *args)
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._conn.in_transaction

@@ -17,13 +17,13 @@ from conftest import REPO_ROOT, WAIT_S, wait_for
 from agent.config.daemon_config import MqttConfig, TlsConfig
 from agent.config.schema import ConfigError
 from agent.ops.outbox import Outbox
+from agent.ops.replay import mark_historical
 from agent.ops.transport import (
     DISCARDED,
     OUTBOXED,
     SENT,
     MqttTransport,
     encode_payload,
-    mark_historical,
 )
 
 FAST_RECONNECT = {"reconnect_min_s": 0.05, "reconnect_max_s": 0.2}

@@ -9,7 +9,8 @@ import contextlib
 import logging
 import os
 import sqlite3
-from typing import Iterator
+import urllib.parse
+from typing import Dict, Iterable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -43,3 +44,54 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
             except sqlite3.Error as exc:
                 logger.debug("rollback after a failed transaction: %s", exc)
         raise
+
+
+class SchemaMismatch(sqlite3.DatabaseError):
+    """A readable SQLite file whose tables are not the ones its owner writes (another program's file)."""
+
+
+DISK_FULL_CODE = 13  # SQLITE_FULL
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """SQLITE_FULL (or ENOSPC from the OS): the disk, not the data, is at fault."""
+    if getattr(exc, "sqlite_errorcode", None) == DISK_FULL_CODE:  # Python >= 3.11
+        return True
+    if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC
+        return True
+    return "database or disk is full" in str(exc)
+
+
+def verify_schema(conn: sqlite3.Connection, tables: Dict[str, Iterable[str]]) -> None:
+    """Raise (a ``sqlite3.DatabaseError``) unless the file holds only ``tables`` with those columns and is intact.
+
+    Run once at open: ``quick_check`` reads every page, so a truncated or overwritten file is found here and
+    not in the middle of serving. Tables not yet created are fine (a new, empty file).
+    """
+    found = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    found.discard("sqlite_sequence")  # SQLite's own table behind AUTOINCREMENT
+    foreign = sorted(found - set(tables))
+    if foreign:
+        raise SchemaMismatch("unexpected table(s) %s: not this program's file" % ", ".join(foreign))
+    for name in sorted(found):
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(%s)" % name)}
+        if columns != set(tables[name]):
+            raise SchemaMismatch("table %s has columns %s, expected %s"
+                                 % (name, sorted(columns), sorted(tables[name])))
+    verdict = [row[0] for row in conn.execute("PRAGMA quick_check")]
+    if verdict != ["ok"]:
+        raise sqlite3.DatabaseError("integrity check failed: %s" % "; ".join(str(v) for v in verdict[:3]))
+
+
+def check_read_only(path: str, tables: Dict[str, Iterable[str]]) -> None:
+    """:func:`verify_schema` on an existing file opened read-only, before anything (WAL mode) changes it.
+
+    A damaged file is then moved aside exactly as it was found. A missing or empty file passes (new store).
+    """
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    conn = sqlite3.connect("file:%s?mode=ro" % urllib.parse.quote(os.path.abspath(path)), uri=True)
+    try:
+        verify_schema(conn, tables)
+    finally:
+        conn.close()

@@ -1,25 +1,44 @@
 """Durable on-disk queue of MQTT messages that could not be handed to the broker.
 
 Results wait here while the broker is away and are replayed in order once it is back (see
-:mod:`agent.ops.transport`). The queue is one SQLite file in WAL mode: a committed ``put`` survives the process
+:mod:`agent.ops.replay`). The queue is one SQLite file in WAL mode: a committed ``put`` survives the process
 being killed (``kill -9``, OOM killer, watchdog restart). Ids come from ``AUTOINCREMENT`` so they are never
 reused and id order is insertion order, even after the queue has been emptied.
 
-The queue has a byte budget (topic + payload bytes of the stored messages). When a new message does not
-fit, the oldest messages are dropped to make room, and every drop is counted in ``dropped_oldest``; a message
-larger than the whole budget is refused and counted in ``rejected_too_large``. The counters are lifetime
-totals kept in the same file, so a drop is still visible after a restart.
+**Budget.** The stored topic + payload bytes are bounded by ``max_bytes`` and by the space the file system
+actually has: (outbox files + free space - a reserve) / :data:`DISK_OVERHEAD`. The reserve keeps room for the
+WAL and for the deletes and commits that drain the queue, so a full disk never stops the outbox from draining.
+When a new message does not fit, the oldest messages are dropped to make room, counted by reason:
+``dropped_oldest`` (the configured budget) or ``disk_full`` (the disk); a message larger than the whole budget
+is refused (``rejected_too_large``). The counters are lifetime totals kept in the same file.
 
-Only the standard library is used (``sqlite3``), so the box needs nothing extra and it runs on Python 3.8.
+**Disk pressure is a state.** The first ``disk_full`` drop starts it (one alert, one WARNING); further drops are
+logged rate-limited with the real cause; it ends (one alert) once the stored bytes are back under half the disk
+budget or the disk no longer limits the budget. Alerts are queued and taken by :meth:`Outbox.take_alerts` on a
+thread that holds no transport lock (a publish from inside ``put`` could deadlock).
+
+**Delivered is an in-memory mark first.** :meth:`Outbox.remove` marks rows delivered at once (they are never
+peeked, counted or replayed again) and deletes them; a delete the disk refuses is retried later
+(:meth:`Outbox.retry_deletes`), never turned into a second delivery.
+
+**A damaged file never stops the box.** A file that is not SQLite, is truncated or holds another schema is
+moved aside (``<file>.corrupt-<time>``) and the outbox starts empty; if it cannot be moved, the outbox lives in
+memory (bounded by :data:`MEMORY_MAX_BYTES`). Either way an alert says what was lost.
+
+Only the standard library is used (``sqlite3``), so the box needs nothing extra.
 """
 
 import logging
+import os
+import shutil
 import sqlite3
 import threading
 import time
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-from agent._util.sqlite import open_wal, transaction
+from agent._util.quarantine import move_aside
+from agent._util.ratelog import LogLimiter
+from agent._util.sqlite import check_read_only, is_disk_full, open_wal, transaction, verify_schema
 
 logger = logging.getLogger(__name__)
 
@@ -28,20 +47,39 @@ logger = logging.getLogger(__name__)
 DEFAULT_SYNCHRONOUS = "NORMAL"
 SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
 # Counters kept in the file; see the module docstring.
-COUNTER_NAMES = ("stored", "replayed", "dropped_oldest", "rejected_too_large")
+COUNTER_NAMES = ("stored", "replayed", "dropped_oldest", "disk_full", "rejected_too_large")
+DROP_REASONS = ("dropped_oldest", "disk_full", "rejected_too_large")
 # SQLite's limit on bound parameters is 999 on older builds (the box's Python may link an old SQLite).
 _SQL_CHUNK = 500
 
+# The WAL is checkpointed every 128 pages (512 KiB at 4 KiB pages) and truncated back to this size afterwards,
+# so the WAL's share of the disk is bounded and known (SQLite's defaults let it grow to 4 MiB and stay there).
+WAL_AUTOCHECKPOINT_PAGES = 128
+WAL_LIMIT_BYTES = 512 * 1024
+# Space kept free for the WAL to reach its limit plus a drain's deletes and commit: 2 x the WAL limit.
+DEFAULT_RESERVE_BYTES = 2 * WAL_LIMIT_BYTES
+# Disk bytes per stored topic + payload byte: B-tree pages are not full and rows carry headers. Measured
+# about 1.15 for 300-byte results; 1.5 keeps the estimate on the safe side for small messages.
+DISK_OVERHEAD = 1.5
+# Disk pressure ends when the stored bytes are down to this share of the disk budget (hysteresis: a box at
+# the edge of its disk raises one alert pair, not one per message).
+PRESSURE_EXIT_SHARE = 0.5
+# After SQLite itself reported a full disk, the budget is cut to this share of what was stored then.
+FULL_SHRINK = 0.9
+# An outbox that fell back to memory (its file unusable) holds at most this much: RAM is scarcer than disk.
+MEMORY_MAX_BYTES = 8 * 1024 * 1024
+DISK_FULL = "disk_full"
+
+_TABLES = {
+    "messages": ("id", "topic", "payload", "qos", "retain", "size", "created"),
+    "counters": ("name", "value"),
+}
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS messages ("
     " id INTEGER PRIMARY KEY AUTOINCREMENT, topic TEXT NOT NULL, payload BLOB NOT NULL,"
     " qos INTEGER NOT NULL, retain INTEGER NOT NULL, size INTEGER NOT NULL, created REAL NOT NULL)",
     "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
 )
-
-
-class OutboxError(RuntimeError):
-    """The outbox file cannot be opened or used; the message names the file."""
 
 
 class OutboxMessage(NamedTuple):
@@ -58,59 +96,183 @@ def message_size(topic: str, payload: bytes) -> int:
 
 
 class Outbox:
-    """FIFO of unsent messages in one SQLite file, bounded by ``max_bytes`` with a counted drop-oldest policy.
+    """FIFO of unsent messages in one SQLite file, bounded by bytes and disk, with counted drop-oldest.
 
     Thread-safe: one connection guarded by a lock. It sits on the slow path only (broker away, replay), so
-    the lock is not contended by the connected fast path.
+    the lock is not contended by the connected fast path (which reads :meth:`pending_for` without it).
     """
 
-    def __init__(self, path: str, max_bytes: int, synchronous: str = DEFAULT_SYNCHRONOUS) -> None:
+    def __init__(self, path: str, max_bytes: int, synchronous: str = DEFAULT_SYNCHRONOUS,
+                 reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError("outbox max_bytes must be a positive integer (got %r)" % (max_bytes,))
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError("outbox synchronous must be one of %s (got %r)"
                              % (SYNCHRONOUS_MODES, synchronous))
+        if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+            raise ValueError("outbox reserve_bytes must be an integer >= 0 (got %r)" % (reserve_bytes,))
         self.path = path
         self.max_bytes = max_bytes
+        self.reserve_bytes = reserve_bytes
+        self.in_memory = False
         self._lock = threading.Lock()
-        self._conn = self._open(path, synchronous)
-        try:
-            row = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM messages").fetchone()
-            self._count, self._bytes = int(row[0]), int(row[1])
-            self._counters = dict.fromkeys(COUNTER_NAMES, 0)
-            for name, value in self._conn.execute("SELECT name, value FROM counters"):
-                if name in self._counters:
-                    self._counters[name] = int(value)
-        except sqlite3.DatabaseError as exc:
-            self._conn.close()
-            raise OutboxError("outbox %s: unreadable (%s); move the file away to start empty"
-                              % (path, exc)) from exc
-        if self._count:
-            logger.info("outbox %s: %d message(s), %d bytes waiting from an earlier run", path, self._count,
-                        self._bytes)
+        self._alerts: List[Dict[str, Any]] = []
+        self._log = LogLimiter(logger)
+        self._acked: Set[int] = set()  # delivered, delete pending (the disk refused it so far)
+        self._topics: Dict[str, int] = {}  # undelivered messages per topic
+        self._disk_cap: Optional[int] = None  # learned from SQLITE_FULL; cleared when pressure ends
+        self._pressure_since: Optional[float] = None  # monotonic
+        self._pressure_drops = 0
+        self._pressure_cause = ""
+        self._conn = self._open_or_recover(path, synchronous)
 
-    @staticmethod
-    def _open(path: str, synchronous: str) -> sqlite3.Connection:
+    # -- opening: a damaged file is moved aside, an unusable place degrades to memory -----------------------
+
+    def _open_or_recover(self, path: str, synchronous: str) -> sqlite3.Connection:
         try:
-            conn = open_wal(path, synchronous)
+            check_read_only(path, _TABLES)
+            return self._load(open_wal(path, synchronous))
         except (OSError, sqlite3.Error) as exc:
-            raise OutboxError("outbox %s: cannot open (%s)" % (path, exc)) from exc
+            reason = "%s: %s" % (type(exc).__name__, exc)
+        aside = move_aside(path, reason) if os.path.exists(path) else None
+        if aside is not None:
+            self._alert("state_file_damaged", "outbox %s was unusable (%s) and was moved to %s; the messages "
+                        "waiting in it were not sent; starting empty" % (path, reason, aside),
+                        file=path, moved_to=aside, reason=reason, lost="the unsent messages in the file")
+            try:
+                return self._load(open_wal(path, synchronous))
+            except (OSError, sqlite3.Error) as exc:
+                reason = "%s: %s" % (type(exc).__name__, exc)
+        self.in_memory = True
+        self.max_bytes = min(self.max_bytes, MEMORY_MAX_BYTES)
+        logger.error("outbox %s: unusable (%s); keeping unsent messages in memory (at most %d bytes, lost at "
+                     "restart)", path, reason, self.max_bytes)
+        self._alert("outbox_in_memory", "outbox %s is unusable (%s); unsent messages are kept in memory only, "
+                    "at most %d bytes, until the file is fixed and the agent restarted"
+                    % (path, reason, self.max_bytes), file=path, reason=reason)
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        return self._load(conn)
+
+    def _load(self, conn: sqlite3.Connection) -> sqlite3.Connection:
+        """Check the schema, create what is missing, read the depth and counters; closes ``conn`` on error."""
         try:
+            verify_schema(conn, _TABLES)
+            conn.execute("PRAGMA wal_autocheckpoint=%d" % WAL_AUTOCHECKPOINT_PAGES)
+            conn.execute("PRAGMA journal_size_limit=%d" % WAL_LIMIT_BYTES)
             for statement in _SCHEMA:
                 conn.execute(statement)
             # Rows made up front so updates need no UPSERT (SQLite < 3.24 on Ubuntu 18.04 based boxes).
             conn.executemany("INSERT OR IGNORE INTO counters (name, value) VALUES (?, 0)",
                              [(name,) for name in COUNTER_NAMES])
-        except sqlite3.DatabaseError as exc:
+            row = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM messages").fetchone()
+            self._count, self._bytes = int(row[0]), int(row[1])
+            self._topics = {topic: int(n) for topic, n in
+                            conn.execute("SELECT topic, COUNT(*) FROM messages GROUP BY topic")}
+            self._counters = dict.fromkeys(COUNTER_NAMES, 0)
+            for name, value in conn.execute("SELECT name, value FROM counters"):
+                if name in self._counters:
+                    self._counters[name] = int(value)
+        except BaseException:
             conn.close()
-            raise OutboxError("outbox %s: not a usable SQLite file (%s); move it away to start empty"
-                              % (path, exc)) from exc
+            raise
+        if self._count:
+            logger.info("outbox %s: %d message(s), %d bytes waiting from an earlier run", self.path,
+                        self._count, self._bytes)
         return conn
+
+    # -- the budget and disk pressure -----------------------------------------------------------------------
+
+    def _budget(self) -> Tuple[int, str]:
+        """(bytes the stored messages may take, the drop reason when that is what limits them)."""
+        if self.in_memory:
+            return self.max_bytes, "dropped_oldest"
+        disk = self._disk_budget()
+        if disk < self.max_bytes:
+            return disk, DISK_FULL
+        return self.max_bytes, "dropped_oldest"
+
+    def _disk_budget(self) -> int:
+        directory = os.path.dirname(os.path.abspath(self.path))
+        files = 0
+        for name in (self.path, self.path + "-wal"):
+            try:
+                files += os.path.getsize(name)
+            except OSError:
+                pass
+        try:
+            free = shutil.disk_usage(directory).free  # what an unprivileged writer may use (f_bavail)
+        except OSError:
+            return self.max_bytes  # cannot tell: the configured budget and SQLITE_FULL handling remain
+        budget = max(0, int((files + free - self.reserve_bytes) / DISK_OVERHEAD))
+        if self._disk_cap is not None:
+            budget = min(budget, self._disk_cap)
+        return budget
+
+    def _enter_pressure(self, cause: str, budget: int) -> None:
+        if self._pressure_since is not None:
+            return
+        self._pressure_since = time.monotonic()
+        self._pressure_drops = 0
+        self._pressure_cause = cause
+        logger.warning("outbox %s: disk pressure (%s): keeping at most %d bytes of messages, dropping the "
+                       "oldest (counted as disk_full)", self.path, cause, budget)
+        self._alert(DISK_FULL, "outbox %s: the disk is nearly full (%s); the oldest unsent messages are "
+                    "dropped to keep %d bytes" % (self.path, cause, budget), state="started", file=self.path,
+                    budget_bytes=budget, reserve_bytes=self.reserve_bytes, cause=cause)
+
+    def _disk_refused(self, cause: str) -> None:
+        """SQLite reported a full disk: cap the budget below what is stored now, and say so once."""
+        self._disk_cap = int(self._bytes * FULL_SHRINK)
+        self._enter_pressure(cause, self._disk_cap)
+
+    def _maybe_end_pressure(self) -> None:
+        if self._pressure_since is None:
+            return
+        disk = self._disk_budget_uncapped()
+        if disk < self.max_bytes and self._bytes > disk * PRESSURE_EXIT_SHARE:
+            return
+        duration = time.monotonic() - self._pressure_since
+        logger.warning("outbox %s: disk pressure ended after %.1f s; %d message(s) were dropped as disk_full "
+                       "(%d log line(s) stood for them)", self.path, duration, self._pressure_drops,
+                       self._log.count(DISK_FULL))
+        self._alert(DISK_FULL, "outbox %s: disk pressure ended after %.0f s; %d message(s) were dropped"
+                    % (self.path, duration, self._pressure_drops), state="ended", file=self.path,
+                    dropped=self._pressure_drops, duration_s=round(duration, 3), cause=self._pressure_cause)
+        self._pressure_since = None
+        self._disk_cap = None
+        self._log.reset(DISK_FULL)
+
+    def _disk_budget_uncapped(self) -> int:
+        cap, self._disk_cap = self._disk_cap, None
+        try:
+            return self._disk_budget()
+        finally:
+            self._disk_cap = cap
+
+    def check_space(self) -> None:
+        """Re-evaluate disk pressure (the replay loop calls this; it may end with no message being put)."""
+        if self.in_memory:
+            return
+        with self._lock:
+            self._maybe_end_pressure()
+
+    @property
+    def disk_pressure(self) -> bool:
+        return self._pressure_since is not None
+
+    def _alert(self, kind: str, message: str, **figures: Any) -> None:
+        self._alerts.append({"kind": kind, "message": message, "restart": False, "figures": figures})
+
+    def take_alerts(self) -> List[Dict[str, Any]]:
+        """Alerts raised since the last call (damaged file, in-memory fallback, disk pressure started/ended)."""
+        with self._lock:
+            alerts, self._alerts = self._alerts, []
+        return alerts
 
     # -- writing ------------------------------------------------------------------------------------------
 
     def put(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> Optional[int]:
-        """Append one message; returns its id, or None when it is larger than the whole budget (counted)."""
+        """Append one message; returns its id, or None when it could not be kept (counted by reason)."""
         stored = self.put_many([(topic, payload, qos, retain)])
         return stored[0] if stored else None
 
@@ -118,81 +280,165 @@ class Outbox:
         """Append messages in order in one transaction; returns the ids of those stored.
 
         Dropping the oldest to make room happens in the same transaction, so a crash never leaves the budget
-        exceeded or a drop uncounted.
+        exceeded or a drop uncounted. Raises ``sqlite3.Error`` only for faults other than a full disk.
         """
         batch = [(topic, bytes(payload), int(qos), bool(retain)) for topic, payload, qos, retain in messages]
         if not batch:
             return []
-        ids: List[int] = []
         with self._lock:
-            counts = dict.fromkeys(COUNTER_NAMES, 0)
-            count, total = self._count, self._bytes
-            conn = self._conn
-            with transaction(conn):
-                now = time.time()
-                for topic, payload, qos, retain in batch:
-                    size = message_size(topic, payload)
-                    if size > self.max_bytes:
-                        counts["rejected_too_large"] += 1
-                        logger.warning("outbox: refused a %d-byte message on %s (budget %d bytes)", size,
-                                       topic, self.max_bytes)
-                        continue
-                    if total + size > self.max_bytes:
-                        freed, dropped = self._drop_oldest(total + size - self.max_bytes)
-                        total -= freed
-                        count -= dropped
-                        counts["dropped_oldest"] += dropped
-                    cursor = conn.execute(
-                        "INSERT INTO messages (topic, payload, qos, retain, size, created)"
-                        " VALUES (?,?,?,?,?,?)",
-                        (topic, payload, qos, int(retain), size, now))
-                    ids.append(int(cursor.lastrowid))
-                    total += size
-                    count += 1
-                    counts["stored"] += 1
-                self._bump(counts)
-            self._count, self._bytes = count, total
-            self._add_counts(counts)
-        if counts["dropped_oldest"]:
-            logger.warning("outbox: byte budget %d reached, dropped the %d oldest message(s)", self.max_bytes,
-                           counts["dropped_oldest"])
+            budget, reason = self._budget()
+            try:
+                return self._insert(batch, budget, reason)
+            except sqlite3.Error as exc:
+                if not is_disk_full(exc):
+                    raise
+                cause = "%s: %s" % (type(exc).__name__, exc)
+            # The estimate was too generous (another writer filled the disk): learn the cap and retry once.
+            self._disk_refused(cause)
+            try:
+                return self._insert(batch, self._disk_cap, DISK_FULL)
+            except sqlite3.Error as exc:
+                if not is_disk_full(exc):
+                    raise
+                self._counters[DISK_FULL] += len(batch)  # not persisted: the disk refuses even that
+                self._pressure_drops += len(batch)
+                self._log.log(logging.WARNING, DISK_FULL, "outbox %s: disk full (%s): %d new message(s) "
+                              "dropped", self.path, exc, len(batch))
+                return []
+
+    def _insert(self, batch: List[Tuple[str, bytes, int, bool]], budget: int, reason: str) -> List[int]:
+        """Insert with drop-oldest to ``budget``; memory state changes only after the COMMIT succeeded."""
+        ids: List[int] = []
+        counts = dict.fromkeys(COUNTER_NAMES, 0)
+        count, total = self._count, self._bytes
+        dropped_rows: List[Tuple[int, str]] = []
+        added: Dict[str, int] = {}
+        conn = self._conn
+        with transaction(conn):
+            now = time.time()
+            for topic, payload, qos, retain in batch:
+                size = message_size(topic, payload)
+                if size > self.max_bytes:
+                    counts["rejected_too_large"] += 1
+                    self._log.log(logging.WARNING, "too_large", "outbox: refused a %d-byte message on %s "
+                                  "(budget %d bytes)", size, topic, self.max_bytes)
+                    continue
+                if size > budget:
+                    counts[reason] += 1  # the disk budget cannot hold even this one message
+                    continue
+                if total + size > budget:
+                    freed, rows = self._drop_oldest(total + size - budget)
+                    total -= freed
+                    count -= len(rows)
+                    dropped_rows.extend(rows)
+                    counts[reason] += sum(1 for row_id, _ in rows if row_id not in self._acked)
+                cursor = conn.execute(
+                    "INSERT INTO messages (topic, payload, qos, retain, size, created) VALUES (?,?,?,?,?,?)",
+                    (topic, payload, qos, int(retain), size, now))
+                ids.append(int(cursor.lastrowid))
+                added[topic] = added.get(topic, 0) + 1
+                total += size
+                count += 1
+                counts["stored"] += 1
+            self._bump(counts)
+        self._count, self._bytes = count, total
+        for row_id, topic in dropped_rows:
+            if row_id in self._acked:
+                self._acked.discard(row_id)  # delivered already: its deletion is not a drop
+            else:
+                self._topic_done(topic)
+        for topic, n in added.items():
+            self._topics[topic] = self._topics.get(topic, 0) + n
+        for name, value in counts.items():
+            self._counters[name] += value
+        self._report_drops(counts, reason, budget)
         return ids
 
-    def _drop_oldest(self, need: int) -> Tuple[int, int]:
-        """Delete the oldest messages until at least ``need`` bytes are freed; returns (bytes, count)."""
-        freed = dropped = 0
-        last_id = None
-        for row_id, size in self._conn.execute("SELECT id, size FROM messages ORDER BY id"):
+    def _report_drops(self, counts: Dict[str, int], reason: str, budget: int) -> None:
+        drops = counts[reason] if reason != "rejected_too_large" else 0
+        if reason == DISK_FULL and drops:
+            self._enter_pressure("free space below the %d-byte reserve" % self.reserve_bytes, budget)
+            self._pressure_drops += drops
+            self._log.log(logging.WARNING, DISK_FULL, "outbox %s: disk budget %d bytes reached, dropped the %d "
+                          "oldest message(s) (disk_full)", self.path, budget, drops)
+        elif drops:
+            self._log.log(logging.WARNING, "dropped_oldest", "outbox %s: byte budget %d reached, dropped the %d "
+                          "oldest message(s)", self.path, budget, drops)
+        if not drops:
+            self._maybe_end_pressure()
+
+    def _drop_oldest(self, need: int) -> Tuple[int, List[Tuple[int, str]]]:
+        """Delete the oldest messages until at least ``need`` bytes are freed; returns (bytes, [(id, topic)])."""
+        freed = 0
+        rows: List[Tuple[int, str]] = []
+        for row_id, size, topic in self._conn.execute("SELECT id, size, topic FROM messages ORDER BY id"):
             freed += int(size)
-            dropped += 1
-            last_id = row_id
+            rows.append((int(row_id), topic))
             if freed >= need:
                 break
-        if last_id is not None:
-            self._conn.execute("DELETE FROM messages WHERE id <= ?", (last_id,))
-        return freed, dropped
+        if rows:
+            self._conn.execute("DELETE FROM messages WHERE id <= ?", (rows[-1][0],))
+        return freed, rows
+
+    def _topic_done(self, topic: str) -> None:
+        left = self._topics.get(topic, 0) - 1
+        if left > 0:
+            self._topics[topic] = left
+        else:
+            self._topics.pop(topic, None)
 
     def remove(self, ids: Sequence[int]) -> int:
-        """Delete delivered messages; ids already gone (dropped meanwhile) are ignored. Returns the count."""
-        unique = sorted({int(i) for i in ids})
-        if not unique:
-            return 0
+        """Mark messages delivered and delete them; returns how many rows were deleted now.
+
+        Marked rows are never peeked or counted again, even when the delete fails (a full disk): the delete
+        is retried by the next :meth:`remove` or :meth:`retry_deletes`. Unknown ids (dropped meanwhile) are
+        ignored.
+        """
         with self._lock:
-            conn = self._conn
+            fresh = sorted({int(i) for i in ids} - self._acked)
+            for start in range(0, len(fresh), _SQL_CHUNK):
+                chunk = fresh[start:start + _SQL_CHUNK]
+                rows = self._conn.execute("SELECT id, topic FROM messages WHERE id IN (%s)"
+                                          % ",".join("?" * len(chunk)), chunk).fetchall()
+                for row_id, topic in rows:
+                    self._acked.add(int(row_id))
+                    self._topic_done(topic)
+            return self._delete_acked()
+
+    def retry_deletes(self) -> int:
+        """Delete rows marked delivered whose delete failed before; returns how many were deleted."""
+        with self._lock:
+            return self._delete_acked() if self._acked else 0
+
+    def _delete_acked(self) -> int:
+        if not self._acked:
+            return 0
+        unique = sorted(self._acked)
+        conn = self._conn
+        removed = freed = 0
+        try:
             with transaction(conn):
-                removed = freed = 0
                 for start in range(0, len(unique), _SQL_CHUNK):
                     chunk = unique[start:start + _SQL_CHUNK]
                     marks = ",".join("?" * len(chunk))
-                    row = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM messages"
-                                       " WHERE id IN (%s)" % marks, chunk).fetchone()
+                    row = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM messages WHERE id IN (%s)"
+                                       % marks, chunk).fetchone()
                     removed += int(row[0])
                     freed += int(row[1])
                     conn.execute("DELETE FROM messages WHERE id IN (%s)" % marks, chunk)
                 self._bump({"replayed": removed})
-            self._count -= removed
-            self._bytes -= freed
-            self._add_counts({"replayed": removed})
+        except sqlite3.Error as exc:
+            self._log.log(logging.WARNING, "delete", "outbox %s: could not delete %d delivered message(s) "
+                          "(%s: %s); retrying later, they are not sent again", self.path, len(unique),
+                          type(exc).__name__, exc)
+            if is_disk_full(exc):
+                self._disk_refused("%s: %s" % (type(exc).__name__, exc))
+            return 0
+        self._acked.clear()
+        self._count -= removed
+        self._bytes -= freed
+        self._counters["replayed"] += removed
+        self._maybe_end_pressure()
         return removed
 
     def _bump(self, counts: Dict[str, int]) -> None:
@@ -200,22 +446,28 @@ class Outbox:
             if value:
                 self._conn.execute("UPDATE counters SET value = value + ? WHERE name = ?", (value, name))
 
-    def _add_counts(self, counts: Dict[str, int]) -> None:
-        for name, value in counts.items():
-            self._counters[name] += value
-
     # -- reading ------------------------------------------------------------------------------------------
 
     def peek(self, n: int, after_id: int = 0) -> List[OutboxMessage]:
-        """The oldest ``n`` messages with an id above ``after_id``, oldest first; nothing is removed."""
+        """The oldest ``n`` undelivered messages with an id above ``after_id``, oldest first; none removed."""
         with self._lock:
             rows = self._conn.execute(
                 "SELECT id, topic, payload, qos, retain FROM messages WHERE id > ? ORDER BY id LIMIT ?",
-                (int(after_id), int(n))).fetchall()
-        return [OutboxMessage(int(r[0]), r[1], bytes(r[2]), int(r[3]), bool(r[4])) for r in rows]
+                (int(after_id), int(n) + len(self._acked))).fetchall()
+            acked = set(self._acked)
+        found = [OutboxMessage(int(r[0]), r[1], bytes(r[2]), int(r[3]), bool(r[4])) for r in rows]
+        return [m for m in found if m.id not in acked][:int(n)]
+
+    def pending_for(self, topic: str) -> int:
+        """Undelivered messages on ``topic``: while any wait, newer ones on it must queue behind them.
+
+        Read without the lock (one dict lookup) so that the connected fast path never waits for SQLite.
+        """
+        return self._topics.get(topic, 0)
 
     def __len__(self) -> int:
-        return self._count
+        """Undelivered messages (rows marked delivered but not yet deleted are not counted)."""
+        return self._count - len(self._acked)
 
     @property
     def bytes(self) -> int:
@@ -234,18 +486,28 @@ class Outbox:
 
     @property
     def dropped_oldest(self) -> int:
-        """Messages dropped to keep within the byte budget (lifetime)."""
+        """Messages dropped to keep within the configured byte budget (lifetime)."""
         return self._counters["dropped_oldest"]
+
+    @property
+    def dropped_disk_full(self) -> int:
+        """Messages dropped because the disk could not hold them (lifetime, oldest first)."""
+        return self._counters[DISK_FULL]
 
     @property
     def rejected_too_large(self) -> int:
         """Messages refused because they alone exceed the budget (lifetime)."""
         return self._counters["rejected_too_large"]
 
-    def counters(self) -> Dict[str, int]:
-        """Lifetime counters plus the current depth, for telemetry."""
-        result = dict(self._counters)
-        result.update(messages=self._count, bytes=self._bytes, max_bytes=self.max_bytes)
+    def drops(self) -> Dict[str, int]:
+        """Lifetime drops by reason: ``dropped_oldest``, ``disk_full``, ``rejected_too_large``."""
+        return {name: self._counters[name] for name in DROP_REASONS}
+
+    def counters(self) -> Dict[str, Any]:
+        """Lifetime counters plus the current depth and state, for telemetry and status."""
+        result: Dict[str, Any] = dict(self._counters)
+        result.update(messages=len(self), bytes=self._bytes, max_bytes=self.max_bytes,
+                      disk_pressure=self.disk_pressure, in_memory=self.in_memory)
         return result
 
     def close(self) -> None:

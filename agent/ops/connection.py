@@ -1,0 +1,282 @@
+"""The connection supervisor: the one owner of reconnecting, and of which paho client is the live one.
+
+Each connection is a fresh paho client created with ``reconnect_on_failure=False``: paho runs the network loop
+(``loop_start``) for that one connection and its thread ends when the connection does; the supervisor then
+waits ``reconnect_min_s`` doubling up to ``reconnect_max_s`` and makes a new client. Nothing is marked
+connected until a CONNACK with a success reason code has been seen (a refused connect is logged and retried,
+never treated as connected). Callbacks of an older client (an older *generation*) are ignored.
+
+paho callbacks only record and enqueue, inside a catch-and-log wrapper: an exception on paho's thread is
+logged with its traceback and never kills the network loop.
+"""
+
+import functools
+import json
+import logging
+import queue
+import ssl
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from agent.config.daemon_config import MqttConfig, TlsConfig
+from agent.config.schema import ConfigError, FieldError
+from agent.config.secrets import credential_path, resolve_secret
+from agent.ops.inflight import InFlight
+
+logger = logging.getLogger(__name__)
+
+MAX_INFLIGHT = 20  # paho's (and mosquitto's) default in-flight window for QoS>0
+SESSION_POLL_S = 0.25  # how often the supervisor looks at the stop flag while a connection is up
+CLOSE_TIMEOUT_S = 3.0  # wait for paho to confirm a disconnect before abandoning its (daemon) thread
+CONNECT_TIMEOUT_S = 10.0  # TCP + TLS handshake bound for one attempt
+
+Payload = Union[Dict[str, Any], bytes]
+MessageHandler = Callable[[str, bytes], None]
+
+
+def _json_default(value: Any) -> Any:
+    # numpy arrays and scalars (boxes, scores) become plain lists and numbers.
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError("%s is not JSON serialisable" % type(value).__name__)
+
+
+def encode_payload(payload: Payload) -> bytes:
+    """Bytes on the wire: dicts as compact JSON (numpy values converted), bytes unchanged."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return bytes(payload)
+    if isinstance(payload, dict):
+        return json.dumps(payload, separators=(",", ":"), default=_json_default).encode("utf-8")
+    raise TypeError("MQTT payload must be a dict or bytes, got %s" % type(payload).__name__)
+
+
+def _catch_and_log(callback: Callable[..., None]) -> Callable[..., None]:
+    """An exception on paho's thread must neither kill the loop nor vanish: log it with its traceback."""
+
+    @functools.wraps(callback)
+    def guarded(*args: Any, **kwargs: Any) -> None:
+        try:
+            callback(*args, **kwargs)
+        except Exception:
+            logger.exception("MQTT callback %s failed", callback.__name__)
+
+    return guarded
+
+
+def build_tls_context(tls: TlsConfig) -> ssl.SSLContext:
+    """TLS client context from the config; bad or missing files fail here, naming the field."""
+    ca_file = credential_path(tls.ca_file, "mqtt.tls.ca_file")
+    cert_file = credential_path(tls.cert_file, "mqtt.tls.cert_file")
+    key_file = credential_path(tls.key_file, "mqtt.tls.key_file")
+    if key_file and not cert_file:
+        raise ConfigError([FieldError("mqtt.tls.cert_file", "required when key_file is set")])
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError([FieldError("mqtt.tls.ca_file", "cannot load %s: %s" % (ca_file, exc))]) from exc
+    if cert_file:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError([FieldError("mqtt.tls.cert_file", "cannot load %s / %s: %s"
+                                          % (cert_file, key_file, exc))]) from exc
+    if tls.insecure:
+        context.check_hostname = False  # the certificate chain is still verified
+    return context
+
+
+class ConnectionSupervisor:
+    """Connects, reconnects with backoff, and tells its owner when a session begins and ends.
+
+    ``on_session_start()`` runs on the supervisor thread after a successful CONNACK (``client`` and
+    ``connected`` are already set); ``on_session_end()`` runs after ``connected`` went false and paho's thread
+    ended, so that what was in flight can be kept. Publishers hold :attr:`state_lock` around
+    ``client.publish`` so that a message is either on the live client or stored, never lost between the two.
+    """
+
+    def __init__(self, config: MqttConfig, client_id: str, status_topic: str, device_id: str,
+                 inflight: InFlight, subscriptions: Callable[[], List[str]],
+                 on_session_start: Callable[[], None], on_session_end: Callable[[], None],
+                 on_message: Callable[[str, bytes], None]) -> None:
+        self.config = config
+        self.client_id = client_id
+        self.status_topic = status_topic
+        self.device_id = device_id
+        self._inflight = inflight
+        self._subscriptions = subscriptions
+        self._on_session_start = on_session_start
+        self._on_session_end = on_session_end
+        self._on_message = on_message
+        # Resolved now so that a missing secret or TLS file fails at start-up, naming the field.
+        self._password = resolve_secret(config.password)
+        self._tls_context = build_tls_context(config.tls) if config.tls else None
+
+        self.state_lock = threading.Lock()  # connected/client; held across client.publish on the fast path
+        self.client: Optional[mqtt.Client] = None
+        self.connected = False
+        self.generation = 0  # one per paho client; callbacks from older clients are ignored
+        self._events: "queue.Queue[Tuple[str, int, str]]" = queue.Queue()
+        self.stopping = threading.Event()
+        self._ever_connected = False
+
+    def client_of(self, generation: int) -> Optional[mqtt.Client]:
+        """The live client if it is still ``generation`` (call with :attr:`state_lock` held)."""
+        return self.client if (self.connected and self.generation == generation) else None
+
+    # -- one paho client per connection ---------------------------------------------------------------------
+
+    def _new_client(self, generation: int, attempt_ts: float) -> mqtt.Client:
+        client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                             clean_session=True, userdata=generation, protocol=mqtt.MQTTv311,
+                             reconnect_on_failure=False)
+        if logger.isEnabledFor(logging.DEBUG):
+            # Only when debugging: paho 2.x logs a spurious error after every clean disconnect.
+            client.enable_logger(logging.getLogger(__name__ + ".paho"))
+        client.max_inflight_messages_set(MAX_INFLIGHT)
+        client.connect_timeout = CONNECT_TIMEOUT_S
+        if self.config.username is not None:
+            client.username_pw_set(self.config.username, self._password)
+        if self._tls_context is not None:
+            client.tls_set_context(self._tls_context)
+        # The broker publishes this, retained, when the connection dies without a DISCONNECT.
+        will = {"state": "offline", "device": self.device_id, "reason": "connection lost",
+                "connected_at": attempt_ts}
+        client.will_set(self.status_topic, encode_payload(will), qos=1, retain=True)
+        client.on_connect = _catch_and_log(self._on_connect)
+        client.on_disconnect = _catch_and_log(self._on_disconnect)
+        client.on_publish = _catch_and_log(self._on_publish)
+        client.on_subscribe = _catch_and_log(self._on_subscribe)
+        client.on_message = _catch_and_log(self._on_mqtt_message)
+        return client
+
+    # -- paho callbacks (paho's thread: record and enqueue only) --------------------------------------------
+
+    def _on_connect(self, client: mqtt.Client, generation: int, flags: Any, reason_code: Any,
+                    properties: Any) -> None:
+        if reason_code.is_failure:
+            logger.error("MQTT broker %s:%d refused the connection: %s", self.config.host, self.config.port,
+                         reason_code)
+            self._events.put(("refused", generation, str(reason_code)))
+            return
+        client.subscribe([(topic, 1) for topic in self._subscriptions()])
+        self._events.put(("connected", generation, ""))
+
+    def _on_disconnect(self, client: mqtt.Client, generation: int, flags: Any, reason_code: Any,
+                       properties: Any) -> None:
+        self._events.put(("disconnected", generation, str(reason_code)))
+
+    def _on_publish(self, client: mqtt.Client, generation: int, mid: int, reason_code: Any,
+                    properties: Any) -> None:
+        if generation != self.generation:
+            return
+        if reason_code.is_failure:  # MQTT 5 brokers can refuse a publish; 3.1.1 ones drop it silently
+            logger.warning("MQTT broker refused message %d: %s", mid, reason_code)
+        self._inflight.acknowledge(mid)
+
+    def _on_subscribe(self, client: mqtt.Client, generation: int, mid: int, reason_codes: Any,
+                      properties: Any) -> None:
+        topics = self._subscriptions()
+        for index, code in enumerate(reason_codes):
+            if code.is_failure:
+                self._inflight.count("subscribe_refused")
+                logger.error("MQTT broker refused the subscription to %s: %s (check the broker ACL)",
+                             topics[index] if index < len(topics) else "?", code)
+
+    def _on_mqtt_message(self, client: mqtt.Client, generation: int, message: mqtt.MQTTMessage) -> None:
+        self._on_message(message.topic, message.payload)
+
+    # -- the supervisor thread ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """The supervisor thread's body: connect, follow the session, back off, until :attr:`stopping`."""
+        delay = self.config.reconnect_min_s
+        while not self.stopping.is_set():
+            self._inflight.new_connection()
+            self.generation += 1  # from here on, callbacks of the previous client are ignored
+            generation = self.generation
+            client = self._new_client(generation, time.time())
+            try:
+                client.connect(self.config.host, self.config.port, self.config.keepalive_s)
+            except (OSError, ValueError) as exc:  # refused, unreachable, DNS, TLS handshake
+                self._inflight.count("connect_failures")
+                logger.warning("MQTT connect to %s:%d failed (%s); retrying in %.1f s", self.config.host,
+                               self.config.port, exc, delay)
+                if self.stopping.wait(delay):
+                    break
+                delay = min(delay * 2, self.config.reconnect_max_s)
+                continue
+            client.loop_start()
+            was_connected, ended = self._run_session(client, generation)
+            self._close_session(client, generation, ended)
+            if was_connected:
+                delay = self.config.reconnect_min_s
+            if self.stopping.is_set() or self.stopping.wait(delay):
+                break
+            if not was_connected:
+                delay = min(delay * 2, self.config.reconnect_max_s)
+
+    def _run_session(self, client: mqtt.Client, generation: int) -> Tuple[bool, bool]:
+        """Follow one connection until it ends or stop() asks; returns (was_connected, ended)."""
+        was_connected = False
+        while not self.stopping.is_set():
+            try:
+                kind, event_generation, detail = self._events.get(timeout=SESSION_POLL_S)
+            except queue.Empty:
+                continue
+            if event_generation != generation:
+                continue
+            if kind == "connected":
+                self._begin_session(client)
+                was_connected = True
+            elif kind == "refused":
+                self._inflight.count("refused")
+            elif kind == "disconnected":
+                if was_connected:
+                    logger.warning("MQTT connection to %s:%d lost (%s)", self.config.host, self.config.port,
+                                   detail)
+                return was_connected, True
+        return was_connected, False
+
+    def _begin_session(self, client: mqtt.Client) -> None:
+        with self.state_lock:
+            self.client = client
+            self.connected = True
+        if self._ever_connected:
+            self._inflight.count("reconnects")
+        self._ever_connected = True
+        logger.info("MQTT connected to %s:%d as %s", self.config.host, self.config.port, self.client_id)
+        self._on_session_start()
+
+    def _close_session(self, client: mqtt.Client, generation: int, ended: bool) -> None:
+        """Disconnect (when asked to stop), let paho's thread end, and hand over what it had not delivered."""
+        if not ended:
+            client.disconnect()  # a clean DISCONNECT: the broker does not publish the last will
+            ended = self._await_disconnected(generation, CLOSE_TIMEOUT_S)
+        if ended:
+            client.loop_stop()  # its thread is ending (connection gone); this only joins it
+        else:
+            logger.warning("MQTT client did not confirm the disconnect within %.0f s; abandoning it",
+                           CLOSE_TIMEOUT_S)
+        self._on_session_end()
+
+    def _await_disconnected(self, generation: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                kind, event_generation, _ = self._events.get(timeout=remaining)
+            except queue.Empty:
+                return False
+            if event_generation == generation and kind == "disconnected":
+                return True
+
+    def mark_down(self) -> None:
+        """Connection gone (call with :attr:`state_lock` held): publishers store from now on."""
+        self.connected = False
+        self.client = None
