@@ -4,6 +4,7 @@ killed processes, and messages in flight when the connection drops."""
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -421,7 +422,7 @@ def test_broker_restart_keeps_frame_order_per_source(fresh_broker, tmp_path, pro
     transport.start()
     assert wait_for(lambda: transport.connected)
     sources = ("front", "back")
-    sent = {source: 0 for source in sources}
+    sent = dict.fromkeys(sources, 0)
     stop = threading.Event()
 
     def stream() -> None:
@@ -459,3 +460,71 @@ def test_broker_restart_keeps_frame_order_per_source(fresh_broker, tmp_path, pro
             source, len(frames), next((i for i, f in enumerate(frames) if f != i), None))
     stats = transport.stats()
     assert stats["reconnects"] == 1 and stats["dropped"] == 0
+
+
+# -- replay is at least once, never a loop (issue 16) --------------------------------------------------------
+
+
+class RefusingCommit:
+    """Wraps the outbox's SQLite connection: every COMMIT fails as SQLite's does on a full disk."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.refused = 0
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql == "COMMIT":
+            self.refused += 1
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.conn.execute(sql, *args)
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.conn.in_transaction
+
+
+def test_acknowledged_rows_are_not_resent_when_their_delete_fails(mosquitto, tmp_path, probe_factory,
+                                                                  transports):
+    transport = make_transport(tmp_path, mosquitto.host, mosquitto.port, device="cam-nodel")
+    transports.append(transport)
+    for i in range(300):
+        transport.publish_result("front", {"seq": i})
+    outbox = transport._outbox
+    real = outbox._conn
+    outbox._conn = refusing = RefusingCommit(real)  # from here on no delete can commit
+    probe = probe_factory(mosquitto, ["atlas-edge/cam-nodel/results/#"])
+    transport.start()
+    assert wait_for(lambda: transport.stats()["replayed"] == 300)
+    assert wait_for(lambda: len(outbox) == 0)  # all marked delivered...
+    time.sleep(1.5)  # ...and the replay thread idles over them: a loop would resend within this time
+    assert refusing.refused > 0 and outbox.bytes > 0  # ...while the rows are still on disk
+    assert [m["seq"] for m in results(probe, "cam-nodel")] == list(range(300))  # each exactly once
+    outbox._conn = real  # the disk has room again
+    assert wait_for(lambda: outbox.bytes == 0)  # the retried delete went through
+    assert transport.stats()["replayed"] == 300 and outbox.replayed == 300
+
+
+def test_replay_resumes_after_an_error_without_resending(mosquitto, tmp_path, probe_factory, transports,
+                                                        monkeypatch):
+    transport = make_transport(tmp_path, mosquitto.host, mosquitto.port, device="cam-err")
+    transports.append(transport)
+    for i in range(250):
+        transport.publish_result("front", {"seq": i})
+    outbox = transport._outbox
+    real_peek = outbox.peek
+    calls = []
+
+    def failing_peek(n: int, after_id: int = 0):
+        calls.append(after_id)
+        if len(calls) in (2, 3):  # the second and third reads fail (an I/O error)
+            raise sqlite3.OperationalError("disk I/O error")
+        return real_peek(n, after_id)
+
+    monkeypatch.setattr(outbox, "peek", failing_peek)
+    probe = probe_factory(mosquitto, ["atlas-edge/cam-err/results/#"])
+    transport.start()
+    assert wait_for(lambda: len(outbox) == 0)
+    assert wait_for(lambda: len(results(probe, "cam-err")) >= 250)
+    time.sleep(0.5)
+    assert [m["seq"] for m in results(probe, "cam-err")] == list(range(250))
+    assert calls[2] == calls[1] > 0  # resumed after the last row sent, not from the top
