@@ -6,7 +6,16 @@ BIN := $(VENV)/bin
 MINDSPORE_GS := mindspore-gs==1.3.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo test lint pycompat mosquitto demo-bundle bench bench-quick install-service clean
+.PHONY: venv demo test lint pycompat mosquitto demo-bundle bench bench-quick install-service clean lite test-lite
+
+# The Lite lane: a Python 3.7 venv with mindspore-lite 2.0.0 (PyPI's only wheel of it is for CPython 3.7), the
+# box package and the test runner. The box's oldest Python is 3.7 (CANN on the Atlas 200 DK), so the whole
+# suite runs again here. PYTHON37 is `python3.7` when it runs, else pyenv's 3.7; empty when neither exists.
+LITE_VENV ?= .venv-lite
+LITE_PY := $(LITE_VENV)/bin/python
+PYTHON37 ?= $(shell for p in python3.7 "$$(pyenv prefix 3.7 2>/dev/null)/bin/python" \
+	$$HOME/.pyenv/versions/3.7*/bin/python; do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 7)' \
+	2>/dev/null && { command -v "$$p" || echo "$$p"; } && break; done)
 
 venv: $(VENV)/.installed
 
@@ -17,6 +26,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[edge,host,dev]'
 	$(PY) -m pip install -q --no-deps $(MINDSPORE_GS)
+	touch $@
+
+lite: $(LITE_VENV)/.installed
+
+$(LITE_VENV)/.installed: pyproject.toml
+	@[ -n "$(PYTHON37)" ] || { echo "make lite: no Python 3.7 found (tried python3.7 on PATH and pyenv's 3.7)." \
+		"Install one (e.g. 'pyenv install 3.7') or pass PYTHON37=/path/to/python3.7." >&2; exit 2; }
+	$(PYTHON37) -m venv $(LITE_VENV)
+	$(LITE_PY) -m pip install -q --upgrade pip
+	$(LITE_PY) -m pip install -q -e '.[edge,lite,test]'
 	touch $@
 
 # The embedded broker of the demo and the tests' broker are a real Mosquitto from the system packages.
@@ -30,14 +49,22 @@ demo: venv mosquitto
 lint: venv
 	$(BIN)/ruff check .
 
-# agent/ runs on the boxes' Python 3.8: fail if any construct needs newer.
+# agent/ runs on the boxes' Python 3.7: fail if any construct needs newer.
 pycompat: venv
-	$(BIN)/vermin --no-tips --violations --target=3.8- --eval-annotations agent
+	$(BIN)/vermin --no-tips --violations --target=3.7- --eval-annotations agent
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 test: venv mosquitto lint pycompat
 	$(BIN)/pytest -m "not slow" -q; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc
+	@if [ -n "$(PYTHON37)" ]; then $(MAKE) --no-print-directory test-lite; \
+	else echo "Lite lane skipped: no Python 3.7"; fi
+
+# The whole suite on the box's oldest Python with the real mindspore_lite; host-only tests skip themselves
+# (no MindSpore there). ATLAS_EDGE_MSLITE_PYTHON lets the host lane's conversion tests use the same venv.
+test-lite: lite mosquitto
+	$(LITE_PY) -m pytest -m "not slow" -q -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest (Lite lane) collected no tests" >&2; exit 1; fi; exit $$rc
 
 demo-bundle: venv
 	$(BIN)/atlas-edge qat --config quant/examples/shapes.yaml --out examples/demo-bundle
@@ -52,4 +79,4 @@ install-service:
 	$(SUDO) systemd/install.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(LITE_VENV) .pytest_cache .ruff_cache .hypothesis

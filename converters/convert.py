@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from converters import aipp, atc, grammar, lite_config, toolrun
+from converters import aipp, atc, grammar, lite_config, mindir, toolrun
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,38 @@ class Job:
     cmd: List[str]  # program name first; replaced by the resolved path at run time
     files: List[GeneratedFile]
     artifact: Dict[str, Any]  # the manifest entry to add (sha256/size/toolchain filled in at commit)
+    toolchain: Dict[str, str] = field(default_factory=dict)  # what this job adds to it (the target arch)
 
     @property
     def log(self) -> str:
         return "%s/%s.log" % (LOGS_DIR, self.output)
+
+
+@dataclass(frozen=True)
+class Relayout:
+    """The calibration BINs are stored in one layout and the converter feeds them as the model's input in
+    another: the staging copy gets transposed files (the bundle keeps its own)."""
+
+    directory: str  # bundle path of the calibration folder
+    stored: str  # calibration.layout
+    wanted: str  # the model's input layout (what --inputDataFormat / the graph says)
+    shape: Tuple[int, int, int, int]  # one file's tensor in the stored layout
+    dtype: str
+
+    def write(self, source: str, destination: str) -> None:
+        """Transpose every file of ``source`` into ``destination``; a file of the wrong size is named."""
+        import numpy as np
+
+        order = (0, 3, 1, 2) if (self.stored, self.wanted) == ("NHWC", "NCHW") else (0, 2, 3, 1)
+        os.makedirs(destination, exist_ok=True)
+        for name in sorted(os.listdir(source)):
+            data = np.fromfile(os.path.join(source, name), dtype=self.dtype)
+            if data.size != int(np.prod(self.shape)):
+                raise ConvertError(["%s/%s: %d %s values, expected %s %s (calibration.layout %s)" % (
+                    self.directory, name, data.size, self.dtype, "x".join(map(str, self.shape)), self.dtype,
+                    self.stored)])
+            np.ascontiguousarray(data.reshape(self.shape).transpose(order)).tofile(
+                os.path.join(destination, name))
 
 
 @dataclass(frozen=True)
@@ -85,6 +113,8 @@ class ConvertPlan:
     inputs: List[str]  # bundle paths the commands read: source artifacts, the calibration folder
     warnings: List[str] = field(default_factory=list)
     input_format: Optional[str] = None  # what the box sends when AIPP is used
+    request: Optional[ConvertRequest] = None  # to plan again once the converter's MindIR limit is known
+    relayout: Optional["Relayout"] = None  # calibration tensors to transpose into the model's input layout
 
     def render(self) -> str:
         """The dry-run text: every generated file's contents and every command, exactly as they would run."""
@@ -141,13 +171,48 @@ def _pick_tiers(request: ConvertRequest, manifest: Any, device: Any, errors: Lis
     return tiers
 
 
-def _pick_source(manifest: Any, tier: Tier, formats: Sequence[str], errors: List[str]) -> Optional[Any]:
-    """The float32 artifact of ``tier`` in the first of ``formats`` that has one (the converter's input)."""
+@dataclass(frozen=True)
+class MindIrLimit:
+    """The newest MindIR version the converter that will run reads (converters/mindir.py)."""
+
+    converter: str  # "MindSpore Lite 2.0.0", for messages
+    max_version: int
+
+
+def _mindir_too_new(bundle: str, art: Any, limit: Optional[MindIrLimit]) -> Optional[str]:
+    """Why ``art`` (a MindIR) cannot be read by the converter, or None when it can (or nobody knows)."""
+    if limit is None or art.format != "mindir":
+        return None
+    try:
+        version, producer = mindir.read_header(os.path.join(bundle, art.file))
+    except (OSError, mindir.MindIrError):
+        return None  # the converter reports an unreadable file itself, with its own words
+    if version <= limit.max_version:
+        return None
+    return "%s is MindIR version %d (MindSpore %s); %s reads MindIR versions up to %d" % (
+        art.file, version, producer or "unknown", limit.converter, limit.max_version)
+
+
+def _pick_source(manifest: Any, tier: Tier, formats: Sequence[str], errors: List[str], bundle: str = "",
+                 limit: Optional[MindIrLimit] = None, warnings: Optional[List[str]] = None) -> Optional[Any]:
+    """The float32 artifact of ``tier`` in the first of ``formats`` that has one (the converter's input);
+    a MindIR newer than ``limit`` is passed over for the ONNX, saying so, or refused naming both versions."""
+    too_new: List[str] = []
     for fmt in formats:
         for art in manifest.artifacts:
             if art.format == fmt and tuple(art.tier) == tier and art.precision == "float32" \
                     and art.normalize_on == "host":
+                why = _mindir_too_new(bundle, art, limit)
+                if why:
+                    too_new.append(why)
+                    continue
+                if too_new and warnings is not None:
+                    warnings.append("%s: converting from %s instead" % (too_new[0], art.file))
                 return art
+    if too_new:
+        errors.append("%s, and the bundle has no ONNX of tier %dx%d to convert instead (export one, or convert "
+                      "with a converter that reads it)" % (too_new[0], tier[0], tier[1]))
+        return None
     errors.append("artifacts: no float32 %s artifact for tier %dx%d to convert from" % (
         " or ".join(formats), tier[0], tier[1]))
     return None
@@ -231,10 +296,11 @@ def _self_check(job_cmd: List[str], files: List[GeneratedFile], tool: toolrun.To
             exc.what, "; ".join(exc.errors))]) from None
 
 
-def plan_conversion(request: ConvertRequest) -> ConvertPlan:
+def plan_conversion(request: ConvertRequest, mindir_limit: Optional[MindIrLimit] = None) -> ConvertPlan:
     """Check the request against the bundle and device config and build every file and command.
 
-    Reads only; raises :class:`ConvertError` listing every problem found.
+    Reads only; raises :class:`ConvertError` listing every problem found. ``mindir_limit`` (known once the
+    converter is found) makes a MindIR source it cannot read give way to the tier's ONNX.
     """
     errors: List[str] = []
     if request.to not in ("om", "ms"):
@@ -285,7 +351,7 @@ def plan_conversion(request: ConvertRequest) -> ConvertPlan:
     inputs: List[str] = []
     for tier in tiers:
         formats = ("onnx",) if request.to == "om" else ("mindir", "onnx")
-        source = _pick_source(manifest, tier, formats, errors)
+        source = _pick_source(manifest, tier, formats, errors, request.bundle, mindir_limit, warnings)
         if source is None:
             continue
         stem = "%s_%dx%d_%s%s" % (manifest.name, tier[0], tier[1], tag, "_int8" if request.ptq else "")
@@ -303,10 +369,13 @@ def plan_conversion(request: ConvertRequest) -> ConvertPlan:
                 params, aipp.describe(prep.color, prep.mean, prep.std, input_format))))
         if request.to == "om":
             output = stem + ".om"
+            if manifest.input.layout not in atc.ONNX_INPUT_FORMATS:
+                errors.append("--to om: the bundle's input.layout is %s, but ATC reads an ONNX model's input as %s "
+                              "only (and AIPP needs NCHW): export the ONNX with an NCHW input" % (
+                                  manifest.input.layout, "/".join(atc.ONNX_INPUT_FORMATS)))
+                continue
             cmd = atc.atc_args(source.file, stem, manifest.input.name, shape, device.soc_version,
-                               aipp_path or "", device.precision_mode)
-            if manifest.input.layout == "NHWC":
-                cmd = [c if c != "--input_format=NCHW" else "--input_format=NHWC" for c in cmd]
+                               aipp_path or "", device.precision_mode, device.arch)
         else:
             output = stem + target.suffix
             lite_calibration = None
@@ -321,21 +390,33 @@ def plan_conversion(request: ConvertRequest) -> ConvertPlan:
                     sections, ["converter_lite config written by atlas-edge convert for %s" % output,
                                "paths are relative to the bundle root (the converter's working directory)"])))
             cmd = lite_config.converter_args(source.format, source.file, stem, config_path,
-                                             manifest.input.name, shape, target)
+                                             manifest.input.name, shape, target, manifest.input.layout)
         _self_check(cmd, files, tool)
         entry = _artifact_entry(output, out_format, device, tier, source.batch,
                                 _precision(device, request.ptq), input_format, prep.color,
                                 [f.path for f in files])
-        jobs.append(Job(tier=tier, source=source.file, output=output, cmd=cmd, files=files, artifact=entry))
+        job_toolchain = {"arch": device.arch} if request.to == "om" and device.arch else {}
+        jobs.append(Job(tier=tier, source=source.file, output=output, cmd=cmd, files=files, artifact=entry,
+                        toolchain=job_toolchain))
         inputs.append(source.file)
     if errors:
         raise ConvertError(errors)
+    relayout = None
     if calibration is not None:
         inputs.append(calibration.dir)
+        if calibration.layout != manifest.input.layout:
+            tier = tuple(calibration.tier)
+            shape = (1, tier[0], tier[1], 3) if calibration.layout == "NHWC" else (1, 3, tier[0], tier[1])
+            relayout = Relayout(calibration.dir, calibration.layout, manifest.input.layout, shape,
+                                calibration.dtype)
+            warnings.append("%s holds %s tensors; the converter reads them as the model's %s input, so the "
+                            "staging copy is transposed (the bundle keeps its files)" % (
+                                calibration.dir, calibration.layout, manifest.input.layout))
     return ConvertPlan(bundle=os.path.abspath(request.bundle),
                        label="%s %s" % (manifest.name, manifest.version), device_name=device.name,
                        soc_version=device.soc_version, tool=tool, jobs=jobs,
-                       inputs=sorted(set(inputs)), warnings=warnings, input_format=input_format)
+                       inputs=sorted(set(inputs)), warnings=warnings, input_format=input_format,
+                       request=request, relayout=relayout)
 
 
 # --- execution ----------------------------------------------------------------------------------------------
@@ -353,11 +434,9 @@ def bundle_accepts_input_color(value: str) -> bool:
     return False
 
 
-def _toolchain(plan: ConvertPlan, tool_path: str, env: Mapping[str, str]) -> Dict[str, str]:
-    if plan.tool.name == toolrun.ATC.name:
-        return {"cann": toolrun.cann_version(tool_path)}
-    versions = {"converter_lite": toolrun.converter_version(tool_path, env)}
-    if plan.soc_version:  # the Ascend converter compiles with the host's CANN
+def _toolchain(plan: ConvertPlan, located: toolrun.LocatedTool, env: Mapping[str, str]) -> Dict[str, str]:
+    versions = dict(located.toolchain)
+    if plan.tool.name != toolrun.ATC.name and plan.soc_version:  # the Ascend converter uses the host's CANN
         versions["cann"] = _cann_near(env)
     return versions
 
@@ -372,12 +451,21 @@ def _cann_near(env: Mapping[str, str]) -> str:
     return toolrun.UNKNOWN_VERSION
 
 
+def _mindir_limit(located: toolrun.LocatedTool) -> Optional[MindIrLimit]:
+    version = located.toolchain.get("mindspore_lite") or located.toolchain.get("converter_lite") or ""
+    highest = mindir.max_readable(version)
+    return None if highest is None else MindIrLimit("MindSpore Lite %s" % version, highest)
+
+
 def _stage(plan: ConvertPlan, work: str) -> None:
     """Mirror the bundle's inputs into ``work`` (symlinks) and write the generated files there."""
     for relative in plan.inputs:
         link = os.path.join(work, relative)
         os.makedirs(os.path.dirname(link), exist_ok=True)
-        os.symlink(os.path.join(plan.bundle, relative), link)
+        if plan.relayout is not None and relative == plan.relayout.directory:
+            plan.relayout.write(os.path.join(plan.bundle, relative), link)
+        else:
+            os.symlink(os.path.join(plan.bundle, relative), link)
     os.makedirs(os.path.join(work, LOGS_DIR), exist_ok=True)
     for job in plan.jobs:
         for generated in job.files:
@@ -459,7 +547,7 @@ def _commit(plan: ConvertPlan, work: str, toolchain: Dict[str, str]) -> List[Dic
                 transaction.put(os.path.join(work, relative), relative)
         artifacts = list(manifest["artifacts"])
         for job in plan.jobs:
-            entry = dict(job.artifact, toolchain=dict(toolchain))
+            entry = dict(job.artifact, toolchain=dict(toolchain, **job.toolchain))
             index = next((i for i, a in enumerate(artifacts) if a.get("file") == job.output), None)
             if index is None:
                 artifacts.append(entry)
@@ -486,16 +574,27 @@ def execute(plan: ConvertPlan, env: Mapping[str, str], timeout_s: float,
         raise ConvertError(["--input-format %s: the bundle schema (agent/lifecycle/bundle.py Artifact.input_color) "
                             "does not accept %r yet, so the artifact could not be recorded; --dry-run prints "
                             "the commands" % (plan.input_format, plan.input_format)])
-    tool_path = toolrun.find_tool(plan.tool, env)
-    tool_env = toolrun.child_env(plan.tool, tool_path, env)
-    toolchain = _toolchain(plan, tool_path, tool_env)
-    echo("using %s (%s)" % (tool_path, ", ".join("%s %s" % kv for kv in sorted(toolchain.items()))))
+    located = toolrun.locate(plan.tool, env)
+    limit = _mindir_limit(located)
+    if limit is not None and plan.request is not None:
+        shown = set(plan.warnings)
+        plan = plan_conversion(plan.request, limit)  # a source the converter cannot read gives way (or fails)
+        for warning in plan.warnings:
+            if warning not in shown:
+                echo("warning: " + warning)
+    tool_env = toolrun.child_env(plan.tool, located.path, env)
+    toolchain = _toolchain(plan, located, tool_env)
+    echo("using %s (%s)" % (" ".join(located.argv), ", ".join("%s %s" % kv for kv in sorted(toolchain.items()))))
     with tempfile.TemporaryDirectory(prefix="atlas-edge-convert-") as work:
         _stage(plan, work)
         for job in plan.jobs:
-            cmd = [tool_path] + job.cmd[1:]
+            cmd = located.argv + job.cmd[1:]
             echo("tier %dx%d: %s" % (job.tier[0], job.tier[1], shlex.join(cmd)))
             run = toolrun.run_tool(cmd, cwd=work, env=tool_env, timeout_s=timeout_s,
                                    log_path=os.path.join(work, job.log))
+            if plan.tool.name == toolrun.ATC.name:
+                renamed = atc.adopt_output(work, job.output)
+                if renamed:
+                    echo("tier %dx%d: atc wrote %s; kept as %s" % (job.tier[0], job.tier[1], renamed, job.output))
             toolrun.check_run(plan.tool, run, os.path.join(work, job.output), timeout_s)
         return _commit(plan, work, toolchain)

@@ -15,6 +15,8 @@ import os
 import re
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from converters.atc import FRAMEWORK_ONNX, ONNX_INPUT_FORMATS
+
 
 class GrammarError(ValueError):
     """Every problem found in one file or argument list, each naming its key or flag."""
@@ -253,7 +255,7 @@ LITE_SECTIONS: Dict[str, Dict[str, Domain]] = {
         "target_device": choice("NVGPU", "DSP", "ASCEND"),
     },
     "data_preprocess_param": {
-        "calibrate_path": pattern(NAME + r":[^\s;]+(;" + NAME + r":[^\s;]+)*", "input_name:dir[;...]"),
+        "calibrate_path": pattern(NAME + r":[^\s,;]+(," + NAME + r":[^\s,;]+)*", "input_name:dir[,...]"),
         "calibrate_size": integer(1, 65535),
         "input_type": choice("IMAGE", "BIN"),
         "image_to_format": choice("RGB", "BGR", "GRAY"),
@@ -352,8 +354,10 @@ ATC_FLAGS: Dict[str, Domain] = {
     "soc_version": pattern(r"Ascend(310|310B[1-4]|310P[1-7]|910[A-Za-z0-9_]*)", "an Ascend SoC such as "
                            "Ascend310, Ascend310B4, Ascend310P3"),
     "input_shape": pattern(NAME + r":-?\d+(,-?\d+)*(;" + NAME + r":-?\d+(,-?\d+)*)*", "name:n,c,h,w[;...]"),
-    "input_format": choice("NCHW", "NHWC", "ND"),
+    "input_format": choice("NCHW", "NCDHW", "NHWC", "ND"),  # NHWC not for ONNX: see check_atc_args
     "insert_op_conf": PATH,
+    "host_env_os": choice("linux"),
+    "host_env_cpu": choice("x86_64", "aarch64"),
     "output_type": choice("FP32", "FP16", "UINT8", "INT8"),
     "out_nodes": pattern(r"[^\s;:]+:\d+(;[^\s;:]+:\d+)*", "node:index[;...]"),
     "log": choice("debug", "info", "warning", "error", "null"),
@@ -420,6 +424,11 @@ def check_atc_args(args: Sequence[str]) -> Dict[str, str]:
         errors.append("--%s: needs -1 in --input_shape" % dynamic[0])
     if has_minus_one and not dynamic:
         errors.append("--input_shape: -1 needs --dynamic_batch_size or --dynamic_image_size")
+    if flags.get("framework") == FRAMEWORK_ONNX and flags.get("input_format", "NCHW") not in ONNX_INPUT_FORMATS:
+        errors.append("--input_format=%s: for an ONNX model (--framework=5) ATC takes %s" % (
+            flags["input_format"], ", ".join(ONNX_INPUT_FORMATS)))
+    if ("host_env_os" in flags) != ("host_env_cpu" in flags):
+        errors.append("--host_env_os and --host_env_cpu go together")
     if errors:
         raise GrammarError("atc arguments", errors)
     return flags
@@ -474,7 +483,7 @@ def check_converter_call(args: Sequence[str], cwd: str = "."
         errors.append("[ascend_context] only applies with --optimize=ascend_oriented")
     calibrate = config.get("data_preprocess_param", {}).get("calibrate_path")
     if calibrate:
-        for item in calibrate.split(";"):
+        for item in calibrate.split(","):
             directory = item.split(":", 1)[1]
             if not os.path.isdir(os.path.join(cwd, directory)):
                 errors.append("calibrate_path: no such directory %s" % directory)

@@ -16,19 +16,12 @@ Shapes are fixed with ``--inputShape`` (``[ascend_context] input_shape`` is for 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from agent.pipeline.backends.mslite_backend import lite_precision_mode
+
 TOOL = "converter_lite"
 SUCCESS_LINE = "CONVERT RESULT SUCCESS:0"
 FMK = {"mindir": "MINDIR", "onnx": "ONNX"}  # bundle artifact format -> --fmk
 
-# The device configs name ATC's precision modes; the converter's [ascend_context] names the same modes its
-# own way (MindSpore Lite cloud docs; the pairing follows the mode descriptions, not verified on a host).
-LITE_PRECISION_MODE = {
-    "force_fp16": "enforce_fp16",
-    "force_fp32": "enforce_fp32",
-    "allow_fp32_to_fp16": "preferred_fp32",
-    "must_keep_origin_dtype": "enforce_origin",
-    "allow_mix_precision": "preferred_optimal",
-}
 # MAX_MIN is the documented choice for small models and simple data; KL needs more calibration images.
 ACTIVATION_QUANT_METHOD = "MAX_MIN"
 FULL_QUANT_BITS = 8
@@ -69,7 +62,7 @@ def config_sections(target: LiteTarget, precision_mode: str, aipp_file: Optional
     """The INI sections for one conversion; empty when the defaults suffice (CPU float)."""
     sections: Dict[str, Dict[str, str]] = {}
     if target.ascend:
-        ascend = {"precision_mode": LITE_PRECISION_MODE[precision_mode],
+        ascend = {"precision_mode": lite_precision_mode(precision_mode),
                   "output_type": "FP32"}  # float32 outputs: the host's post-processing stays the same
         if aipp_file:
             ascend["insert_op_config_file_path"] = aipp_file
@@ -82,11 +75,16 @@ def config_sections(target: LiteTarget, precision_mode: str, aipp_file: Optional
             full["target_device"] = "ASCEND"  # int8 kernels for the NPU; needs --optimize=ascend_oriented
         sections["full_quant_param"] = full
         sections["data_preprocess_param"] = {
-            "calibrate_path": "%s:%s" % (calibration.input_name, calibration.directory),
+            "calibrate_path": calibrate_path([(calibration.input_name, calibration.directory)]),
             "calibrate_size": str(calibration.count),
             "input_type": "BIN",  # tensors preprocessed by quant/, not images for the converter to resize
         }
     return sections
+
+
+def calibrate_path(inputs: Sequence[Tuple[str, str]]) -> str:
+    """``[("images", "calibration")]`` -> ``images:calibration``; several inputs are joined with ``,``."""
+    return ",".join("%s:%s" % pair for pair in inputs)
 
 
 def render_ini(sections: Dict[str, Dict[str, str]], header: Sequence[str] = ()) -> str:
@@ -98,8 +96,13 @@ def render_ini(sections: Dict[str, Dict[str, str]], header: Sequence[str] = ()) 
 
 
 def converter_args(source_format: str, model_file: str, output_stem: str, config_file: Optional[str],
-                   input_name: str, shape_nchw: Tuple[int, int, int, int], target: LiteTarget) -> List[str]:
-    """The converter_lite command (program name first); relative paths resolve in the working directory."""
+                   input_name: str, shape_nchw: Tuple[int, int, int, int], target: LiteTarget,
+                   input_layout: str = "NCHW") -> List[str]:
+    """The converter_lite command (program name first); relative paths resolve in the working directory.
+
+    A ``.ms`` model's input format defaults to NHWC in the device-side converter: say the bundle's layout
+    explicitly, since the agent feeds exactly that.
+    """
     cmd = [
         TOOL,
         "--fmk=%s" % FMK[source_format],  # the float MindIR from MindSpore, or its ONNX twin
@@ -113,4 +116,6 @@ def converter_args(source_format: str, model_file: str, output_stem: str, config
         "--optimize=%s" % target.optimize,  # ascend_oriented runs on Ascend only, general on CPU/GPU only
         "--saveType=%s" % target.save_type,  # MINDIR: Ascend MindIR (cloud-side); MINDIR_LITE: .ms
     ]
+    if not target.ascend:
+        cmd.append("--inputDataFormat=%s" % input_layout)
     return cmd

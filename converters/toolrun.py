@@ -12,12 +12,11 @@ import shlex
 import signal
 import subprocess
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TOOLKIT_BIN = "/usr/local/Ascend/ascend-toolkit/latest/bin"  # the CANN installer's default
-VERSION_QUERY_TIMEOUT_S = 20.0  # `converter_lite --version` only prints; anything longer is a hang
 LOG_TAIL_LINES = 40  # enough for ATC's error block (error code, op name, suggestion)
 # version.cfg keys in order of preference; the value is [internal:public], e.g. [7.6.0.1.220:8.0.0].
 CANN_VERSION_KEYS = ("compiler_running_version", "toolkit_running_version", "runtime_running_version")
@@ -148,18 +147,95 @@ def cann_version(atc_path: str) -> str:
     return UNKNOWN_VERSION
 
 
-def converter_version(tool_path: str, env: Mapping[str, str]) -> str:
-    """What ``converter_lite --version`` prints (first x.y.z), else the release folder's name, or unknown."""
+# The version of a converter_lite tarball: its version.txt's first token, else the folder name. Anchored to the
+# whole token, so a log timestamp (2026-11-30-23:55:37) can never pass for a version.
+VERSION_TOKEN = re.compile(r"^\s*(\d+\.\d+\.\d+(?:[.-]?(?:rc|RC|post|dev)\d*)?)\s*$")
+TARBALL_DIR = re.compile(r"^mindspore-lite-(\d+\.\d+\.\d+(?:rc\d+)?)(?:-linux-\w+)?$")
+TARBALL_DEPTH = 4  # <root>/tools/converter/converter/converter_lite
+
+
+def converter_version(tool_path: str) -> str:
+    """The release of a ``converter_lite`` binary: ``version.txt`` or ``mindspore-lite-<v>-...`` above it.
+
+    ``converter_lite`` documents ``--help`` but no ``--version``, so the binary is never asked.
+    """
+    for path in dict.fromkeys([os.path.abspath(tool_path), os.path.realpath(tool_path)]):
+        folder = os.path.dirname(path)
+        for _ in range(TARBALL_DEPTH):
+            try:
+                with open(os.path.join(folder, "version.txt"), encoding="utf-8", errors="replace") as handle:
+                    match = VERSION_TOKEN.match(handle.readline())
+                if match:
+                    return match.group(1)
+            except OSError:
+                pass
+            match = TARBALL_DIR.match(os.path.basename(folder))
+            if match:
+                return match.group(1)
+            folder = os.path.dirname(folder)
+    return UNKNOWN_VERSION
+
+
+# --- the converter as MindSpore Lite's Python API, in another interpreter -----------------------------------
+
+MSLITE_PYTHON_ENV = "ATLAS_EDGE_MSLITE_PYTHON"  # an interpreter that imports mindspore_lite; the only one tried
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LITE_VENV_PYTHON = os.path.join(REPO_ROOT, ".venv-lite", "bin", "python")  # what `make lite` builds
+PYCONVERT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lite_pyconvert.py")
+PY_PROBE_TIMEOUT_S = 120.0  # importing mindspore_lite loads ~400 MB of libraries; a cold disk is slow
+
+
+@dataclass(frozen=True)
+class LocatedTool:
+    """A tool ready to run: ``argv`` goes before the tool's own flags."""
+
+    tool: ToolInfo
+    argv: List[str]
+    path: str  # the binary, or the interpreter driving lite_pyconvert.py
+    toolchain: Dict[str, str]  # what the manifest records: which converter ran, and its version
+
+
+def probe_mslite_python(python: str) -> Tuple[Optional[str], str]:
+    """(mindspore_lite version, "") when ``python`` runs lite_pyconvert.py, else (None, why not)."""
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        return None, "no such executable"
     try:
-        done = subprocess.run([tool_path, "--version"], capture_output=True, text=True, errors="replace",
-                              timeout=VERSION_QUERY_TIMEOUT_S, env=dict(env), check=False)
-        match = re.search(r"(\d+\.\d+\.\d+[0-9A-Za-z.+-]*)", done.stdout + done.stderr)
-        if match:
-            return match.group(1)
+        done = subprocess.run([python, PYCONVERT, "--version"], capture_output=True, text=True,
+                              errors="replace", timeout=PY_PROBE_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("%s --version failed: %s", tool_path, exc)
-    match = re.search(r"mindspore-lite-(\d+\.\d+\.\d+[0-9A-Za-z.]*)", os.path.realpath(tool_path))
-    return match.group(1) if match else UNKNOWN_VERSION
+        return None, str(exc)
+    match = re.match(r"mindspore_lite (\S+)$", done.stdout.strip())
+    if done.returncode != 0 or not match:
+        return None, tail(done.stderr or done.stdout, 2) or "exit status %d" % done.returncode
+    return match.group(1), ""
+
+
+def _python_version(python: str) -> str:
+    done = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                          capture_output=True, text=True, timeout=PY_PROBE_TIMEOUT_S, check=False)
+    return done.stdout.strip() or UNKNOWN_VERSION
+
+
+def locate(tool: ToolInfo, env: Mapping[str, str]) -> LocatedTool:
+    """ATC: the binary. converter_lite: the binary (:func:`find_tool`), else MindSpore Lite's Python API
+    through lite_pyconvert.py, run by ``$ATLAS_EDGE_MSLITE_PYTHON`` when set, else by ``.venv-lite``'s."""
+    if tool.name == ATC.name:
+        path = find_tool(tool, env)
+        return LocatedTool(tool, [path], path, {"converter": ATC.name, "cann": cann_version(path)})
+    try:
+        path = find_tool(tool, env)
+        return LocatedTool(tool, [path], path, {"converter": tool.name, "converter_lite": converter_version(path)})
+    except ToolNotFound as missing:
+        places = missing.places
+    explicit = env.get(MSLITE_PYTHON_ENV)
+    python = explicit or LITE_VENV_PYTHON
+    version, why = probe_mslite_python(python)
+    if version is None:
+        where = "$%s (%s)" % (MSLITE_PYTHON_ENV, python) if explicit else \
+            "%s (`make lite`; $%s is not set)" % (python, MSLITE_PYTHON_ENV)
+        raise ToolNotFound(tool, places + ["a Python with mindspore_lite: %s: %s" % (where, why)])
+    return LocatedTool(tool, [python, PYCONVERT], python, {
+        "converter": "mindspore_lite.Converter", "mindspore_lite": version, "python": _python_version(python)})
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,8 @@ def test_atc_found_on_path_converts_every_tier_into_the_bundle(bundle, tmp_path,
         assert (art["input_dtype"], art["input_layout"], art["normalize_on"], art["input_color"]) == (
             "uint8", "NHWC", "aipp", "bgr")
         assert art["precision"] == "float16" and art["role"] == "serve"
-        assert art["toolchain"] == {"cann": "unknown"}  # no version.cfg beside tests/standins
+        # no version.cfg beside tests/standins; the 200 DK's CPU recorded, as ATC was told to build for it
+        assert art["toolchain"] == {"converter": "atc", "cann": "unknown", "arch": "aarch64"}
         assert art["config_files"] == ["convert/aipp_%dx%d_bgr.cfg" % tier]
     after_tree = tree(bundle)
     for path, digest in before_tree.items():  # every earlier file is byte for byte the same
@@ -184,7 +185,7 @@ def test_atc_found_through_ascend_toolkit_home_records_the_cann_version(bundle, 
     assert status == cli.EXIT_OK
     (added,) = [a for a in manifest_of(bundle)["artifacts"] if a["format"] == "om"]
     assert added["file"] == "tiny_32x48_Ascend310B4.om" and added["soc_version"] == "Ascend310B4"
-    assert added["toolchain"] == {"cann": "8.0.0"}
+    assert added["toolchain"] == {"converter": "atc", "cann": "8.0.0", "arch": "aarch64"}
     (call,) = calls(tmp_path)
     assert "--input_shape=images:1,3,32,48" in call["args"]
     verify_bundle(bundle)
@@ -237,7 +238,8 @@ def test_converter_lite_from_mslite_home_gets_its_libraries_for_the_child_only(b
     assert [a["file"] for a in added] == ["tiny_32x32_Ascend310B4.mindir", "tiny_32x48_Ascend310B4.mindir"]
     for art in added:
         assert art["format"] == "mindir" and art["normalize_on"] == "aipp" and art["precision"] == "float16"
-        assert art["toolchain"] == {"converter_lite": "0.0.0-standin", "cann": "unknown"}
+        # the version of the tarball folder; the stand-in's own --version output is never asked for
+        assert art["toolchain"] == {"converter": "converter_lite", "converter_lite": "2.5.0", "cann": "unknown"}
         assert art["config_files"] == ["convert/aipp_%dx%d_bgr.cfg" % tuple(art["tier"]),
                                        "convert/converter_tiny_%dx%d_Ascend310B4.ini" % tuple(art["tier"])]
     verify_bundle(bundle)
@@ -383,11 +385,13 @@ def test_missing_atc_names_the_tool_every_place_and_the_package(bundle, tmp_path
 
 def test_missing_converter_lite_names_the_tarball(bundle, tmp_path, capsys):
     before = tree(bundle)
-    env = env_with(tmp_path, MSLITE_HOME=str(tmp_path / "nowhere"))
+    no_python = str(tmp_path / "nowhere" / "python")
+    env = env_with(tmp_path, MSLITE_HOME=str(tmp_path / "nowhere"), ATLAS_EDGE_MSLITE_PYTHON=no_python)
     assert cli.run(args_for(bundle, "cpu-dev", "ms"), env=env) == cli.EXIT_TOOL_MISSING
     err = capsys.readouterr().err
     looked_at = tmp_path / "nowhere" / "tools" / "converter" / "converter"
     for expected in ("converter_lite not found", "$MSLITE_HOME/tools/converter/converter (%s)" % looked_at,
+                     "a Python with mindspore_lite: $ATLAS_EDGE_MSLITE_PYTHON (%s): no such executable" % no_python,
                      "MindSpore Lite release tarball", "converter_lite --fmk=MINDIR"):
         assert expected in err, expected
     assert tree(bundle) == before

@@ -109,9 +109,9 @@ def test_golden_atc_for_atlas_200dk_imagenet_bgr_input(bundles):
         "atc", "--model=golden_64x64.onnx", "--framework=5", "--output=golden_64x64_Ascend310",
         "--input_shape=images:1,3,64,64", "--input_format=NCHW", "--soc_version=Ascend310",
         "--insert_op_conf=convert/aipp_64x64_bgr.cfg", "--precision_mode=force_fp16", "--output_type=FP32",
-        "--log=error",
+        "--log=error", "--host_env_os=linux", "--host_env_cpu=aarch64",  # the 200 DK's CPU, not the host's
     ]
-    assert job.output == "golden_64x64_Ascend310.om"
+    assert job.output == "golden_64x64_Ascend310.om" and job.toolchain == {"arch": "aarch64"}
     assert job.artifact["input_dtype"] == "uint8" and job.artifact["input_layout"] == "NHWC"
     assert job.artifact["normalize_on"] == "aipp" and job.artifact["input_color"] == "bgr"
     assert job.artifact["precision"] == "float16" and job.artifact["soc_version"] == "Ascend310"
@@ -205,6 +205,7 @@ def test_golden_cpu_dev_ms_is_float_without_config(bundles):
     assert job.cmd == [
         "converter_lite", "--fmk=MINDIR", "--modelFile=golden_64x64.mindir", "--outputFile=golden_64x64_cpu",
         "--inputShape=images:1,3,64,64", "--optimize=general", "--saveType=MINDIR_LITE",
+        "--inputDataFormat=NCHW",  # the device-side converter's default is NHWC; the agent feeds NCHW
     ]
     assert job.output == "golden_64x64_cpu.ms"
     keys = ("input_dtype", "input_layout", "normalize_on", "input_color", "precision")

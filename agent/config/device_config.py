@@ -16,6 +16,7 @@ DEVICE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname
 
 # backend -> artifact formats it reads
 BACKEND_FORMATS = {"mindspore": ("mindir",), "opencv": ("onnx",), "mslite": ("ms", "mindir"), "acl": ("om",)}
+ARCHES = ("x86_64", "aarch64")  # ATC --host_env_cpu values for the boxes we know
 SOC_VERSIONS = ("Ascend310", "Ascend310B1", "Ascend310B4", "Ascend310P1", "Ascend310P3")
 
 
@@ -38,6 +39,8 @@ class DeviceConfig:
     max_batch: int = setting(1, ge=1, le=64, doc="default batching.max_batch")
     max_wait_ms: float = setting(10.0, ge=0, le=1000, doc="default batching.max_wait_ms")
     input_tiers: List[Tuple[int, int]] = setting(factory=list, doc="tiers [h, w] this box serves; empty = all")
+    arch: Optional[str] = setting(None, choices=ARCHES + (None,),
+                                  doc="the box's CPU (ATC --host_env_cpu); None when it varies, e.g. a PCIe card")
 
     def check(self) -> List[Tuple[str, str]]:
         problems = []

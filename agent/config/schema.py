@@ -4,16 +4,16 @@ Every config the project reads (daemon config, device configs, the bundle manife
 dataclass declared with :func:`setting`; :func:`parse` turns a mapping into it and collects *all* problems
 before failing, each named by its dotted path (``mqtt.port``, ``sources[1].uri``). Unknown keys are errors, so
 a typo fails loudly instead of being silently ignored. Only the standard library is used, so the box
-needs no extra dependency for this and it runs on Python 3.8.
+needs no extra dependency for this (typing_extensions on Python 3.7) and it runs on Python 3.7.
 """
 
 import dataclasses
 import typing
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, TypeVar
 
-T = TypeVar("T")
+from agent._util.compat import Literal, get_args, get_origin
 
-_LITERAL = getattr(typing, "Literal", None)
+T = TypeVar("T")
 
 
 def setting(
@@ -82,8 +82,8 @@ class _Parser:
         self.errors.append(FieldError(path, message))
 
     def value(self, tp: Any, raw: Any, path: str) -> Any:  # noqa: C901 - one switch over supported types
-        origin = typing.get_origin(tp)
-        args = typing.get_args(tp)
+        origin = get_origin(tp)
+        args = get_args(tp)
         if tp is Any:
             return raw
         if dataclasses.is_dataclass(tp):
@@ -101,7 +101,7 @@ class _Parser:
                     return result
             self.fail(path, "expected one of %s, got %s" % ([_type_name(a) for a in inner], _short(raw)))
             return None
-        if _LITERAL is not None and origin is _LITERAL:
+        if origin is Literal:
             if raw not in args:
                 self.fail(path, "must be one of %s (got %s)" % (list(args), _short(raw)))
             return raw
