@@ -49,9 +49,9 @@ demo: venv mosquitto
 lint: venv
 	$(BIN)/ruff check .
 
-# agent/ runs on the boxes' Python 3.7: fail if any construct needs newer.
+# agent/ runs on the boxes' Python 3.7, and converters/ in the Lite lane: fail if any construct needs newer.
 pycompat: venv
-	$(BIN)/vermin --no-tips --violations --target=3.7- --eval-annotations agent
+	$(BIN)/vermin --no-tips --violations --target=3.7- --eval-annotations agent converters
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 test: venv mosquitto lint pycompat

@@ -133,7 +133,7 @@ class ConvertPlan:
                 lines.append("# --- %s" % generated.path)
                 lines.append(generated.text.rstrip("\n"))
                 lines.append("# --- end of %s" % generated.path)
-            lines.append(shlex.join(job.cmd))
+            lines.append(toolrun.join_command(job.cmd))
         return "\n".join(lines) + "\n"
 
 
@@ -534,6 +534,18 @@ class BundleTransaction:
         shutil.rmtree(self.backup_dir, ignore_errors=True)
 
 
+def _share_golden(golden: Optional[Dict[str, Any]], jobs: List[Job]) -> None:
+    """A float32 conversion must reproduce its source: its golden cases expect the source's outputs (so
+    ``bundle verify --run-golden`` and the box's start-up check hold the converted model to them)."""
+    for job in jobs:
+        if golden is None or job.artifact["precision"] != "float32":
+            continue
+        for case in golden.get("cases", []):
+            expected = case.get("expected", {})
+            if job.source in expected:
+                expected[job.output] = expected[job.source]
+
+
 def _commit(plan: ConvertPlan, work: str, toolchain: Dict[str, str]) -> List[Dict[str, Any]]:
     """Copy outputs, configs and logs into the bundle and rewrite the manifest; all or nothing."""
     from agent.lifecycle.bundle import MANIFEST, write_manifest
@@ -554,6 +566,7 @@ def _commit(plan: ConvertPlan, work: str, toolchain: Dict[str, str]) -> List[Dic
             else:
                 artifacts[index] = entry  # re-conversion of the same tier replaces its artifact
         manifest["artifacts"] = artifacts
+        _share_golden(manifest.get("golden"), plan.jobs)
         written = write_manifest(plan.bundle, manifest)
     except BaseException:
         transaction.rollback()
@@ -589,7 +602,7 @@ def execute(plan: ConvertPlan, env: Mapping[str, str], timeout_s: float,
         _stage(plan, work)
         for job in plan.jobs:
             cmd = located.argv + job.cmd[1:]
-            echo("tier %dx%d: %s" % (job.tier[0], job.tier[1], shlex.join(cmd)))
+            echo("tier %dx%d: %s" % (job.tier[0], job.tier[1], toolrun.join_command(cmd)))
             run = toolrun.run_tool(cmd, cwd=work, env=tool_env, timeout_s=timeout_s,
                                    log_path=os.path.join(work, job.log))
             if plan.tool.name == toolrun.ATC.name:

@@ -23,6 +23,11 @@ CANN_VERSION_KEYS = ("compiler_running_version", "toolkit_running_version", "run
 UNKNOWN_VERSION = "unknown"
 
 
+def join_command(cmd: Sequence[str]) -> str:
+    """``shlex.join`` (Python 3.8+) for the Lite lane's Python 3.7."""
+    return " ".join(shlex.quote(part) for part in cmd)
+
+
 @dataclass(frozen=True)
 class ToolInfo:
     """A conversion tool: its program name, the package that ships it, the line it prints on success."""
@@ -251,9 +256,9 @@ def run_tool(cmd: Sequence[str], cwd: str, env: Mapping[str, str], timeout_s: fl
 
     The tool gets its own process group so a timeout kills it and any compiler children it started.
     """
-    log.debug("running %s (in %s, timeout %.0f s)", shlex.join(cmd), cwd, timeout_s)
+    log.debug("running %s (in %s, timeout %.0f s)", join_command(cmd), cwd, timeout_s)
     with open(log_path, "w", encoding="utf-8") as sink:
-        sink.write("$ %s\n" % shlex.join(cmd))
+        sink.write("$ %s\n" % join_command(cmd))
         sink.flush()
         proc = subprocess.Popen(list(cmd), cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True)

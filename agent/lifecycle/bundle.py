@@ -324,8 +324,10 @@ def select_artifacts(bundle: Bundle, device: DeviceConfig, backend: str, batch: 
         if device.input_tiers and art.tier not in device.input_tiers:
             continue
         current = chosen.get(art.tier)
-        # Prefer the artifact whose fixed batch matches the requested one, else the smallest batch.
-        if current is None or _batch_rank(art, batch) < _batch_rank(current, batch):
+        # Prefer the artifact whose fixed batch matches the requested one, else the smallest batch; then the
+        # backend's own order of formats (mslite: a converted .ms before a MindIR it may not read).
+        if current is None or (_batch_rank(art, batch), formats.index(art.format)) < (
+                _batch_rank(current, batch), formats.index(current.format)):
             chosen[art.tier] = art
     if not chosen:
         reason = rejected or [FieldError("artifacts", "no %s artifact for backend %s (formats %s)" % (

@@ -1,0 +1,152 @@
+"""``atlas-edge convert --to ms`` with the REAL MindSpore Lite 2.0.0 converter (mindspore_lite.Converter in a
+Python 3.7 interpreter, driven through converters/lite_pyconvert.py), on a copy of the demo bundle.
+
+Runs in both lanes when a Lite Python exists (the host lane finds .venv-lite; the Lite lane is one); skips,
+naming what is missing, otherwise. Every failing mode is checked to leave the bundle byte for byte unchanged.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from agent.lifecycle.bundle import load_manifest, verify_bundle, write_manifest
+from converters import cli, mindir, toolrun
+from tests import lite_support
+from tests.lite_support import DEMO_BUNDLE, convert_args, copy_demo, lite_env
+
+LITE_PYTHON = lite_support.lite_python()
+pytestmark = [
+    pytest.mark.skipif(not lite_support.has_demo(), reason=lite_support.NO_DEMO),
+    pytest.mark.skipif(LITE_PYTHON is None, reason=lite_support.NO_LITE_PYTHON),
+]
+LITE_MAX_MINDIR = 1  # MindSpore Lite 2.0.0, measured: "can only support the maximum mind ir version: 1"
+
+
+def tree(root):
+    result = {}
+    for dirpath, dirs, names in os.walk(root):
+        for name in dirs:
+            result[os.path.relpath(os.path.join(dirpath, name), root)] = "dir"
+        for name in names:
+            with open(os.path.join(dirpath, name), "rb") as handle:
+                result[os.path.relpath(os.path.join(dirpath, name), root)] = hashlib.sha256(handle.read()).hexdigest()
+    return result
+
+
+def manifest_of(root):
+    with open(os.path.join(root, "manifest.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The demo bundle converted for cpu-dev by the real converter: (bundle, exit status, stdout+stderr)."""
+    root = copy_demo(str(tmp_path_factory.mktemp("lite") / "bundle"))
+    done = subprocess.run(
+        [sys.executable, "-m", "converters.cli", "--bundle", root, "--device", "cpu-dev", "--to", "ms"],
+        cwd=lite_support.REPO, env=lite_env(LITE_PYTHON), capture_output=True, text=True,
+        timeout=lite_support.CONVERT_TIMEOUT_S, check=False)
+    return root, done.returncode, done.stdout + done.stderr
+
+
+def test_demo_mindir_is_version_3_which_lite_2_0_cannot_read():
+    version, producer = mindir.read_header(os.path.join(DEMO_BUNDLE, "model_256x256.mindir"))
+    assert (version, producer.split(".")[0]) == (3, "2") and version > mindir.max_readable("2.0.0") == 1
+
+
+def test_every_tier_converts_to_ms_through_the_python_converter(converted):
+    root, status, output = converted
+    assert status == cli.EXIT_OK, output
+    # the bundle's MindIR (version 3) gives way to the tier's ONNX, and the run says so
+    assert "model_256x256.mindir is MindIR version 3" in output and "reads MindIR versions up to 1" in output
+    assert "converting from model_256x256.onnx instead" in output
+    added = [a for a in manifest_of(root)["artifacts"] if a["format"] == "ms"]
+    assert sorted(a["file"] for a in added) == ["shapes-det_192x320_cpu.ms", "shapes-det_256x256_cpu.ms"]
+    for art in added:
+        assert art["toolchain"]["converter"] == "mindspore_lite.Converter"
+        assert art["toolchain"]["mindspore_lite"] == "2.0.0" and art["toolchain"]["python"].startswith("3.7")
+        assert art["size"] > 100_000 and art["precision"] == "float32"
+        with open(os.path.join(root, "logs", art["file"] + ".log"), encoding="utf-8") as handle:
+            log = handle.read()
+        assert "--fmk=ONNX" in log.splitlines()[0] and "CONVERT RESULT SUCCESS:0" in log
+    golden = manifest_of(root)["golden"]["cases"][0]["expected"]
+    assert golden["shapes-det_256x256_cpu.ms"] == golden["model_256x256.onnx"]
+    verify_bundle(root)
+
+
+def test_a_corrupt_onnx_fails_and_leaves_the_bundle_byte_for_byte(tmp_path, capsys):
+    root = copy_demo(str(tmp_path / "bundle"))
+    with open(os.path.join(root, "model_256x256.onnx"), "r+b") as handle:
+        handle.seek(200)
+        handle.write(b"\xff" * 4096)  # a broken protobuf in the middle of the graph
+    manifest = manifest_of(root)
+    for art in manifest["artifacts"]:
+        if art["file"] == "model_256x256.onnx":
+            art["sha256"] = ""  # recomputed: the bundle is consistent, the model inside it is not
+    write_manifest(root, manifest)
+    before = tree(root)
+    status = cli.run(convert_args(root, tiers=[(256, 256)]), env=lite_env(LITE_PYTHON))
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_TOOL_FAILED, err
+    assert "converter_lite exited with status 1; the bundle is unchanged" in err and "conversion failed" in err
+    assert tree(root) == before
+
+
+def test_mindir_too_new_without_onnx_is_refused_naming_both_versions(tmp_path, capsys):
+    root = copy_demo(str(tmp_path / "bundle"))
+    manifest = manifest_of(root)
+    manifest["artifacts"] = [a for a in manifest["artifacts"] if a["format"] != "onnx"]
+    for case in manifest["golden"]["cases"]:
+        case["expected"] = {k: v for k, v in case["expected"].items() if not k.endswith(".onnx")}
+    for name in os.listdir(root):
+        if name.endswith(".onnx"):
+            os.remove(os.path.join(root, name))
+    write_manifest(root, manifest)
+    before = tree(root)
+    status = cli.run(convert_args(root, tiers=[(256, 256)]), env=lite_env(LITE_PYTHON))
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_BAD_INPUT, err
+    for expected in ("model_256x256.mindir is MindIR version 3 (MindSpore 2.7.1.post1)",
+                     "MindSpore Lite 2.0.0 reads MindIR versions up to 1", "no ONNX of tier 256x256"):
+        assert expected in err, expected
+    assert tree(root) == before
+
+
+def test_target_ascend_fails_clearly_without_cann(tmp_path, capsys):
+    """Lite's Ascend output needs CANN on the converting host; here it fails with the converter's words."""
+    root = copy_demo(str(tmp_path / "bundle"))
+    before = tree(root)
+    status = cli.run(convert_args(root, device="atlas-300i-pro", tiers=[(256, 256)]), env=lite_env(LITE_PYTHON))
+    err = capsys.readouterr().err
+    assert status == cli.EXIT_TOOL_FAILED, err
+    assert "the bundle is unchanged" in err and "last lines of the converter_lite log" in err
+    assert tree(root) == before
+
+
+def test_lite_pyconvert_refuses_flags_it_cannot_map(tmp_path):
+    done = subprocess.run([LITE_PYTHON, toolrun.PYCONVERT, "--fmk=ONNX", "--modelFile=x.onnx",
+                           "--outputFile=x", "--encryptKey=00"], capture_output=True, text=True, check=False,
+                          timeout=toolrun.PY_PROBE_TIMEOUT_S)
+    assert done.returncode == 2 and "--encryptKey is not a converter_lite flag this script maps" in done.stderr
+
+
+@pytest.mark.skipif(not lite_support.HAS_MSLITE, reason=lite_support.NO_MSLITE)
+def test_converted_ms_reproduces_the_onnx_golden_outputs(converted):
+    from agent.config.device_config import load_device_config
+    from agent.lifecycle.bundle import load_bundle
+    from agent.pipeline.model import load_model
+
+    root, status, output = converted
+    assert status == cli.EXIT_OK, output
+    model = load_model(load_bundle(root), load_device_config("cpu-dev"), "mslite")  # runs the golden set
+    try:
+        report = model.golden_check()
+        assert report.passed and report.cases == 3 and report.max_abs_diff < 1e-3, report
+    finally:
+        model.close()
+    assert np.isfinite(report.max_abs_diff) and load_manifest(root).golden is not None
