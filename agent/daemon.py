@@ -37,17 +37,18 @@ STARTED = time.time()
 
 
 def choose_backend(config: DaemonConfig, device: DeviceConfig) -> str:
-    """The configured backend, else the device's preferred one, else its first importable fallback."""
-    from agent.pipeline.backends import backend_status
+    """The configured backend, else the device's order (docs/backends.md) against the configured bundle."""
+    from agent.lifecycle.bundle import BundleError, load_manifest
+    from agent.pipeline.backends import backend_for
 
     if config.model.backend:
         return config.model.backend
-    status = backend_status()
-    for name in [device.backend] + list(device.fallback_backends):
-        if status.get(name) == "ok":
-            return name
-        log.warning("backend %s unavailable: %s", name, status.get(name))
-    return device.backend
+    manifest = None
+    try:
+        manifest = load_manifest(config.model.bundle)
+    except (BundleError, OSError) as exc:  # start-up reports the bundle itself; choose by runtimes alone
+        log.info("choosing the backend without the bundle's formats: %s", exc)
+    return backend_for(device, manifest)
 
 
 class Daemon:

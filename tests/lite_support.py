@@ -8,10 +8,10 @@ through ``.venv-lite``'s Python as ``atlas-edge convert`` finds it. Tests that n
 import argparse
 import importlib.util
 import os
-import shutil
 import sys
 from typing import Dict, Optional
 
+from agent.cli.demo import copy_writable
 from converters import toolrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,8 +55,4 @@ def lite_env(python: str) -> Dict[str, str]:
 
 
 def copy_demo(destination: str) -> str:
-    shutil.copytree(DEMO_BUNDLE, destination)
-    for dirpath, _dirs, names in os.walk(destination):  # MindSpore writes its exports read-only
-        for name in names:
-            os.chmod(os.path.join(dirpath, name), 0o644)
-    return destination
+    return copy_writable(DEMO_BUNDLE, destination)

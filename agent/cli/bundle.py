@@ -111,7 +111,10 @@ def _check_device(bundle: Bundle, device_name: str, backend: Optional[str], run_
     from agent.config.device_config import load_device_config
 
     device = load_device_config(device_name)
-    backend = backend or device.backend
+    if not backend:
+        from agent.pipeline.backends import backend_for
+
+        backend = backend_for(device, bundle.manifest)
     chosen = select_artifacts(bundle, device, backend, batch=device.max_batch)
     for tier, art in sorted(chosen.items()):
         print("  %s/%s serves      tier %dx%d with %s" % (device.name, backend, tier[0], tier[1], art.file))

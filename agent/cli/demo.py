@@ -8,10 +8,12 @@ prints what arrives: detections, fps and per-stage latency.
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -121,7 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop after N frames (default: run until Ctrl-C)")
     parser.add_argument("--device-id", default="demo", help="device id in topics (default: demo)")
     parser.add_argument("--backend", default=None, choices=("mindspore", "opencv", "mslite", "acl"),
-                        help="inference backend (default: the cpu-dev device's preferred one, mindspore)")
+                        help="inference backend (default: cpu-dev's order: mslite when it imports and the "
+                             "bundle has a .ms, else mindspore, else opencv); mslite converts the bundle first "
+                             "when it has no .ms")
     parser.add_argument("--bundle", default=DEMO_BUNDLE, help="model bundle (default: examples/demo-bundle)")
     parser.add_argument("--frames-dir", default=None,
                         help="folder of images to serve (default: generated sample frames)")
@@ -145,11 +149,46 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def copy_writable(source: str, destination: str) -> str:
+    """A copy of a bundle folder whose files can be replaced (MindSpore writes its exports read-only)."""
+    shutil.copytree(source, destination)
+    for dirpath, _dirs, names in os.walk(destination):
+        for name in names:
+            os.chmod(os.path.join(dirpath, name), 0o644)
+    return destination
+
+
+def _with_lite_artifacts(bundle: str, work: str) -> str:
+    """``bundle`` when it has a CPU ``.ms``, else a copy in ``work`` converted by ``atlas-edge convert --to ms``
+    (MindSpore Lite's converter in this interpreter, or as converters/toolrun.py finds it)."""
+    from agent.lifecycle.bundle import load_manifest
+
+    if any(a.format == "ms" and a.target == "cpu" for a in load_manifest(bundle).artifacts):
+        return bundle
+    from converters import cli as convert_cli  # host tooling, imported only for this
+    from converters import toolrun
+
+    copy = copy_writable(bundle, os.path.join(work, "bundle"))
+    env = dict(os.environ)
+    if importlib.util.find_spec("mindspore_lite") is not None:
+        env.setdefault(toolrun.MSLITE_PYTHON_ENV, sys.executable)
+    print("converting %s for MindSpore Lite (atlas-edge convert --to ms --device cpu-dev)" % bundle)
+    parser = argparse.ArgumentParser(prog="atlas-edge convert")
+    convert_cli.add_arguments(parser)
+    status = convert_cli.run(parser.parse_args(["--bundle", copy, "--device", "cpu-dev", "--to", "ms"]), env=env)
+    if status != convert_cli.EXIT_OK:
+        raise SystemExit("demo --backend mslite: converting the bundle failed (exit %d, above)" % status)
+    return copy
+
+
 def _serve(args: argparse.Namespace, work: str) -> int:
     from agent.config.daemon_config import parse_daemon_config
     from agent.daemon import Daemon
     from agent.devtools.broker import EmbeddedBroker
 
+    bundle = os.path.abspath(args.bundle)
+    if args.backend == "mslite":
+        bundle = _with_lite_artifacts(bundle, work)
     frames_dir = args.frames_dir or os.path.join(work, "frames")
     if args.frames_dir is None:
         write_sample_frames(frames_dir)
@@ -167,7 +206,7 @@ def _serve(args: argparse.Namespace, work: str) -> int:
             "device_id": args.device_id,
             "device": "cpu-dev",
             "state_dir": os.path.join(work, "state"),
-            "model": {"bundle": os.path.abspath(args.bundle), "backend": args.backend, "store": "bundles"},
+            "model": {"bundle": bundle, "backend": args.backend, "store": "bundles"},
             # Paced like a camera: a looping folder read flat out would only fill the queue and drop frames.
             "sources": [{"name": "samples", "uri": frames_dir, "loop": True, "max_fps": DEMO_FPS}],
             "mqtt": {"host": host, "port": port},

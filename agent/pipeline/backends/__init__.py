@@ -10,7 +10,7 @@ Names match ``agent.config.device_config.BACKEND_FORMATS`` (mindspore, opencv, m
 
 import importlib
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Any, Collection, Dict, Optional, Sequence, Tuple
 
 from agent.pipeline.backends.base import (
     Backend,
@@ -57,6 +57,35 @@ def create_backend(name: str, artifact_path: str, input_spec: TensorSpec,
     return BACKENDS[name](artifact_path, input_spec, options)
 
 
+def pick_backend(preferred: str, fallbacks: Sequence[str], preferred_format: str,
+                 served: Optional[Collection[str]] = None, status: Optional[Dict[str, str]] = None) -> str:
+    """The backend a box runs: the first of ``preferred`` + ``fallbacks`` whose runtime imports and that has
+    something to serve. With ``served`` (the formats of the bundle's serve artifacts for this box) the
+    preferred backend needs its own ``preferred_format`` there (cpu-dev: MindSpore Lite only for a ``.ms``;
+    it cannot read MindSpore 2.7's MindIR), a fallback any format it reads. None fits: ``preferred``, whose
+    load then names what is missing."""
+    status = backend_status() if status is None else status
+    for name in [preferred] + list(fallbacks):
+        if status.get(name) != "ok":
+            logger.warning("backend %s unavailable: %s", name, status.get(name))
+            continue
+        wanted = {preferred_format} if name == preferred else set(BACKENDS[name].formats)
+        if served is not None and not wanted & set(served):
+            logger.info("backend %s skipped: the bundle has no %s artifact for this box", name,
+                        "/".join(sorted(wanted)))
+            continue
+        return name
+    return preferred
+
+
+def backend_for(device: Any, manifest: Optional[Any] = None) -> str:
+    """:func:`pick_backend` for a device config and (when known) the manifest of the bundle it will serve."""
+    served = None
+    if manifest is not None:
+        served = {a.format for a in manifest.artifacts if a.role == "serve" and a.target == device.target}
+    return pick_backend(device.backend, device.fallback_backends, device.artifact_format, served)
+
+
 def backend_status() -> Dict[str, str]:
     """``{"mindspore": "ok", "acl": "module 'acl' not found (provided by ...)"}`` - imports no runtime."""
     status = {}
@@ -73,6 +102,8 @@ __all__ = [
     "BackendUnavailable",
     "TensorSpec",
     "artifact_format",
+    "backend_for",
     "backend_status",
     "create_backend",
+    "pick_backend",
 ]
