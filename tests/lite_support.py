@@ -8,8 +8,9 @@ through ``.venv-lite``'s Python as ``atlas-edge convert`` finds it. Tests that n
 import argparse
 import importlib.util
 import os
+import subprocess
 import sys
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from agent.cli.demo import copy_writable
 from converters import toolrun
@@ -52,6 +53,15 @@ def lite_env(python: str) -> Dict[str, str]:
                                   if d and not os.path.isfile(os.path.join(d, "converter_lite")))
     env[toolrun.MSLITE_PYTHON_ENV] = python
     return env
+
+
+def convert_demo(destination: str, python: str) -> Tuple[str, int, str]:
+    """A copy of the demo bundle converted for cpu-dev by the real converter: (bundle, exit status, output)."""
+    root = copy_demo(destination)
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "--bundle", root, "--device", "cpu-dev",
+                           "--to", "ms"], cwd=REPO, env=lite_env(python), capture_output=True, text=True,
+                          timeout=CONVERT_TIMEOUT_S, check=False)
+    return root, done.returncode, done.stdout + done.stderr
 
 
 def copy_demo(destination: str) -> str:

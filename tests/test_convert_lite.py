@@ -46,12 +46,7 @@ def manifest_of(root):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """The demo bundle converted for cpu-dev by the real converter: (bundle, exit status, stdout+stderr)."""
-    root = copy_demo(str(tmp_path_factory.mktemp("lite") / "bundle"))
-    done = subprocess.run(
-        [sys.executable, "-m", "converters.cli", "--bundle", root, "--device", "cpu-dev", "--to", "ms"],
-        cwd=lite_support.REPO, env=lite_env(LITE_PYTHON), capture_output=True, text=True,
-        timeout=lite_support.CONVERT_TIMEOUT_S, check=False)
-    return root, done.returncode, done.stdout + done.stderr
+    return lite_support.convert_demo(str(tmp_path_factory.mktemp("lite") / "bundle"), LITE_PYTHON)
 
 
 def test_demo_mindir_is_version_3_which_lite_2_0_cannot_read():
@@ -150,3 +145,65 @@ def test_converted_ms_reproduces_the_onnx_golden_outputs(converted):
     finally:
         model.close()
     assert np.isfinite(report.max_abs_diff)
+
+
+E2E_SIZES = ((1080, 1920), (480, 640), (640, 480), (800, 800), (256, 256), (600, 600))
+BOX_PX = 1.0  # the daemon's boxes vs OpenCV's on the same frames, in source pixels (payload rounds to 0.1)
+
+
+@pytest.mark.skipif(not lite_support.HAS_MSLITE, reason=lite_support.NO_MSLITE)
+def test_daemon_serves_the_converted_bundle_on_lite_over_mosquitto(converted, tmp_path, mosquitto):
+    """The box on Python 3.7: cpu-dev picks MindSpore Lite for the .ms; N frames in, N results out, boxes within
+    a pixel of the OpenCV backend's on the same bundle's ONNX."""
+    import cv2
+    import yaml
+
+    from agent.cli.demo import write_sample_frames
+    from tests.test_e2e import Subscriber, iou
+
+    root, status, output = converted
+    assert status == cli.EXIT_OK, output
+    frames = tmp_path / "frames"
+    truth = write_sample_frames(str(frames), sizes_hw=E2E_SIZES, seed=5)
+    config = {"device_id": "lite", "device": "cpu-dev", "state_dir": str(tmp_path / "state"),
+              "model": {"bundle": root, "observation_s": 0},
+              "sources": [{"name": "cam", "uri": str(frames), "loop": False}],
+              "mqtt": {"host": mosquitto.host, "port": mosquitto.port},
+              "batching": {"max_batch": 1, "max_wait_ms": 5}, "publish": {"telemetry_interval_s": 1.0}}
+    (tmp_path / "daemon.yaml").write_text(yaml.safe_dump(config))
+    results = Subscriber(mosquitto, "atlas-edge/lite/results/#")
+    status_topic = Subscriber(mosquitto, "atlas-edge/lite/status")
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(tmp_path / "daemon.yaml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        assert results.wait(lambda m: len(m) >= len(E2E_SIZES), timeout=120), \
+            proc.stdout.read() if proc.poll() is not None else "no results yet"
+        assert status_topic.wait(lambda m: any(json.loads(p).get("backend") == "mslite" for _t, p, _r in m),
+                                 timeout=20), status_topic.json()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        results.close()
+        status_topic.close()
+    received = {r["name"]: r for _t, r in results.json()}
+    assert sorted(received) == sorted(t["name"] for t in truth)  # N in, N out, none twice
+
+    from agent.config.device_config import load_device_config
+    from agent.pipeline.model import load_model
+
+    reference = load_model(verify_bundle(root), load_device_config("cpu-dev"), "opencv")
+    try:
+        for item in truth:
+            image = cv2.imread(str(frames / item["name"]))
+            (expected,) = reference.infer_frames([image])
+            got = received[item["name"]]["detections"]
+            assert len(got) == len(expected.detections), item["name"]
+            for det, ref in zip(got, expected.detections):
+                assert max(abs(a - b) for a, b in zip(det["box"], ref[:4].tolist())) <= BOX_PX, (item["name"], det)
+                assert det["class_id"] == int(ref[5])
+            # and the model finds what was drawn
+            for box in item["boxes"]:
+                assert max((iou(box, d["box"]) for d in got), default=0.0) >= 0.5, (item["name"], box)
+    finally:
+        reference.close()
