@@ -861,3 +861,77 @@ def test_acl_real_runtime_runs_an_om(tmp_path) -> None:  # pragma: no cover - no
         again = backend.infer(random_batch(spec.shape, dtype))
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a, b)
+
+
+# -- issue 12: the stand-ins are no kinder than the real modules ---------------------------------------------
+def test_acl_fake_bytes_to_ptr_refuses_non_bytes_with_value_error_as_pyacl_does(fake_acl: FakeAcl) -> None:
+    for wrong in (bytearray(8), np.zeros(8, np.uint8), memoryview(b"12345678")):
+        with pytest.raises(ValueError, match="bytes_to_ptr needs bytes"):
+            fake_acl.util.bytes_to_ptr(wrong)
+
+
+def test_acl_fake_cann8_reserved_copy_kind_still_serves(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """CANN 8.x ignores memcpy's kind (the pointers say the direction): the backend must not depend on it."""
+    fake = FakeAcl(kind_reserved=True)
+    monkeypatch.setitem(sys.modules, "acl", fake)
+    batch = random_batch(ACL_INPUT, "uint8")
+    with create_backend("acl", acl_toy(tmp_path), acl_spec()) as backend:
+        outputs = backend.infer(batch)
+    np.testing.assert_array_equal(outputs[0], batch.astype(np.float32).sum(axis=-1))
+    assert fake.violations == []
+
+
+def test_acl_init_is_once_per_process_and_a_load_after_finalize_is_refused(fake_acl: FakeAcl, tmp_path) -> None:
+    path = acl_toy(tmp_path)
+    for _ in range(3):  # swaps: one acl.init for all of them, no finalize
+        with create_backend("acl", path, acl_spec()) as backend:
+            backend.infer(random_batch(ACL_INPUT, "uint8"))
+    assert fake_acl.count("acl.init") == 1 and fake_acl.count("acl.finalize") == 0
+    acl_mod.shutdown_acl()  # what atexit does
+    late = create_backend("acl", path, acl_spec())
+    with pytest.raises(BackendError, match="pyACL was finalized in this process.*restart the process"):
+        late.load()
+    assert fake_acl.count("acl.init") == 1 and fake_acl.violations == []
+
+
+def test_closing_the_acl_model_leaves_an_mslite_fallback_on_the_npu_running(
+        fake_acl: FakeAcl, fake_mslite: FakeMindSporeLite, tmp_path) -> None:
+    acl_backend = create_backend("acl", acl_toy(tmp_path), acl_spec())
+    acl_backend.load()
+    lite_path = write_toy_model(str(tmp_path / "toy.mindir"), "mslite-toy", MSLITE_INPUT, outputs=MSLITE_OUTPUTS)
+    lite = create_backend("mslite", lite_path, TensorSpec("images", MSLITE_INPUT, "float32"),
+                          BackendOptions(target="ascend", precision_mode="force_fp16"))
+    lite.load()
+    acl_backend.close()
+    assert fake_acl.count("acl.finalize") == 0 and fake_acl.initialized  # the device stays up for Lite
+    batch = random_batch(MSLITE_INPUT)
+    np.testing.assert_allclose(lite.infer(batch)[0], batch.sum(axis=1), rtol=1e-6)
+    lite.close()
+
+
+def test_mslite_fake_is_zero_copy_and_its_outputs_are_views_the_backend_copies(
+        fake_mslite: FakeMindSporeLite, tmp_path) -> None:
+    path = write_toy_model(str(tmp_path / "toy.ms"), "mslite-toy", MSLITE_INPUT, outputs=MSLITE_OUTPUTS)
+    with create_backend("mslite", path, TensorSpec("images", MSLITE_INPUT, "float32")) as backend:
+        # a Fortran-ordered batch is made contiguous into a temporary that must live through predict
+        first_batch = np.asfortranarray(random_batch(MSLITE_INPUT, seed=1))
+        first = backend.infer(first_batch)[0]
+        backend.infer(random_batch(MSLITE_INPUT, seed=2))
+    np.testing.assert_allclose(first, first_batch.sum(axis=1), rtol=1e-6)  # not overwritten by predict 2
+    model = fake_mslite.models[-1]
+    tensor = model._output_tensors[0]
+    view = tensor.get_data_to_numpy()
+    assert not view.flags["OWNDATA"]  # as Lite 2.0.0: a view into the output buffer
+
+
+def test_mslite_fake_refuses_a_predict_whose_input_array_was_freed(fake_mslite: FakeMindSporeLite,
+                                                                   tmp_path) -> None:
+    path = write_toy_model(str(tmp_path / "toy.ms"), "mslite-toy", MSLITE_INPUT, outputs=MSLITE_OUTPUTS)
+    lite = fake_mslite
+    model = lite.Model()
+    model.build_from_file(path, lite.ModelType.MINDIR_LITE, lite.Context())
+    inputs = model.get_inputs()
+    inputs[0].set_data_from_numpy(random_batch(MSLITE_INPUT))  # nobody keeps this array
+    gc.collect()
+    with pytest.raises(RuntimeError, match="freed before predict"):
+        model.predict(inputs)

@@ -70,9 +70,10 @@ class FakeAcl(types.ModuleType):
     """
 
     def __init__(self, run_mode: int = ACL_HOST, legacy_pointers: bool = False, output_data_type: bool = True,
-                 device_count: int = 1, device_capacity: int = 64 << 20) -> None:
+                 device_count: int = 1, device_capacity: int = 64 << 20, kind_reserved: bool = False) -> None:
         super().__init__("acl", "stand-in for pyACL (tests/fakes/fake_acl.py)")
         self.run_mode = run_mode
+        self.kind_reserved = kind_reserved  # CANN 8.x: memcpy's kind is reserved, the pointers say the direction
         self.device_count = device_count
         self.device_capacity = device_capacity
         self.calls: List[FakeAclCall] = []
@@ -80,6 +81,7 @@ class FakeAcl(types.ModuleType):
         self.violations: List[str] = []  # why a call was refused, for assertions
         self.executions = 0
         self.initialized = False
+        self.finalized = False
         self.device_refs: Dict[int, int] = {}
         self.device_memory: Dict[int, bytearray] = {}
         self.host_memory: Dict[int, Tuple[Any, int]] = {}  # real address -> (object holding it, size)
@@ -180,6 +182,8 @@ class FakeAcl(types.ModuleType):
 
     # -- acl / rt -----------------------------------------------------------------------------------------
     def _init(self) -> int:
+        if self.finalized:  # CANN: acl.init once per process; after acl.finalize it is not supported
+            return self._refuse(ACL_ERROR_INVALID_PARAM, "init after finalize in the same process")
         if self.initialized:
             return ACL_ERROR_REPEAT_INITIALIZE
         self.initialized = True
@@ -187,6 +191,7 @@ class FakeAcl(types.ModuleType):
 
     def _finalize(self) -> int:
         self.initialized = False
+        self.finalized = True
         return ACL_SUCCESS
 
     def _set_device(self, device: int) -> int:
@@ -258,7 +263,7 @@ class FakeAcl(types.ModuleType):
         sides = (src_side, dst_side)
         if host_is_device and kind == D2D:
             sides = tuple("device" for _ in sides)
-        if sides != wanted:
+        if sides != wanted and not self.kind_reserved:
             return self._refuse(ACL_ERROR_INVALID_PARAM, "memcpy kind %d copies %s->%s, got %s->%s" % (
                 kind, wanted[0], wanted[1], src_side, dst_side))
         for side, ptr in ((src_side, src), (dst_side, dst)):
@@ -289,7 +294,7 @@ class FakeAcl(types.ModuleType):
 
     def _bytes_to_ptr(self, data: bytes) -> int:
         if not isinstance(data, bytes):
-            raise TypeError("bytes_to_ptr needs bytes, got %s" % type(data).__name__)
+            raise ValueError("bytes_to_ptr needs bytes, got %s" % type(data).__name__)  # ValueError, as pyACL
         return self._register_host(data, ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value, len(data))
 
     def _numpy_to_ptr(self, array: np.ndarray) -> int:

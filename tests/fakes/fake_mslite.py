@@ -3,7 +3,9 @@
 Implements the slice of the API in mindspore-lite/python/api (context.py, model.py, tensor.py) that
 agent/pipeline/backends/mslite_backend.py uses, with the same argument checks and error types as the real package
 (TypeError for wrong argument types, RuntimeError for failed builds and for ``set_data_from_numpy`` dtype or
-size mismatches), and records every call in ``calls``. Its model files are JSON toy networks written by
+size mismatches), and records every call in ``calls``. Like 2.0.0 (measured), ``set_data_from_numpy`` is
+zero-copy (predict reads the caller's array, which must still exist) and ``get_data_to_numpy`` returns a view
+that the next ``predict`` overwrites. Its model files are JSON toy networks written by
 :func:`tests.fakes.write_toy_model` (kind ``mslite-toy``). Install it with
 ``monkeypatch.setitem(sys.modules, "mindspore_lite", FakeMindSporeLite())``.
 """
@@ -12,6 +14,7 @@ import enum
 import json
 import os
 import types
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -163,7 +166,8 @@ class _FakeTensor:
         self.name = name
         self._shape = list(shape)
         self._dtype = dtype
-        self._data: Optional[np.ndarray] = None
+        self._data: Optional[np.ndarray] = None  # an output's buffer, reused by every predict
+        self._source: Optional["weakref.ref[np.ndarray]"] = None  # an input's caller-owned array
 
     @property
     def shape(self) -> List[int]:
@@ -196,13 +200,24 @@ class _FakeTensor:
         if numpy_obj.nbytes != self.data_size:
             raise RuntimeError("data size not equal! Numpy size: %d, Tensor size: %d" % (
                 numpy_obj.nbytes, self.data_size))
-        self._data = np.array(numpy_obj, copy=True).reshape(self._shape)
+        # zero-copy, as in MindSpore Lite 2.0.0: the tensor points at the caller's memory (a weak reference
+        # here), so predict reads whatever the array holds then, and fails if the caller let it go
+        self._data = None
+        self._source = weakref.ref(numpy_obj)
+
+    def _input_data(self) -> np.ndarray:
+        source = self._source() if self._source is not None else None
+        if source is None:
+            raise RuntimeError("fake mindspore_lite: the array given to set_data_from_numpy for %s was freed "
+                               "before predict (it is not copied: keep it alive)" % self.name)
+        return source.reshape(self._shape)
 
     def get_data_to_numpy(self) -> np.ndarray:
+        """A view into the tensor's buffer, as in 2.0.0 (owndata False): the next predict overwrites it."""
         self._fake.record("Tensor.get_data_to_numpy", self.name)
         if self._data is None:
             raise RuntimeError("fake mindspore_lite: tensor %s has no data" % self.name)
-        return self._data.copy()
+        return self._data.view()
 
 
 class _FakeModel:
@@ -214,6 +229,7 @@ class _FakeModel:
         self._inputs: List[_FakeTensor] = []
         self._outputs: List[Dict[str, str]] = []
         self.predictions = 0
+        self._output_tensors: List[_FakeTensor] = []
 
     def build_from_file(self, model_path: str, model_type: Any, context: Any = None, config_path: str = "",
                         config_dict: Optional[dict] = None) -> None:
@@ -257,13 +273,16 @@ class _FakeModel:
         if not isinstance(inputs, list) or not all(isinstance(t, _FakeTensor) for t in inputs):
             raise TypeError("inputs must be list of Tensor")
         self._fake.record("Model.predict", len(inputs))
-        if any(t._data is None for t in inputs):
+        if any(t._source is None for t in inputs):
             raise RuntimeError("predict failed: an input has no data")
         self.predictions += 1
-        results = []
-        for index, array in enumerate(toy_outputs(inputs[0]._data, self._outputs)):
-            lite_dtype = _NUMPY_TO_LITE[array.dtype]
-            tensor = _FakeTensor(self._fake, "output_%d" % index, list(array.shape), lite_dtype)
-            tensor._data = array
-            results.append(tensor)
-        return results
+        arrays = toy_outputs(inputs[0]._input_data(), self._outputs)
+        if len(self._output_tensors) != len(arrays):  # allocated by the first predict, then reused
+            self._output_tensors = [
+                _FakeTensor(self._fake, "output_%d" % i, list(a.shape), _NUMPY_TO_LITE[a.dtype])
+                for i, a in enumerate(arrays)]
+        for tensor, array in zip(self._output_tensors, arrays):
+            if tensor._data is None or tensor._data.shape != array.shape:
+                tensor._data = np.empty_like(array)
+            tensor._data[...] = array  # in place: earlier get_data_to_numpy views see the new values
+        return list(self._output_tensors)

@@ -68,16 +68,24 @@ def acl_error_text(code: int) -> str:
 
 
 class _AclProcess:
-    """``acl.init`` once per process (per runtime module, so a stand-in in tests gets its own)."""
+    """``acl.init`` once per process (per runtime module, so a stand-in in tests gets its own).
+
+    CANN documents ``acl.init`` as once per process and a second one after ``acl.finalize`` as unsupported, so
+    a module that was finalized here is refused, not initialised again; only process exit finalizes.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.module: Any = None
+        self.finalized: List[Any] = []  # modules finalized in this process (identity, not equality)
         self.open_models = 0
         self.atexit_registered = False
 
     def acquire(self, acl: Any) -> None:
         with self.lock:
+            if any(done is acl for done in self.finalized):
+                raise BackendError("pyACL was finalized in this process (acl.finalize); CANN supports one "
+                                   "acl.init per process: restart the process to use the NPU again")
             if self.module is not acl:
                 ret = acl.init()
                 if ret not in (ACL_SUCCESS, ACL_ERROR_REPEAT_INITIALIZE):
@@ -101,7 +109,8 @@ _tokens = itertools.count(1)
 
 
 def shutdown_acl() -> None:
-    """``acl.finalize()`` for this process: call at shutdown after closing backends (atexit does too)."""
+    """``acl.finalize()`` for this process, at exit only (atexit calls it): pyACL cannot start again after it.
+    Closing a model never calls it, so nothing else on the NPU (an mslite fallback) loses its device."""
     with _process.lock:
         acl, _process.module = _process.module, None
         if acl is None:
@@ -109,6 +118,7 @@ def shutdown_acl() -> None:
         if _process.open_models:
             logger.warning("acl: finalizing with %d model(s) still loaded", _process.open_models)
         _process.open_models = 0
+        _process.finalized.append(acl)
         ret = acl.finalize()
         if ret != ACL_SUCCESS:
             logger.warning("acl.finalize: %s", acl_error_text(ret))
