@@ -33,6 +33,9 @@ EXIT_OK = 0
 EXIT_RESTART = 3  # non-zero so systemd's Restart=on-failure brings the daemon back
 # A set-config waits this long for the serving loop (one batch plus a model's between-batches work).
 CONFIG_HANDOVER_TIMEOUT_S = 5.0
+# Model events after which the retained status is republished, so that an operator (``atlas-edge fleet``) who
+# subscribes later, or resumes a rollout, reads the slot states there instead of having missed the event.
+SLOT_EVENTS = ("switched", "confirmed", "rollback")
 STARTED = time.time()
 
 
@@ -74,6 +77,7 @@ class Daemon:
         self.latest_result: Optional[Dict[str, Any]] = None
         self._last_telemetry = 0.0
         self._last_publish: Dict[str, float] = {}
+        self._announced = False  # the retained status carries slots only once the model manager has started
         self.handover = BetweenBatches()  # config changes, swaps and rollbacks: run between batches, in order
         self._build_services()
 
@@ -131,6 +135,7 @@ class Daemon:
         """Load and self-test the model before announcing readiness: READY=1 means 'serving'."""
         model = self.models.start()  # thresholds from the config are applied by the manager at load
         self.transport.set_status(self._presence("online"))
+        self._announced = True
         self.transport.start()
         self.dispatcher.start()
         self.sources.start()
@@ -286,12 +291,14 @@ class Daemon:
     def _presence(self, state: str) -> Dict[str, Any]:
         model = self.models.current
         return {"state": state, "device": self.device.name, "model": model.label, "backend": self.backend,
-                "ts": time.time()}
+                "ts": time.time(), "groups": list(self.config.mqtt.groups), "slots": self.models.status()}
 
     def _publish_event(self, event: Dict[str, Any]) -> None:
         event = dict(event, ts=time.time())
         log.info("event: %s", event)
         self.transport.publish(self.transport.topic("events"), event)
+        if self._announced and event.get("event") in SLOT_EVENTS:
+            self.transport.set_status(self._presence("online"))
 
     def _publish_alert(self, alert: Dict[str, Any]) -> None:
         self.transport.publish(self.transport.topic("telemetry", "alert"), dict(alert, ts=time.time()))

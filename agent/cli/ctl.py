@@ -43,6 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("verb", choices=VERBS, help="command to send")
     parser.add_argument("--json", dest="payload", default="{}", metavar="PAYLOAD",
                         help="the verb's fields as a JSON object, e.g. '{\"bundle\": \"m-1.2\"}'")
+    add_broker_arguments(parser)
+    parser.add_argument("--group", default=None, help="send to this group's topic; wait for DEVICE's acks")
+    parser.add_argument("--request-id", default=None, help="reuse an id to retry safely (default: a new one)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the "
+                        "final ack")
+
+
+def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The connection options every operator command shares (ctl, fleet)."""
     parser.add_argument("--broker", default=DEFAULT_BROKER, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
     parser.add_argument("--username", default=None, help="MQTT username (an operator account)")
     parser.add_argument("--password", default=None,
@@ -50,13 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", default=None, metavar="FILE", help="CA file; implies TLS")
     parser.add_argument("--tls-insecure", action="store_true", help="skip hostname check (test brokers only)")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="topic prefix")
-    parser.add_argument("--group", default=None, help="send to this group's topic; wait for DEVICE's acks")
-    parser.add_argument("--request-id", default=None, help="reuse an id to retry safely (default: a new one)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the "
-                        "final ack")
 
 
-def _broker_address(url: str) -> Tuple[str, int, bool]:
+def broker_address(url: str) -> Tuple[str, int, bool]:
     parts = urlsplit(url if "://" in url else "mqtt://" + url)
     if parts.scheme not in PORTS or not parts.hostname:
         raise ValueError("--broker must look like mqtt://HOST:PORT or mqtts://HOST:PORT (got %r)" % url)
@@ -90,29 +95,18 @@ def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
 def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Send the command in ``args`` and follow its acks; returns the exit code."""
     try:
-        host, port, use_tls = _broker_address(args.broker)
+        host, port, use_tls = broker_address(args.broker)
         request_id, topic, ack_topic, payload = _command(args)
         password = resolve_secret(args.password)
     except (ValueError, ConfigError) as exc:
         print("atlas-edge ctl: %s" % exc, file=err)
         return EXIT_USAGE
-    import paho.mqtt.client as mqtt  # the box's dependency; imported here so --help works without it
-    from paho.mqtt.enums import CallbackAPIVersion
-
     events: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
-    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2,
-                         client_id="atlas-edge-ctl-%s" % uuid.uuid4().hex[:8], clean_session=True,
-                         reconnect_on_failure=False)
-    if args.username is not None:
-        client.username_pw_set(args.username, password)
-    if use_tls or args.tls_ca:
-        try:
-            context = ssl.create_default_context(cafile=args.tls_ca)
-        except (OSError, ssl.SSLError) as exc:
-            print("atlas-edge ctl: --tls-ca %s: %s" % (args.tls_ca, exc), file=err)
-            return EXIT_USAGE
-        context.check_hostname = not args.tls_insecure
-        client.tls_set_context(context)
+    try:
+        client = make_client(args, "atlas-edge-ctl", use_tls, password)
+    except ValueError as exc:
+        print("atlas-edge ctl: %s" % exc, file=err)
+        return EXIT_USAGE
     # Callbacks only enqueue; this thread does the rest.
     client.on_connect = lambda c, u, flags, rc, props: events.put(("connect", rc))
     client.on_subscribe = lambda c, u, mid, codes, props: events.put(("subscribe", list(codes)))
@@ -129,6 +123,29 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
     finally:
         client.disconnect()
         client.loop_stop()
+
+
+def make_client(args: argparse.Namespace, name: str, use_tls: bool, password: Optional[str]) -> Any:
+    """A clean-session paho client (no own reconnecting) with the credentials and TLS options of ``args``.
+
+    ``password`` is already resolved (:func:`resolve_secret`); ValueError names a CA file that cannot be loaded.
+    """
+    import paho.mqtt.client as mqtt  # the box's dependency; imported here so --help works without it
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2,
+                         client_id="%s-%s" % (name, uuid.uuid4().hex[:8]), clean_session=True,
+                         reconnect_on_failure=False)
+    if args.username is not None:
+        client.username_pw_set(args.username, password)
+    if use_tls or args.tls_ca:
+        try:
+            context = ssl.create_default_context(cafile=args.tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError("--tls-ca %s: %s" % (args.tls_ca, exc)) from None
+        context.check_hostname = not args.tls_insecure
+        client.tls_set_context(context)
+    return client
 
 
 def _expect(events: "queue.Queue[Tuple[str, Any]]", kind: str, deadline: float) -> Optional[Any]:

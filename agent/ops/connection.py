@@ -142,9 +142,10 @@ class ConnectionSupervisor:
             client.username_pw_set(self.config.username, self._password)
         if self._tls_context is not None:
             client.tls_set_context(self._tls_context)
-        # The broker publishes this, retained, when the connection dies without a DISCONNECT.
+        # The broker publishes this, retained, when the connection dies without a DISCONNECT. It names the
+        # groups so that a fleet view filtered by group still lists the box while it is away.
         will = {"state": "offline", "device": self.device_id, "reason": "connection lost",
-                "connected_at": attempt_ts}
+                "connected_at": attempt_ts, "groups": list(self.config.groups)}
         client.will_set(self.status_topic, encode_payload(will), qos=1, retain=True)
         client.on_connect = _catch_and_log(self._on_connect)
         client.on_disconnect = _catch_and_log(self._on_disconnect)

@@ -1,0 +1,10 @@
+"""The operator's side of a fleet: every box at a glance and staged rollouts, over the boxes' own MQTT protocol.
+
+``status`` folds the retained status topics (and telemetry heard while listening) into one view; ``rollout``
+plans canary and waves, sends ``deploy`` with request ids derived from the rollout and device ids, judges each
+box by the slot states in its retained status, aborts on a failure threshold, optionally rolls moved boxes
+back, and keeps its progress in a local state file so that a re-run continues where it stopped.
+
+May import ``config``, ``ops.commands`` (the protocol's public names), ``_util`` and ``errors``; never
+``pipeline``, ``lifecycle``, ``health``, ``devtools`` or ``cli`` (the CLI builds the MQTT client and hands it in).
+"""

@@ -1,0 +1,188 @@
+"""The fleet at a glance: each box's retained status (online/offline, groups, slots) and what it said lately.
+
+A box publishes ``<prefix>/<device>/status`` retained: ``online`` with its model, groups and slot table when it
+starts and after every switch, confirm and rollback; ``offline`` (with its groups) when it stops or its
+connection dies (the broker's last will). So one subscription tells an operator every box that has announced
+itself, without asking any of them. Telemetry (fps) and alerts are not retained: they show up only for boxes
+heard while listening.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from agent.fleet.link import FleetLink, Message
+
+ONLINE = "online"
+DEFAULT_LISTEN_S = 2.0  # long enough for the retained burst of a few thousand boxes and some telemetry
+QUIET_S = 0.3  # the retained burst is over once the broker has been quiet this long after the SUBACK
+ALERTS_KEPT = 5  # most recent alerts shown per box
+
+
+def status_topics(prefix: str) -> List[str]:
+    """What a fleet view subscribes to: every box's status, telemetry and alerts."""
+    return ["%s/+/status" % prefix, "%s/+/telemetry" % prefix, "%s/+/telemetry/alert" % prefix]
+
+
+@dataclass
+class BoxView:
+    """One box as the operator sees it; ``slots`` is the box's slot table (``ModelManager.status()``)."""
+
+    device: str
+    state: str = "unknown"
+    groups: List[str] = field(default_factory=list)
+    model: Optional[str] = None
+    backend: Optional[str] = None
+    slots: Dict[str, Any] = field(default_factory=dict)
+    status_ts: Optional[float] = None
+    last_seen: Optional[float] = None
+    fps: Optional[float] = None
+    alerts: List[Dict[str, Any]] = field(default_factory=list)
+    reason: Optional[str] = None
+
+    @property
+    def online(self) -> bool:
+        return self.state == ONLINE
+
+    def slot(self, name: Optional[str]) -> Dict[str, Any]:
+        return dict((self.slots.get("slots") or {}).get(name or "", {}) or {})
+
+    @property
+    def serving(self) -> Dict[str, Any]:
+        """The serving slot's entry (name, version, manifest_sha256, state) or {} when unknown."""
+        return self.slot(self.slots.get("serving"))
+
+    @property
+    def last_rollback(self) -> Optional[Dict[str, Any]]:
+        return self.slots.get("last_rollback")
+
+    def holds(self, sha256: str) -> Optional[str]:
+        """The state (confirmed, pending, standby) of the slot holding manifest ``sha256``, else None."""
+        for entry in (self.slots.get("slots") or {}).values():
+            if entry and entry.get("manifest_sha256") == sha256:
+                return str(entry.get("state"))
+        return None
+
+    def serves_confirmed(self, sha256: str) -> bool:
+        serving = self.serving
+        return serving.get("manifest_sha256") == sha256 and serving.get("state") == "confirmed"
+
+    def as_dict(self) -> Dict[str, Any]:
+        serving = self.serving
+        return {"device": self.device, "state": self.state, "groups": self.groups, "model": self.model,
+                "backend": self.backend, "serving": serving or None, "slots": self.slots,
+                "last_seen": self.last_seen, "fps": self.fps, "alerts": self.alerts, "reason": self.reason}
+
+
+class FleetView:
+    """Boxes by device id, updated from status, telemetry and alert messages."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.boxes: Dict[str, BoxView] = {}
+        self.updates = 0  # status messages applied; the rollout engine re-judges boxes when it moves
+
+    def apply(self, message: Message) -> Optional[str]:
+        """Fold one message in; returns the device it was about (None: not a fleet topic)."""
+        parts = message.topic.split("/")
+        head = self.prefix.split("/")
+        if parts[:len(head)] != head or len(parts) < len(head) + 2:
+            return None
+        device, kind = parts[len(head)], parts[len(head) + 1:]
+        if device == "group":
+            return None
+        body = message.json()
+        if kind == ["status"]:
+            if body is None:  # a cleared retained status: the box was decommissioned
+                self.boxes.pop(device, None)
+                return device
+            if isinstance(body, dict):
+                self._status(device, body)
+                return device
+        elif kind == ["telemetry"] and isinstance(body, dict):
+            box = self.boxes.setdefault(device, BoxView(device))
+            box.fps = body.get("fps")
+            box.last_seen = _latest(box.last_seen, body.get("ts"))
+            return device
+        elif kind == ["telemetry", "alert"] and isinstance(body, dict):
+            box = self.boxes.setdefault(device, BoxView(device))
+            box.alerts = (box.alerts + [body])[-ALERTS_KEPT:]
+            box.last_seen = _latest(box.last_seen, body.get("ts"))
+            return device
+        return None
+
+    def _status(self, device: str, body: Dict[str, Any]) -> None:
+        box = self.boxes.setdefault(device, BoxView(device))
+        box.state = str(body.get("state", "unknown"))
+        groups = body.get("groups")
+        if isinstance(groups, list):
+            box.groups = [str(g) for g in groups]
+        if box.online or body.get("slots"):  # an offline will carries no slots: keep the last ones known
+            box.model = body.get("model", box.model)
+            box.backend = body.get("backend", box.backend)
+            if isinstance(body.get("slots"), dict):
+                box.slots = body["slots"]
+        box.reason = body.get("reason")
+        box.status_ts = body.get("ts") if isinstance(body.get("ts"), (int, float)) else None
+        box.last_seen = _latest(box.last_seen, box.status_ts)
+        self.updates += 1
+
+    def in_group(self, group: Optional[str]) -> List[BoxView]:
+        """Boxes of ``group`` (all boxes when None), sorted by device id."""
+        return [self.boxes[d] for d in sorted(self.boxes) if group is None or group in self.boxes[d].groups]
+
+
+def _latest(current: Optional[float], new: Any) -> Optional[float]:
+    if not isinstance(new, (int, float)):
+        return current
+    return new if current is None else max(current, float(new))
+
+
+def collect(link: FleetLink, view: FleetView, listen_s: float) -> FleetView:
+    """Subscribe to the fleet topics and fold messages in for ``listen_s`` (or until quiet after the burst).
+
+    With ``listen_s`` 0 the retained burst alone is read: it ends once the broker has been quiet for
+    :data:`QUIET_S`, so a small fleet does not wait for nothing.
+    """
+    link.subscribe(status_topics(view.prefix))
+    deadline = time.monotonic() + listen_s
+    while True:
+        now = time.monotonic()
+        quiet = listen_s <= 0
+        wait = QUIET_S if quiet else deadline - now
+        if not quiet and wait <= 0:
+            return view
+        message = link.get(wait)
+        if message is None:
+            if quiet:
+                return view
+            continue
+        view.apply(message)
+
+
+def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
+    """A table for people: one line per box; the JSON form (``--json``) has every field."""
+    now = time.time() if now is None else now
+    header = "%-20s %-8s %-28s %-10s %-9s %6s %9s  %s" % (
+        "DEVICE", "STATE", "MODEL (SERVING)", "SLOT", "OTHER", "FPS", "SEEN", "ALERTS / NOTE")
+    lines = [header]
+    for box in boxes:
+        serving = box.serving
+        name = "%s %s" % (serving.get("name") or "?", serving.get("version") or "") if serving else (
+            box.model or "?")
+        slot = "%s:%s" % (box.slots.get("serving") or "?", serving.get("state") or "?") if serving else "?"
+        others = [v for k, v in (box.slots.get("slots") or {}).items() if k != box.slots.get("serving") and v]
+        other = "/".join(str(v.get("state")) for v in others) or "-"
+        fps = "%.1f" % box.fps if isinstance(box.fps, (int, float)) else "-"
+        seen = "%.0fs ago" % max(0.0, now - box.last_seen) if box.last_seen else "-"
+        note = ", ".join(str(a.get("kind", "alert")) for a in box.alerts)
+        if not box.online and box.reason:
+            note = (note + "; " if note else "") + str(box.reason)
+        if box.last_rollback:
+            note = (note + "; " if note else "") + "rolled back %s %s" % (
+                box.last_rollback.get("version"), box.last_rollback.get("at"))
+        lines.append("%-20s %-8s %-28s %-10s %-9s %6s %9s  %s" % (
+            box.device[:20], box.state[:8], name[:28], slot[:10], other[:9], fps, seen, note[:80]))
+    online = sum(1 for b in boxes if b.online)
+    lines.append("%d box(es): %d online, %d offline" % (len(boxes), online, len(boxes) - online))
+    return "\n".join(lines)
