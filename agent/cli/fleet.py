@@ -83,7 +83,8 @@ def _link(args: argparse.Namespace, name: str) -> FleetLink:
     return FleetLink(client, host, port, args.broker).connect()
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:
+    out, err = out or sys.stdout, err or sys.stderr  # looked up now: tests and callers may have replaced them
     command = getattr(args, "fleet_command", None)
     if command not in ("status", "rollout"):
         print("atlas-edge fleet: choose an action: status or rollout (see --help)", file=err)

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 from agent._util.process import terminate
 
@@ -85,6 +85,7 @@ class EmbeddedBroker:
         persistence: bool = False,
         executable: Optional[str] = None,
         start_timeout_s: float = START_TIMEOUT_S,
+        extra_config: Sequence[str] = (),
     ) -> None:
         for label, path in (("password file", password_file), ("ACL file", acl_file)):
             if path is not None and not os.path.isfile(path):
@@ -97,6 +98,7 @@ class EmbeddedBroker:
         self.tls = tls
         self.persistence = persistence
         self.start_timeout_s = start_timeout_s
+        self.extra_config = tuple(extra_config)  # appended lines, e.g. a bridge section (tests/test_fleet.py)
         self._workdir = tempfile.mkdtemp(prefix="atlas-edge-mosquitto-")
         self._conf_path = os.path.join(self._workdir, "mosquitto.conf")
         self._log_path = os.path.join(self._workdir, "mosquitto.log")
@@ -142,6 +144,7 @@ class EmbeddedBroker:
                       "certfile %s" % os.path.abspath(self.tls.cert_file),
                       "keyfile %s" % os.path.abspath(self.tls.key_file),
                       "require_certificate %s" % ("true" if self.tls.require_client_cert else "false")]
+        lines += self.extra_config  # last: a bridge's "connection" section must follow the listener settings
         with open(self._conf_path, "w", encoding="utf-8") as handle:
             handle.write("\n".join(lines) + "\n")
 

@@ -177,6 +177,11 @@ class RolloutState:
         return sum(1 for o in outcomes if o in EXECUTED), sum(1 for o in outcomes if o in FAILURES)
 
 
+def _one_line(text: str) -> str:
+    """Box errors may span lines (a bundle's per-field errors): one line for the progress display and report."""
+    return " ".join(text.split())
+
+
 def abort_reason(spec: RolloutSpec, executed: int, failures: int) -> Optional[str]:
     """Why the rollout must stop now, or None (AWS IoT Jobs' abort criteria, failures over executed boxes)."""
     if spec.max_failures is not None and failures > spec.max_failures:
@@ -342,7 +347,8 @@ class Rollout:
             elif ack.get("state") == FAILED:
                 error = ack.get("error") or {}
                 if error.get("code") != ALREADY_SERVING:  # a retry after the box confirmed: judged below
-                    return self._finish(box, FAILED_OUTCOME, "%s: %s" % (error.get("code"), error.get("message")))
+                    return self._finish(box, FAILED_OUTCOME, _one_line("%s: %s" % (
+                        error.get("code"), error.get("message"))))
         view = self.view.boxes.get(device)
         if view is not None and box["phase"] in (SENT, DEPLOYED):
             if view.serves_confirmed(sha):
@@ -350,7 +356,7 @@ class Rollout:
                 return self._finish(box, CONFIRMED, None)
             rollback = view.last_rollback
             if rollback and rollback != box["baseline_rollback"] and rollback.get("manifest_sha256") == sha:
-                return self._finish(box, ROLLED_BACK, str(rollback.get("reason")))
+                return self._finish(box, ROLLED_BACK, _one_line(str(rollback.get("reason"))))
         if box["sent_at"] is not None and self.clock() - box["sent_at"] > self.spec.confirm_timeout_s:
             where = "offline" if view is not None and not view.online else (
                 "pending" if view is not None and view.holds(sha) == "pending" else box["phase"])

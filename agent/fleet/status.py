@@ -163,7 +163,7 @@ def collect(link: FleetLink, view: FleetView, listen_s: float) -> FleetView:
 def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
     """A table for people: one line per box; the JSON form (``--json``) has every field."""
     now = time.time() if now is None else now
-    header = "%-20s %-8s %-28s %-10s %-9s %6s %9s  %s" % (
+    header = "%-20s %-8s %-34s %-12s %-9s %6s %9s  %s" % (
         "DEVICE", "STATE", "MODEL (SERVING)", "SLOT", "OTHER", "FPS", "SEEN", "ALERTS / NOTE")
     lines = [header]
     for box in boxes:
@@ -181,8 +181,8 @@ def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
         if box.last_rollback:
             note = (note + "; " if note else "") + "rolled back %s %s" % (
                 box.last_rollback.get("version"), box.last_rollback.get("at"))
-        lines.append("%-20s %-8s %-28s %-10s %-9s %6s %9s  %s" % (
-            box.device[:20], box.state[:8], name[:28], slot[:10], other[:9], fps, seen, note[:80]))
+        lines.append("%-20s %-8s %-34s %-12s %-9s %6s %9s  %s" % (
+            box.device[:20], box.state[:8], name[:34], slot[:12], other[:9], fps, seen, note[:80]))
     online = sum(1 for b in boxes if b.online)
     lines.append("%d box(es): %d online, %d offline" % (len(boxes), online, len(boxes) - online))
     return "\n".join(lines)

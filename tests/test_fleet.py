@@ -1,0 +1,307 @@
+"""``atlas-edge fleet``: status and staged rollouts against a simulated fleet of real daemons on a real Mosquitto.
+
+Each box is a real :class:`agent.daemon.Daemon` (transport, dispatcher with its request record, model manager
+with slots, fetch over HTTP, verify, golden self-test and observation window); the backend is the simulation's
+stand-in (OpenCV inference plus injected faults), see ``benchmarks/fleet_sim.py``. A box's truth in the
+assertions is its own slot table and its own count of deploy and rollback commands run, never what the
+operator reported.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from agent.cli import fleet as fleet_cli
+from agent.cli.ctl import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from agent.devtools.broker import EmbeddedBroker
+from agent.fleet.rollout import (
+    ABORTED_ROLLOUT,
+    COMPLETED,
+    RolloutError,
+    RolloutSpec,
+    abort_reason,
+    plan_waves,
+    request_id,
+)
+from agent.ops.commands import REQUEST_ID_RE
+from benchmarks.fleet_sim import GOLDEN, SLOW, BundleServer, SimulatedFleet, build_bundles, slot_summary
+from tests.conftest import REPO_ROOT, wait_for
+
+CI_BOXES = 20  # the issue's test-size fleet; the benchmark runs 100
+WINDOW_S = 1.0  # observation window of the simulated boxes: short, but judged on >= 10 batches
+CONFIRM_TIMEOUT_S = 60.0  # a bound for a loaded CI machine; tests never assert durations
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("fleet-bundles"))
+    v1, archive, sha = build_bundles(root)
+    server = BundleServer(root)
+    yield {"v1": v1, "url": server.url(os.path.basename(archive)), "sha": sha}
+    server.close()
+
+
+@pytest.fixture
+def make_fleet(tmp_path, mosquitto, bundles):
+    fleets = []
+
+    def make(count, broker=None, prefix=None, **kwargs):
+        broker = broker or mosquitto
+        prefix = prefix or "fleet-%s" % os.urandom(3).hex()  # earlier tests' retained status stays out of view
+        fleet = SimulatedFleet(str(tmp_path / ("boxes%d" % len(fleets))), broker.host, broker.port, bundles["v1"],
+                               count, observation_s=WINDOW_S, prefix=prefix, **kwargs)
+        fleet.prefix = prefix
+        fleets.append(fleet)
+        return fleet.start()
+
+    yield make
+    for fleet in fleets:
+        fleet.close()
+
+
+def rollout_args(broker, fleet, bundles, tmp_path, *extra):
+    return ["rollout", "--broker", broker.url, "--prefix", fleet.prefix, "--group", "sim",
+            "--bundle", bundles["url"], "--sha256", bundles["sha"], "--state-dir", str(tmp_path / "rollouts"),
+            "--confirm-timeout", str(CONFIRM_TIMEOUT_S), "--json"] + list(extra)
+
+
+def run_cli(args, capsys):
+    code = fleet_cli.main(args)
+    out = capsys.readouterr().out
+    return code, (json.loads(out) if out.strip().startswith("{") else out)
+
+
+def truth(fleet):
+    return {box.device_id: slot_summary(box.serving()) for box in fleet.boxes}
+
+
+# --- plan, abort rule, ids (no broker) ----------------------------------------------------------------------
+
+def test_plan_puts_the_canary_first_then_even_waves_or_fixed_sizes():
+    devices = ["d%02d" % i for i in range(10)]
+    assert plan_waves(devices, 1, 3, None) == [["d00"], ["d01", "d02", "d03"], ["d04", "d05", "d06"],
+                                               ["d07", "d08", "d09"]]
+    assert plan_waves(devices, 2, 3, 4) == [["d00", "d01"], ["d02", "d03", "d04", "d05"],
+                                            ["d06", "d07", "d08", "d09"]]
+    assert plan_waves(devices[:2], 0, 5, None) == [["d00"], ["d01"]]
+    assert plan_waves([], 1, 3, None) == []
+
+
+def test_abort_rule_counts_failures_over_executed_boxes_after_the_minimum():
+    rate = RolloutSpec(group="g", bundle="b", sha256="a" * 64, max_failure_rate=0.05, min_executed=5)
+    assert abort_reason(rate, 4, 1) is None  # fewer executed than --min-executed: one early failure waits
+    assert "failure rate 0.200" in abort_reason(rate, 5, 1)
+    assert abort_reason(rate, 20, 1) is None  # exactly 5 % is not above 5 %
+    count = RolloutSpec(group="g", bundle="b", sha256="a" * 64, max_failures=1)
+    assert abort_reason(count, 3, 1) is None
+    assert "more than --max-failures 1" in abort_reason(count, 3, 2)
+
+
+def test_request_ids_are_derived_valid_and_distinct_per_device():
+    assert request_id("ro-1", "cam-01", "deploy") == "ro-1.cam-01.deploy"
+    long_a, long_b = request_id("ro-1", "x" * 80, "deploy"), request_id("ro-1", "x" * 79 + "y", "deploy")
+    odd = request_id("ro-1", "cam 01 (hall)", "rollback")
+    for rid in (long_a, long_b, odd):
+        assert REQUEST_ID_RE.match(rid), rid
+    assert long_a != long_b and long_a == request_id("ro-1", "x" * 80, "deploy")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("sha256", "abc", "--sha256 must be 64 hex digits"),
+    ("group", "a/b", "--group"),
+    ("max_failure_rate", 1.5, "--max-failure-rate"),
+    ("waves", 0, "--waves"),
+])
+def test_bad_rollout_arguments_are_refused_naming_the_option(field, value, message):
+    spec = {"group": "g", "bundle": "b", "sha256": "a" * 64}
+    spec[field] = value
+    with pytest.raises(RolloutError, match=message):
+        RolloutSpec(**spec).check()
+
+
+def test_cli_refuses_a_bad_sha_before_connecting(capsys):
+    code = fleet_cli.main(["rollout", "--broker", "mqtt://127.0.0.1:1", "--group", "g", "--bundle", "b",
+                           "--sha256", "nothex"])
+    assert code == EXIT_USAGE
+    assert "--sha256 must be 64 hex digits" in capsys.readouterr().err
+
+
+# --- against the simulated fleet ----------------------------------------------------------------------------
+
+def test_good_bundle_reaches_every_online_box_and_offline_is_reported_not_failed(
+        make_fleet, mosquitto, bundles, tmp_path, capsys):
+    fleet = make_fleet(CI_BOXES)
+    offline = fleet.boxes[5]
+    offline.stop()  # announced itself, then went away: its retained status says offline
+    code, status = run_cli(["status", "--broker", mosquitto.url, "--prefix", fleet.prefix, "--group", "sim",
+                            "--json", "--listen", "0"], capsys)
+    assert code == EXIT_OK
+    seen = {b["device"]: b for b in status["boxes"]}
+    assert len(seen) == CI_BOXES
+    assert seen[offline.device_id]["state"] == "offline"
+    assert all(b["state"] == "online" and b["serving"]["version"] == "1.0.0" and b["serving"]["state"] ==
+               "confirmed" for d, b in seen.items() if d != offline.device_id)
+
+    code, report = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--canary", "2", "--waves", "3",
+                                        "--max-failure-rate", "0.05"), capsys)
+    assert code == EXIT_OK, report
+    assert report["status"] == COMPLETED and report["failures"] == 0
+    assert report["counts"] == {"confirmed": CI_BOXES - 1, "offline": 1}
+    by_device = {b["device"]: b for b in report["boxes"]}
+    assert by_device[offline.device_id]["outcome"] == "offline" and by_device[offline.device_id]["wave"] is None
+    actual = truth(fleet)
+    for box in fleet.boxes:
+        entry = by_device[box.device_id]
+        if box is offline:
+            assert box.deploys == 0
+            continue
+        assert entry["outcome"] == "confirmed" and entry["old_version"] == "1.0.0"
+        assert entry["new_version"] == "2.0.0" == actual[box.device_id]["version"]
+        assert actual[box.device_id]["state"] == "confirmed"
+        assert box.deploys == 1
+    assert [len(w) for w in report["waves"]] == [2, 6, 6, 5]
+
+    # The same command again: the rollout is finished, nothing is sent, the report is the same.
+    code, again = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--canary", "2", "--waves", "3",
+                                       "--max-failure-rate", "0.05"), capsys)
+    assert code == EXIT_OK and again["counts"] == report["counts"]
+    assert all(box.deploys == (0 if box is offline else 1) for box in fleet.boxes)
+
+
+def test_failure_rate_aborts_in_its_wave_touches_nothing_after_and_rolls_moved_boxes_back(
+        make_fleet, mosquitto, bundles, tmp_path, capsys):
+    # 10 % of the boxes fail: box 6 with a golden mismatch (deploy fails), box 8 slow (its window would
+    # roll it back). Waves of 5 after a canary of 1: box 6 and 8 are in the third wave (index 2).
+    faults = {6: (GOLDEN, bundles["sha"]), 8: (SLOW, bundles["sha"])}
+    fleet = make_fleet(CI_BOXES, faults=faults)
+    code, report = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--canary", "1", "--wave-size", "5",
+                                        "--max-failure-rate", "0.05", "--rollback-on-abort"), capsys)
+    assert code == EXIT_FAILED
+    assert report["status"] == ABORTED_ROLLOUT
+    assert report["abort"]["wave"] == 2, report["abort"]
+    by_device = {b["device"]: b for b in report["boxes"]}
+    waves = report["waves"]
+    assert [len(w) for w in waves] == [1, 5, 5, 5, 4]
+    golden = fleet.boxes[6].device_id
+    assert by_device[golden]["outcome"] == "failed" and "golden" in by_device[golden]["error"]
+    untouched = [d for wave in waves[3:] for d in wave]
+    for device in untouched:
+        assert by_device[device]["outcome"] == "not_started" and by_device[device]["request_id"] is None
+        assert fleet.box(device).deploys == 0 and fleet.box(device).rollbacks == 0
+    moved = [b["device"] for b in report["boxes"] if b["reverted"] is not None]
+    assert set(moved) == {d for wave in waves[:3] for d in wave} - {golden}
+    assert all(by_device[d]["reverted"] for d in moved), [by_device[d]["revert"] for d in moved]
+    actual = truth(fleet)
+    # Every box serves 1.0.0 again, confirmed: moved ones by the rollback, the others never left it.
+    assert all(actual[d] == {"version": "1.0.0", "state": "confirmed"} for d in actual), actual
+    for box in fleet.boxes:
+        assert box.rollbacks == (1 if box.device_id in moved else 0)
+        assert box.deploys == (0 if box.device_id in untouched else 1)
+
+
+def test_a_box_that_rolls_back_in_its_window_is_a_failure_and_the_rest_go_on(
+        make_fleet, mosquitto, bundles, tmp_path, capsys):
+    fleet = make_fleet(5, faults={2: (SLOW, bundles["sha"])})
+    code, report = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--canary", "1", "--waves", "1",
+                                        "--max-failures", "1"), capsys)
+    assert code == EXIT_FAILED and report["status"] == COMPLETED
+    slow = {b["device"]: b for b in report["boxes"]}[fleet.boxes[2].device_id]
+    assert slow["outcome"] == "rolled_back" and "latency" in slow["error"]
+    assert report["counts"] == {"confirmed": 4, "rolled_back": 1}
+    assert truth(fleet)[fleet.boxes[2].device_id] == {"version": "1.0.0", "state": "confirmed"}
+
+
+def test_killed_mid_wave_and_rerun_finishes_with_no_box_deployed_twice(make_fleet, mosquitto, bundles, tmp_path):
+    fleet = make_fleet(CI_BOXES)
+    args = [sys.executable, "-m", "agent", "fleet"] + rollout_args(
+        mosquitto, fleet, bundles, tmp_path, "--canary", "2", "--wave-size", "6")
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    state_file = str(tmp_path / "rollouts" / "ro-x.json")
+    first = subprocess.Popen(args + ["--rollout-id", "ro-x"], env=env, cwd=REPO_ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def mid_wave():
+        try:
+            with open(state_file) as handle:
+                boxes = json.load(handle)["boxes"]
+        except (OSError, ValueError):
+            return False
+        return any(b["wave"] == 1 and b["phase"] != "planned" for b in boxes.values())
+
+    assert wait_for(mid_wave, timeout=60), first.stderr.read().decode() if first.poll() is not None else ""
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    with open(state_file) as handle:
+        left = json.load(handle)
+    assert left["status"] == "running"
+    assert any(b["phase"] != "done" for b in left["boxes"].values())  # killed with work in flight
+
+    second = subprocess.run(args + ["--rollout-id", "ro-x"], env=env, cwd=REPO_ROOT, capture_output=True,
+                            timeout=180)
+    assert second.returncode == EXIT_OK, second.stderr.decode()[-2000:]
+    report = json.loads(second.stdout)
+    assert report["status"] == COMPLETED and report["runs"] == 2
+    assert report["counts"] == {"confirmed": CI_BOXES}
+    assert fleet.deploys() == {box.device_id: 1 for box in fleet.boxes}
+    assert all(s == {"version": "2.0.0", "state": "confirmed"} for s in truth(fleet).values())
+
+
+def test_a_rerun_with_different_arguments_is_refused_and_sends_nothing(make_fleet, mosquitto, bundles, tmp_path,
+                                                                       capsys):
+    fleet = make_fleet(3)
+    code, _ = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--rollout-id", "ro-y", "--canary", "0",
+                                   "--waves", "1"), capsys)
+    assert code == EXIT_OK
+    code = fleet_cli.main(rollout_args(mosquitto, fleet, bundles, tmp_path, "--rollout-id", "ro-y", "--canary",
+                                       "1", "--waves", "1"))
+    assert code == EXIT_USAGE
+    assert "different canary" in capsys.readouterr().err
+    assert fleet.deploys() == {box.device_id: 1 for box in fleet.boxes}
+
+
+# --- across a bridge ----------------------------------------------------------------------------------------
+
+def bridge_config(central, prefix):
+    """The site (box side) broker's bridge to the central (operator side) one: what goes up, what comes down."""
+    return [
+        "connection site-to-central",
+        "address %s:%d" % (central.host, central.port),
+        "remote_clientid bridge-site-a",
+        "cleansession true",
+        "restart_timeout 1",
+        "bridge_protocol_version mqttv311",
+        "try_private true",
+        "notifications false",
+        # up: what boxes say (retained status keeps its retain flag across the bridge)
+        "topic %s/+/status out 1" % prefix,
+        "topic %s/+/ack/# out 1" % prefix,
+        "topic %s/+/events out 1" % prefix,
+        "topic %s/+/telemetry/# out 0" % prefix,
+        "topic %s/+/results/# out 1" % prefix,
+        # down: commands to one box, and to the groups this site's boxes belong to
+        "topic %s/+/cmd/# in 1" % prefix,
+        "topic %s/group/sim/cmd/# in 1" % prefix,
+    ]
+
+
+def test_status_and_rollout_work_across_a_mosquitto_bridge(tmp_path, make_fleet, bundles, capsys):
+    prefix = "fleet-bridge-%s" % os.urandom(3).hex()
+    with EmbeddedBroker() as central, EmbeddedBroker(extra_config=bridge_config(central, prefix)) as site:
+        fleet = make_fleet(5, broker=site, prefix=prefix)  # boxes know only the site broker
+
+        def all_seen():
+            code, status = run_cli(["status", "--broker", central.url, "--prefix", prefix, "--json", "--listen",
+                                    "0"], capsys)
+            return code == EXIT_OK and sum(b["state"] == "online" for b in status["boxes"]) == 5
+
+        assert wait_for(all_seen, timeout=30), central.log_tail() + site.log_tail()
+        code, report = run_cli(rollout_args(central, fleet, bundles, tmp_path, "--canary", "1", "--waves", "1",
+                                            "--max-failures", "0"), capsys)
+        assert code == EXIT_OK, report
+        assert report["counts"] == {"confirmed": 5}
+        assert fleet.deploys() == {box.device_id: 1 for box in fleet.boxes}
+        assert all(s == {"version": "2.0.0", "state": "confirmed"} for s in truth(fleet).values())
