@@ -31,6 +31,7 @@ SECTIONS = {
     "mqtt": "benchmarks.mqtt_publish",
     "memory": "benchmarks.memory",
     "startup": "benchmarks.startup",
+    "fleet": "benchmarks.fleet",
 }
 NEEDS_MODEL = ("pipeline", "batching", "memory", "startup")
 BACKENDS = ("mindspore", "opencv", "mslite", "acl")  # every backend the agent has

@@ -68,6 +68,9 @@ HEADLINES: Tuple[Tuple[str, str, str], ...] = (
     ("memory.rss_mb_per_10k_frames", "{:+.3f} MB", "RSS slope over frames through infer_frames, per 10,000"),
     ("memory.rss_mb_per_swap", "{:+.3f} MB", "RSS slope per model load/infer/close cycle"),
     ("startup.seconds_to_ready", "{:.2f} s", "process start to READY=1 on the notify socket (first boot)"),
+    ("fleet.rollout_wall_s", "{:.1f} s", "a good bundle to 100 simulated boxes: canary + 3 waves, 2 s windows"),
+    ("fleet.msgs_per_box", "{:.1f}", "broker messages per box during that rollout (all kinds)"),
+    ("fleet.operator_peak_rss_mb", "{:.0f} MiB", "peak RSS of the 'atlas-edge fleet rollout' process"),
 )
 
 
