@@ -20,8 +20,8 @@ from agent.cli.ctl import (
     broker_address,
     make_client,
 )
-from agent.config.daemon_config import resolve_secret
 from agent.config.schema import ConfigError
+from agent.config.secrets import resolve_secret
 from agent.fleet.link import FleetLink, LinkError
 from agent.fleet.rollout import (
     COMPLETED,
