@@ -1,8 +1,11 @@
 """The command protocol end to end through a real Mosquitto: acks, idempotent retries, structured errors,
 counted drops, group topics, a bounded persistent record, and a fuzz run of thousands of bad payloads."""
 
+import errno
 import itertools
 import json
+import os
+import sqlite3
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -12,6 +15,7 @@ from conftest import WAIT_S, MqttProbe, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent._util import quarantine
 from agent.config.daemon_config import MqttConfig
 from agent.config.schema import parse, setting
 from agent.errors import CommandError
@@ -338,6 +342,65 @@ def test_the_record_keeps_only_the_newest_entries(tmp_path):
         record.save({"request_id": "r-%d" % i, "verb": "status", "state": "succeeded", "ts": 0.0})
     assert len(record) == 3
     assert record.get("r-1") is None and record.get("r-4")["state"] == "succeeded"
+
+
+def _truncated(path) -> None:
+    record = _RequestRecord(str(path), size=4096)
+    for i in range(300):
+        record.save({"request_id": "r-%d" % i, "verb": "status", "state": "succeeded", "ts": 0.0,
+                     "result": {"pad": "x" * 200}})
+    record.close()
+    with open(str(path), "r+b") as handle:
+        handle.truncate(path.stat().st_size // 2 + 100)
+
+
+def _random_bytes(path) -> None:
+    path.write_bytes(os.urandom(100))
+
+
+def _wrong_schema(path) -> None:
+    with sqlite3.connect(str(path)) as conn:
+        conn.execute("CREATE TABLE requests (id INTEGER PRIMARY KEY, note TEXT)")
+
+
+@pytest.mark.parametrize("damage", [_truncated, _random_bytes, _wrong_schema])
+def test_a_damaged_record_is_moved_aside_reported_and_commands_still_run(tmp_path, mosquitto, probe_factory,
+                                                                        damage):
+    path = tmp_path / "requests.sqlite"
+    damage(path)
+    before = path.read_bytes()
+    alerts: List[Dict[str, Any]] = []
+    system = CommandSystem(mosquitto, tmp_path, probe_factory, record_path=str(path), on_alert=alerts.append)
+    try:
+        assert [a["kind"] for a in alerts] == ["state_file_damaged"]
+        aside = alerts[0]["figures"]["moved_to"]
+        assert open(aside, "rb").read() == before and "forgotten" in alerts[0]["message"]
+        system.send("pause", {"request_id": "after-damage"})
+        assert system.final("after-damage")["state"] == "succeeded"
+        assert not system.dispatcher.stats()["record_in_memory"]
+    finally:
+        system.close()
+
+
+def test_a_record_that_cannot_be_moved_aside_lives_in_memory(tmp_path, mosquitto, probe_factory, monkeypatch):
+    path = tmp_path / "requests.sqlite"
+    path.write_bytes(os.urandom(100))
+
+    def read_only_fs(src, dst):  # what rename(2) says on a file system remounted read-only
+        raise OSError(errno.EROFS, "Read-only file system", src)
+
+    monkeypatch.setattr(quarantine.os, "replace", read_only_fs)
+    alerts: List[Dict[str, Any]] = []
+    system = CommandSystem(mosquitto, tmp_path, probe_factory, record_path=str(path), on_alert=alerts.append)
+    try:
+        assert [a["kind"] for a in alerts] == ["record_in_memory"]
+        system.send("pause", {"request_id": "in-memory"})
+        assert system.final("in-memory")["state"] == "succeeded"
+        system.send("pause", {"request_id": "in-memory"})  # retries are still answered from the record
+        assert system.final("in-memory", count=2)["replayed"] is True
+        assert system.handlers.calls["pause"] == 1 and system.dispatcher.stats()["record_in_memory"]
+    finally:
+        system.close()
 
 
 def test_unknown_handler_names_are_rejected(system):

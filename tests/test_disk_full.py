@@ -13,7 +13,7 @@ from conftest import WAIT_S, wait_for
 from test_transport import distinct_deliveries
 
 from agent.config.daemon_config import MqttConfig
-from agent.ops.outbox import DISK_FULL, Outbox
+from agent.ops.outbox import DISK_FULL, MIN_RESERVE_BYTES, Outbox
 from agent.ops.transport import LOST, OUTBOXED, SENT, MqttTransport
 
 DEVICE = "cam-disk"
@@ -61,7 +61,8 @@ def test_disk_full_with_the_broker_away_then_space_and_broker_back(small_disk, f
     probe = probe_factory(fresh_broker, ["atlas-edge/%s/results/#" % DEVICE], client_id="disk-probe",
                           clean_session=False)
     alerts: List[Dict[str, Any]] = []
-    outbox = Outbox(str(small_disk / "outbox.sqlite"), max_bytes=64 * 1024 * 1024)  # the shipped default
+    # The shipped budget; the reserve scaled to a 3 MB disk (the box-wide 32 MiB would leave no room at all).
+    outbox = Outbox(str(small_disk / "outbox.sqlite"), max_bytes=64 * 1024 * 1024, reserve_bytes=MIN_RESERVE_BYTES)
     config = MqttConfig(host=fresh_broker.host, port=fresh_broker.port, reconnect_min_s=0.05,
                         reconnect_max_s=0.2)
     transport = MqttTransport(config, DEVICE, outbox, replay_rate_hz=2000.0, on_alert=alerts.append)

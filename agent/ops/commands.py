@@ -23,6 +23,7 @@ deploy, rollback, pause, resume, snapshot, restart); this module is only the pro
 
 import json
 import logging
+import os
 import queue
 import re
 import sqlite3
@@ -30,7 +31,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
-from agent._util.sqlite import open_wal, transaction
+from agent._util.quarantine import move_aside
+from agent._util.ratelog import LogLimiter
+from agent._util.sqlite import check_read_only, open_wal, transaction, verify_schema
 from agent.config.schema import ConfigError
 from agent.errors import CommandError
 
@@ -62,7 +65,7 @@ INBOX_SIZE = 4096  # raw messages waiting for the intake thread; beyond this the
 STOP_POLL_S = 0.2
 MESSAGE_MAX_CHARS = 300  # error messages are cut to this in acks
 VERB_MAX_CHARS = 64  # an unknown verb is echoed in its failed ack cut to this
-DROP_LOG_FIRST, DROP_LOG_EVERY = 10, 100  # drops are logged the first times, then every 100th per reason
+DROP_LOG_FIRST, DROP_LOG_EVERY = 10, 100  # drops are logged the first times, then once per 100 per reason
 
 Progress = Callable[[str], None]
 Handler = Callable[[Dict[str, Any], Progress], Optional[Mapping[str, Any]]]
@@ -89,29 +92,70 @@ class _Job(NamedTuple):
     fields: Dict[str, Any]
 
 
+_RECORD_TABLES = {"requests": ("seq", "request_id", "verb", "state", "ack")}
+_RECORD_SCHEMA = ("CREATE TABLE IF NOT EXISTS requests (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+                  " request_id TEXT UNIQUE NOT NULL, verb TEXT NOT NULL, state TEXT NOT NULL, ack TEXT NOT NULL)")
+
+
 class _RequestRecord:
     """request_id -> latest ack, in SQLite (WAL), bounded to the newest ``size`` entries.
 
     Written when a command is accepted and when it ends; an entry still open when the process stopped is
     closed as failed ``interrupted`` on the next start, so a retry is answered and never runs it again.
+
+    A damaged file (not SQLite, truncated, another schema) is moved aside and the record starts empty; if it
+    cannot be moved, the record lives in memory. Either way :attr:`alerts` says what was lost, and the box
+    keeps serving: forgetting past request ids only means a retry of an old command could run again.
     """
 
     def __init__(self, path: Optional[str], size: int) -> None:
         self.size = size
-        target = path or ":memory:"
-        try:
-            if path:
-                self._conn = open_wal(path)
-            else:
-                self._conn = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
-            self._conn.execute("CREATE TABLE IF NOT EXISTS requests (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
-                               " request_id TEXT UNIQUE NOT NULL, verb TEXT NOT NULL, state TEXT NOT NULL,"
-                               " ack TEXT NOT NULL)")
-        except sqlite3.DatabaseError as exc:
-            raise RuntimeError("command record %s: unusable (%s); move it away to start empty"
-                               % (target, exc)) from exc
+        self.path = path
+        self.in_memory = not path
+        self.alerts: List[Dict[str, Any]] = []
+        self._conn = self._open_or_recover(path) if path else self._open_memory()
         self._lock = threading.Lock()
         self._close_interrupted()
+
+    def _open_or_recover(self, path: str) -> sqlite3.Connection:
+        try:
+            check_read_only(path, _RECORD_TABLES)
+            return self._prepare(open_wal(path))
+        except (OSError, sqlite3.Error) as exc:
+            reason = "%s: %s" % (type(exc).__name__, exc)
+        aside = move_aside(path, reason) if os.path.exists(path) else None
+        if aside is not None:
+            self._alert("state_file_damaged", "command record %s was unusable (%s) and was moved to %s; the "
+                        "outcomes of earlier request ids are forgotten (a retry of one would run again)"
+                        % (path, reason, aside), file=path, moved_to=aside, reason=reason,
+                        lost="recorded outcomes of earlier request ids")
+            try:
+                return self._prepare(open_wal(path))
+            except (OSError, sqlite3.Error) as exc:
+                reason = "%s: %s" % (type(exc).__name__, exc)
+        self.in_memory = True
+        logger.error("command record %s: unusable (%s); remembering request ids in memory until restart",
+                     path, reason)
+        self._alert("record_in_memory", "command record %s is unusable (%s); request ids are remembered in "
+                    "memory only, until the file is fixed and the agent restarted" % (path, reason),
+                    file=path, reason=reason)
+        return self._open_memory()
+
+    def _open_memory(self) -> sqlite3.Connection:
+        return self._prepare(sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False))
+
+    @staticmethod
+    def _prepare(conn: sqlite3.Connection) -> sqlite3.Connection:
+        try:
+            verify_schema(conn, _RECORD_TABLES)
+            conn.execute(_RECORD_SCHEMA)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _alert(self, kind: str, message: str, **figures: Any) -> None:
+        self.alerts.append({"kind": kind, "message": message, "restart": False, "figures": figures})
 
     def _close_interrupted(self) -> None:
         open_rows = self._conn.execute("SELECT request_id, verb, ack FROM requests WHERE state NOT IN (?, ?)",
@@ -194,6 +238,7 @@ class CommandDispatcher:
         record_path: Optional[str] = None,
         record_size: int = DEFAULT_RECORD_SIZE,
         queue_size: int = DEFAULT_QUEUE_SIZE,
+        on_alert: Optional[Callable[[Dict[str, Any]], None]] = None,
     ) -> None:
         unknown = sorted(set(handlers) - set(VERBS))
         if unknown:
@@ -217,6 +262,8 @@ class CommandDispatcher:
         self._dropped: Dict[str, int] = {}
         self._failed: Dict[str, int] = {}
         self._counters = dict.fromkeys(("received", "accepted", "succeeded", "duplicates"), 0)
+        self._drop_log = LogLimiter(logger, DROP_LOG_FIRST, DROP_LOG_EVERY)
+        self._on_alert = on_alert
 
     # -- paho's thread ------------------------------------------------------------------------------------
 
@@ -230,6 +277,11 @@ class CommandDispatcher:
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     def start(self) -> "CommandDispatcher":
+        """Start the intake and worker threads; first report what happened to the record at open, if anything."""
+        alerts, self._record.alerts = self._record.alerts, []
+        for alert in alerts:
+            if self._on_alert is not None:
+                self._on_alert(alert)
         if not self._threads:
             self._stop.clear()
             for name, target in (("cmd-intake", self._intake_loop), ("cmd-worker", self._worker_loop)):
@@ -449,21 +501,22 @@ class CommandDispatcher:
 
     def _drop(self, reason: str, where: str) -> None:
         with self._lock:
-            count = self._dropped[reason] = self._dropped.get(reason, 0) + 1
-        if count <= DROP_LOG_FIRST or count % DROP_LOG_EVERY == 0:  # counted always; logged without flooding
-            logger.warning("commands: dropped a message on %s: %s (no request_id to answer; %d so far)",
-                           where[:120], reason, count)
+            self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        # Counted always; logged without flooding (a hostile stream must not bury the journal).
+        self._drop_log.log(logging.WARNING, reason, "commands: dropped a message on %s: %s (no request_id to "
+                           "answer)", where[:120], reason)
 
     def _count_failed(self, code: str) -> None:
         with self._lock:
             self._failed[code] = self._failed.get(code, 0) + 1
 
     def stats(self) -> Dict[str, Any]:
-        """received, accepted, succeeded, duplicates; failed and dropped by code/reason."""
+        """received, accepted, succeeded, duplicates; failed and dropped by code/reason (for ``status``)."""
         with self._lock:
             result: Dict[str, Any] = dict(self._counters)
             result["failed"] = dict(self._failed)
             result["dropped"] = dict(self._dropped)
         result["busy"] = self._busy.is_set()
         result["queued"] = self._jobs.qsize()
+        result["record_in_memory"] = self._record.in_memory
         return result

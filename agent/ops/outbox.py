@@ -6,8 +6,9 @@ being killed (``kill -9``, OOM killer, watchdog restart). Ids come from ``AUTOIN
 reused and id order is insertion order, even after the queue has been emptied.
 
 **Budget.** The stored topic + payload bytes are bounded by ``max_bytes`` and by the space the file system
-actually has: (outbox files + free space - a reserve) / :data:`DISK_OVERHEAD`. The reserve keeps room for the
-WAL and for the deletes and commits that drain the queue, so a full disk never stops the outbox from draining.
+actually has: (outbox files + free space - the reserve) / :data:`DISK_OVERHEAD`. The reserve (the box-wide
+:data:`agent._util.disk.RESERVE_BYTES` by default) keeps room for the WAL and for the deletes and commits that
+drain the queue, so a full disk never stops the outbox from draining.
 When a new message does not fit, the oldest messages are dropped to make room, counted by reason:
 ``dropped_oldest`` (the configured budget) or ``disk_full`` (the disk); a message larger than the whole budget
 is refused (``rejected_too_large``). The counters are lifetime totals kept in the same file.
@@ -30,12 +31,12 @@ Only the standard library is used (``sqlite3``), so the box needs nothing extra.
 
 import logging
 import os
-import shutil
 import sqlite3
 import threading
 import time
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
+from agent._util.disk import RESERVE_BYTES, free_bytes
 from agent._util.quarantine import move_aside
 from agent._util.ratelog import LogLimiter
 from agent._util.sqlite import check_read_only, is_disk_full, open_wal, transaction, verify_schema
@@ -56,8 +57,10 @@ _SQL_CHUNK = 500
 # so the WAL's share of the disk is bounded and known (SQLite's defaults let it grow to 4 MiB and stay there).
 WAL_AUTOCHECKPOINT_PAGES = 128
 WAL_LIMIT_BYTES = 512 * 1024
-# Space kept free for the WAL to reach its limit plus a drain's deletes and commit: 2 x the WAL limit.
-DEFAULT_RESERVE_BYTES = 2 * WAL_LIMIT_BYTES
+# The least free space that still lets the outbox drain: room for its WAL to reach the limit once more plus a
+# drain's deletes and commit. The daemon keeps the box-wide reserve (agent._util.disk.RESERVE_BYTES), which is
+# far larger; tests on a 3 MB file system use this one.
+MIN_RESERVE_BYTES = 2 * WAL_LIMIT_BYTES
 # Disk bytes per stored topic + payload byte: B-tree pages are not full and rows carry headers. Measured
 # about 1.15 for 300-byte results; 1.5 keeps the estimate on the safe side for small messages.
 DISK_OVERHEAD = 1.5
@@ -103,14 +106,15 @@ class Outbox:
     """
 
     def __init__(self, path: str, max_bytes: int, synchronous: str = DEFAULT_SYNCHRONOUS,
-                 reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
+                 reserve_bytes: int = RESERVE_BYTES) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError("outbox max_bytes must be a positive integer (got %r)" % (max_bytes,))
         if synchronous not in SYNCHRONOUS_MODES:
             raise ValueError("outbox synchronous must be one of %s (got %r)"
                              % (SYNCHRONOUS_MODES, synchronous))
-        if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
-            raise ValueError("outbox reserve_bytes must be an integer >= 0 (got %r)" % (reserve_bytes,))
+        if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < MIN_RESERVE_BYTES:
+            raise ValueError("outbox reserve_bytes must be an integer >= %d, room for the outbox to drain (got %r)"
+                             % (MIN_RESERVE_BYTES, reserve_bytes))
         self.path = path
         self.max_bytes = max_bytes
         self.reserve_bytes = reserve_bytes
@@ -200,7 +204,7 @@ class Outbox:
             except OSError:
                 pass
         try:
-            free = shutil.disk_usage(directory).free  # what an unprivileged writer may use (f_bavail)
+            free = free_bytes(directory)
         except OSError:
             return self.max_bytes  # cannot tell: the configured budget and SQLITE_FULL handling remain
         budget = max(0, int((files + free - self.reserve_bytes) / DISK_OVERHEAD))
