@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tup
 
 from agent._util.quarantine import move_aside
 from agent._util.ratelog import LogLimiter
-from agent._util.sqlite import check_read_only, open_wal, transaction, verify_schema
+from agent._util.sqlite import check_read_only, open_wal, transaction
 from agent.config.schema import ConfigError
 from agent.errors import CommandError
 
@@ -147,7 +147,6 @@ class _RequestRecord:
     @staticmethod
     def _prepare(conn: sqlite3.Connection) -> sqlite3.Connection:
         try:
-            verify_schema(conn, _RECORD_TABLES)
             conn.execute(_RECORD_SCHEMA)
         except BaseException:
             conn.close()

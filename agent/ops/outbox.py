@@ -39,7 +39,7 @@ from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Se
 from agent._util.disk import RESERVE_BYTES, free_bytes
 from agent._util.quarantine import move_aside
 from agent._util.ratelog import LogLimiter
-from agent._util.sqlite import check_read_only, is_disk_full, open_wal, transaction, verify_schema
+from agent._util.sqlite import check_read_only, is_disk_full, open_wal, transaction
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +158,8 @@ class Outbox:
         return self._load(conn)
 
     def _load(self, conn: sqlite3.Connection) -> sqlite3.Connection:
-        """Check the schema, create what is missing, read the depth and counters; closes ``conn`` on error."""
+        """Create what is missing, read the depth and counters; closes ``conn`` on error (checked read-only before)."""
         try:
-            verify_schema(conn, _TABLES)
             conn.execute("PRAGMA wal_autocheckpoint=%d" % WAL_AUTOCHECKPOINT_PAGES)
             conn.execute("PRAGMA journal_size_limit=%d" % WAL_LIMIT_BYTES)
             for statement in _SCHEMA:
