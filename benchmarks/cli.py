@@ -14,6 +14,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Sequence
 
+from agent.config.device_config import BACKEND_FORMATS
 from agent.config.schema import ConfigError
 from benchmarks.harness import DEFAULT_THREADS, FULL, QUICK, RunContext, environment, pin_threads
 from benchmarks.report import get_path, headline_table, update_readme, write_json
@@ -34,7 +35,7 @@ SECTIONS = {
     "fleet": "benchmarks.fleet",
 }
 NEEDS_MODEL = ("pipeline", "batching", "memory", "startup")
-BACKENDS = ("mindspore", "opencv", "mslite", "acl")  # every backend the agent has
+BACKENDS = tuple(BACKEND_FORMATS)  # every backend the agent has
 DEFAULT_BACKENDS = ("mindspore", "opencv")  # the two that run on a CPU box
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The figures the issue asks for by name: the JSON of a full selection must carry each of them.

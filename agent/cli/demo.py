@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Tuple
 import cv2
 import numpy as np
 
+from agent.config.device_config import BACKEND_FORMATS
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO_BUNDLE = os.path.join(REPO_ROOT, "examples", "demo-bundle")
 # Sizes a box meets: 1080p and 720p cameras, VGA in both orientations, a square crop.
@@ -122,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", type=int, default=None, metavar="N",
                         help="stop after N frames (default: run until Ctrl-C)")
     parser.add_argument("--device-id", default="demo", help="device id in topics (default: demo)")
-    parser.add_argument("--backend", default=None, choices=("mindspore", "opencv", "mslite", "acl"),
+    parser.add_argument("--backend", default=None, choices=tuple(BACKEND_FORMATS),
                         help="inference backend (default: cpu-dev's order: mslite when it imports and the "
                              "bundle has a .ms, else mindspore, else opencv); mslite converts the bundle first "
                              "when it has no .ms")

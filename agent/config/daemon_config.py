@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from agent.config.device_config import BACKEND_FORMATS
 from agent.config.schema import ConfigError, FieldError, parse, setting, to_dict
 
 DEFAULT_PREFIX = "atlas-edge"
@@ -99,7 +100,8 @@ class OutboxConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     bundle: str = setting(doc="bundle directory served at first start (later: the confirmed slot)")
-    backend: Optional[str] = setting(None, doc="mindspore | opencv | mslite | acl; default from the device")
+    backend: Optional[str] = setting(None, choices=tuple(BACKEND_FORMATS) + (None,),
+                                     doc="inference backend; default from the device")
     store: str = setting("bundles", doc="bundle store (relative to state_dir); deploy only reads from here")
     observation_s: float = setting(60.0, ge=0, doc="a new model is pending this long before it is confirmed")
     latency_regression: float = setting(2.0, gt=1, doc="roll back when pending p50 latency exceeds this factor")

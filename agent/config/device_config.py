@@ -14,9 +14,11 @@ from agent.config.schema import ConfigError, FieldError, load_yaml, setting
 DEVICE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                  "device_configs")
 
-# backend -> artifact formats it reads
+# backend -> artifact formats it reads: the one list of backend names (the registry in agent.pipeline.backends
+# imports ``agent.pipeline.backends.<name>_backend`` for each; configs and CLIs take their choices from here)
 BACKEND_FORMATS = {"mindspore": ("mindir",), "opencv": ("onnx",), "mslite": ("ms", "mindir"), "acl": ("om",)}
 ARCHES = ("x86_64", "aarch64")  # ATC --host_env_cpu values for the boxes we know
+ARTIFACT_FORMATS = tuple(sorted({fmt for formats in BACKEND_FORMATS.values() for fmt in formats}))
 SOC_VERSIONS = ("Ascend310", "Ascend310B1", "Ascend310B4", "Ascend310P1", "Ascend310P3")
 
 
@@ -25,7 +27,7 @@ class DeviceConfig:
     name: str = setting(doc="box kind, equal to the file's stem")
     target: str = setting(choices=("cpu", "ascend"), doc="where inference runs")
     backend: str = setting(choices=tuple(BACKEND_FORMATS), doc="preferred inference backend")
-    artifact_format: str = setting(choices=("mindir", "ms", "om", "onnx"), doc="artifact format to serve")
+    artifact_format: str = setting(choices=ARTIFACT_FORMATS, doc="artifact format to serve")
     memory_budget_mb: int = setting(ge=64, doc="host RSS budget for the daemon (watchdog soft limit)")
     description: str = setting("", doc="one line for humans")
     soc_version: Optional[str] = setting(None, choices=SOC_VERSIONS + (None,), doc="ATC/converter --soc_version")

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent._util.atomic import atomic_write
-from agent.config.device_config import BACKEND_FORMATS, DeviceConfig
+from agent.config.device_config import ARTIFACT_FORMATS, BACKEND_FORMATS, DeviceConfig
 from agent.config.schema import ConfigError, FieldError, parse, setting
+from agent.pipeline.postprocess import TASKS
 
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"
 SCHEMA_VERSION = 1
-TASKS = ("classify", "detect-yolov5", "detect-yolov8")
-FORMATS = ("mindir", "ms", "om", "onnx")
 HASH_CHUNK = 1 << 20
 
 Tier = Tuple[int, int]  # (h, w)
@@ -77,7 +76,7 @@ class InputSpec:
 @dataclass(frozen=True)
 class Artifact:
     file: str = setting(doc="path inside the bundle")
-    format: str = setting(choices=FORMATS)
+    format: str = setting(choices=ARTIFACT_FORMATS)
     target: str = setting(choices=("cpu", "ascend"))
     tier: Tier = setting(doc="[h, w]")
     sha256: str = setting(doc="hex digest of the file")

@@ -18,7 +18,7 @@ from agent.config.schema import FieldError
 from agent.lifecycle.bundle import Artifact, Bundle, BundleError, Tier, pick_tier, select_artifacts
 from agent.pipeline.backends import create_backend
 from agent.pipeline.backends.base import Backend, BackendOptions, TensorSpec
-from agent.pipeline.postprocess import classify_topk, decode_yolov5, decode_yolov8
+from agent.pipeline.postprocess import decode
 from agent.pipeline.preprocess import BatchPreprocessor, LetterboxPlan, PreprocessSpec, scale_boxes
 
 log = logging.getLogger(__name__)
@@ -155,14 +155,12 @@ class LoadedModel:
         return results
 
     def _decode(self, tier: Tier, output: np.ndarray, plans: List[LetterboxPlan]) -> List[FrameResult]:
-        th = self.thresholds
-        task = self.manifest.task
-        if task == "classify":
-            return [FrameResult(tier=tier, classes=top) for top in classify_topk(output, th.top_k)]
-        decode = decode_yolov8 if task == "detect-yolov8" else decode_yolov5
-        per_image = decode(output, th.conf, th.iou, th.max_det)
+        """The task's decoder (one dispatch: :func:`agent.pipeline.postprocess.decode`), then boxes to source pixels."""
+        decoded = decode(self.manifest.task, output, self.thresholds)
+        if self.manifest.task == "classify":
+            return [FrameResult(tier=tier, classes=top) for top in decoded]
         results = []
-        for dets, plan in zip(per_image, plans):
+        for dets, plan in zip(decoded, plans):  # detection tasks: one (k, 6) array per image
             if len(dets):
                 dets = dets.copy()
                 dets[:, :4] = scale_boxes(dets[:, :4], plan)

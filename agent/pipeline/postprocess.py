@@ -14,7 +14,9 @@ from typing import Any, List, Mapping, Tuple, Union
 import cv2
 import numpy as np
 
-TASKS = ("classify", "detect-yolov5", "detect-yolov8")
+from agent.pipeline.preprocess import is_int
+
+TASKS = ("classify", "detect-yolov5", "detect-yolov8")  # the manifest's task values: one decoder each
 DETECTION_COLUMNS = 6  # x1, y1, x2, y2, score, class_id
 YOLOV8_BOX_CHANNELS = 4  # cx, cy, w, h, then one score per class
 YOLOV5_LEADING_CHANNELS = 5  # cx, cy, w, h, objectness, then one probability per class
@@ -24,17 +26,13 @@ MAX_NMS_CANDIDATES = 30000
 Classification = List[Tuple[int, float]]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _check_thresholds(conf: Any, iou: Any, max_det: Any) -> Tuple[float, float, int]:
     for name, value in (("conf", conf), ("iou", iou)):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
             raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-    if not (_is_int(max_det) and max_det >= 1):
+    if not (is_int(max_det) and max_det >= 1):
         raise ValueError(f"max_det must be a positive integer, got {max_det!r}")
     return float(conf), float(iou), int(max_det)
 
@@ -184,7 +182,7 @@ def classify_topk(logits: np.ndarray, k: int, softmax: bool = True) -> List[Clas
         raise ValueError(
             f"logits must be a numeric array of shape (B, nc), got {logits.dtype} {logits.shape}"
         )
-    if not (_is_int(k) and k >= 1):
+    if not (is_int(k) and k >= 1):
         raise ValueError(f"k must be a positive integer, got {k!r}")
     k = min(int(k), logits.shape[1])
     values = logits.astype(np.float64)

@@ -46,7 +46,7 @@ class LetterboxPlan:
     right: int
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     """True for Python and numpy integers, but not for bools (a ``True`` batch size is a bug, not a 1)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -58,7 +58,7 @@ def _check_hw(name: str, value: Any) -> Tuple[int, int]:
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a (height, width) pair, got {value!r}") from None
     for part in (height, width):
-        if not (_is_int(part) and part >= 1):
+        if not (is_int(part) and part >= 1):
             raise ValueError(f"{name} must hold two positive integers (height, width), got {value!r}")
     return int(height), int(width)
 
@@ -78,7 +78,7 @@ def plan_letterbox(
     """
     src_h, src_w = _check_hw("src_hw", src_hw)
     dst_h, dst_w = _check_hw("dst_hw", dst_hw)
-    if stride is not None and not (_is_int(stride) and stride >= 1):
+    if stride is not None and not (is_int(stride) and stride >= 1):
         raise ValueError(f"stride must be a positive integer or None, got {stride!r}")
 
     gain = min(dst_h / src_h, dst_w / src_w)
@@ -185,7 +185,7 @@ def _resize_into(image: np.ndarray, dst: np.ndarray, plan: LetterboxPlan) -> Non
 
 
 def _check_pad_value(pad_value: Any) -> int:
-    if not (_is_int(pad_value) and 0 <= pad_value <= 255):
+    if not (is_int(pad_value) and 0 <= pad_value <= 255):
         raise ValueError(f"pad_value must be an integer in 0..255, got {pad_value!r}")
     return int(pad_value)
 
@@ -308,7 +308,7 @@ class BatchPreprocessor:
         if not isinstance(spec, PreprocessSpec):
             raise ValueError(f"spec must be a PreprocessSpec, got {type(spec).__name__}")
         self.input_hw = _check_hw("input_hw", input_hw)
-        if not (_is_int(max_batch) and max_batch >= 1):
+        if not (is_int(max_batch) and max_batch >= 1):
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         if input_dtype not in INPUT_DTYPES:
             raise ValueError(f"input_dtype must be one of {INPUT_DTYPES}, got {input_dtype!r}")
@@ -384,7 +384,7 @@ class BatchPreprocessor:
         return cached
 
     def _check_index(self, index: Any) -> int:
-        if not (_is_int(index) and 0 <= index < self.max_batch):
+        if not (is_int(index) and 0 <= index < self.max_batch):
             raise ValueError(f"index must be an integer in 0..{self.max_batch - 1}, got {index!r}")
         return int(index)
 
@@ -459,7 +459,7 @@ class BatchPreprocessor:
         With ``fixed_batch`` the whole batch is returned whatever ``n`` is, because the artifact's input shape
         is fixed; slots ``n..`` then hold earlier frames and the caller must ignore their outputs.
         """
-        if not (_is_int(n) and 1 <= n <= self.max_batch):
+        if not (is_int(n) and 1 <= n <= self.max_batch):
             raise ValueError(f"n must be an integer in 1..{self.max_batch}, got {n!r}")
         return self.batch if self.fixed_batch else self.batch[:n]
 

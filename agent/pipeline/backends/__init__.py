@@ -5,13 +5,16 @@ and recorded instead of breaking the others. Our plugin modules import only nump
 imports its runtime inside ``load()``), so this package imports on any box; what a box lacks is reported by
 :func:`backend_status` without importing anything heavy, and by :class:`BackendUnavailable` at load.
 
-Names match ``agent.config.device_config.BACKEND_FORMATS`` (mindspore, opencv, mslite, acl).
+The names come from ``agent.config.device_config.BACKEND_FORMATS`` (mindspore, opencv, mslite, acl): backend
+``<name>`` lives in ``agent/pipeline/backends/<name>_backend.py`` as the :class:`Backend` subclass whose ``name``
+is ``<name>``. A new backend is one entry there and one new file here.
 """
 
 import importlib
 import logging
 from typing import Any, Collection, Dict, Optional, Sequence, Tuple
 
+from agent.config.device_config import BACKEND_FORMATS
 from agent.pipeline.backends.base import (
     Backend,
     BackendError,
@@ -23,21 +26,24 @@ from agent.pipeline.backends.base import (
 
 logger = logging.getLogger(__name__)
 
-# name -> (module, class); the order is the order status is reported in
-_PLUGINS: Tuple[Tuple[str, str, str], ...] = (
-    ("mindspore", "agent.pipeline.backends.mindspore_backend", "MindSporeBackend"),
-    ("opencv", "agent.pipeline.backends.opencv_backend", "OpenCvBackend"),
-    ("mslite", "agent.pipeline.backends.mslite_backend", "MindSporeLiteBackend"),
-    ("acl", "agent.pipeline.backends.acl_backend", "AclBackend"),
-)
+# name -> plugin module; the order is the order status is reported in
+_PLUGINS: Tuple[Tuple[str, str], ...] = tuple((name, "%s.%s_backend" % (__name__, name)) for name in BACKEND_FORMATS)
+
+
+def _backend_class(module: object, name: str) -> type:
+    """The module's :class:`Backend` subclass named ``name`` (a plugin may import other backends' classes)."""
+    for value in vars(module).values():
+        if isinstance(value, type) and issubclass(value, Backend) and getattr(value, "name", None) == name:
+            return value
+    raise ImportError("%s defines no Backend subclass with name = %r" % (getattr(module, "__name__", module), name))
 
 
 def _discover() -> Tuple[Dict[str, type], Dict[str, str]]:
     found: Dict[str, type] = {}
     errors: Dict[str, str] = {}
-    for name, module, class_name in _PLUGINS:
+    for name, module in _PLUGINS:
         try:
-            found[name] = getattr(importlib.import_module(module), class_name)
+            found[name] = _backend_class(importlib.import_module(module), name)
         except ImportError as err:
             errors[name] = "plugin %s failed to import: %s" % (module, err)
             logger.warning("backend %s disabled: %s", name, errors[name])
@@ -89,7 +95,7 @@ def backend_for(device: Any, manifest: Optional[Any] = None) -> str:
 def backend_status() -> Dict[str, str]:
     """``{"mindspore": "ok", "acl": "module 'acl' not found (provided by ...)"}`` - imports no runtime."""
     status = {}
-    for name, _, _ in _PLUGINS:
+    for name, _ in _PLUGINS:
         status[name] = PLUGIN_ERRORS[name] if name in PLUGIN_ERRORS else BACKENDS[name].runtime_status()
     return status
 
