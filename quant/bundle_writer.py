@@ -12,7 +12,7 @@
 import dataclasses
 import os
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -124,27 +124,54 @@ def write_bundle_manifest(
 ) -> Dict[str, Any]:
     """Fill in and write manifest.json for a :class:`quant.config.RunConfig` run; returns what was written."""
     from agent.config.schema import to_dict
+
+    return write_manifest_for(
+        out_dir, config.name, config.version, config.task, labels, config.export.tiers,
+        to_dict(config.preprocessing), to_dict(config.postprocessing), artifacts, calibration, golden, toolchain)
+
+
+def write_manifest_for(
+    out_dir: str,
+    name: str,
+    version: str,
+    task: str,
+    labels: List[str],
+    tiers: Sequence[Sequence[int]],
+    preprocessing: Dict[str, Any],
+    postprocessing: Dict[str, Any],
+    artifacts: Sequence[ArtifactPlan],
+    calibration: Optional[Dict[str, Any]],
+    golden: Dict[str, Any],
+    toolchain: Dict[str, Any],
+    source: Optional[Dict[str, Any]] = None,
+    input_name: str = INPUT_NAME,
+) -> Dict[str, Any]:
+    """The one manifest assembly of every bundle the host makes (``qat`` and ``bundle create``).
+
+    ``source`` records where an imported model came from (``bundle create``); trained bundles have none.
+    """
     from agent.lifecycle.bundle import write_manifest
 
-    p = config.preprocessing
     manifest = {
         "schema": 1,
-        "name": config.name,
-        "version": config.version,
+        "name": name,
+        "version": version,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "task": config.task,
+        "task": task,
         "labels": labels,
         "input": {
-            "name": INPUT_NAME,
+            "name": input_name,
             "layout": "NCHW",
             "dtype": "float32",
-            "tiers": [list(t) for t in config.export.tiers],
+            "tiers": [list(t) for t in tiers],
         },
-        "preprocessing": to_dict(p),
-        "postprocessing": to_dict(config.postprocessing),
-        "artifacts": [a.manifest_entry(p.color) for a in artifacts],
+        "preprocessing": preprocessing,
+        "postprocessing": postprocessing,
+        "artifacts": [a.manifest_entry(preprocessing["color"]) for a in artifacts],
         "toolchain": toolchain,
         "golden": golden,
         "calibration": calibration,
     }
+    if source is not None:
+        manifest["source"] = source
     return write_manifest(out_dir, manifest)

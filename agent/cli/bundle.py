@@ -1,4 +1,8 @@
-"""``atlas-edge bundle verify|sign|keygen``: check a bundle as a box would, and sign it for boxes that ask.
+"""``atlas-edge bundle create|verify|sign|keygen``: make a bundle from your own model, check it as a box would,
+and sign it for boxes that ask.
+
+``create`` is a host command (its logic is :mod:`quant.byom`, which needs the ``host`` extra: MindSpore, onnx); it
+is imported only when ``create`` runs, so the box's ``verify`` never loads host code.
 
 ``verify`` runs exactly the box's checks (:func:`agent.lifecycle.bundle.verify_bundle`, then, with ``--device``,
 :func:`agent.lifecycle.bundle.select_artifacts`, and with ``--run-golden`` the load + warm-up + golden self-test of
@@ -28,6 +32,7 @@ PRIVATE_KEY_MODE = 0o600  # a signing key readable by others is a signing key fo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bundle_command", metavar="ACTION")
+    _add_create_arguments(sub)
     verify = sub.add_parser("verify", help="check manifest, hashes, signature, box compatibility, golden set",
                             description="Check a bundle directory (or .tar/.tar.gz) the way a box does.")
     verify.add_argument("bundle", metavar="DIR", help="bundle directory or archive")
@@ -57,9 +62,78 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     handler = getattr(args, "bundle_handler", None)
     if handler is None:
-        print("atlas-edge bundle: choose an action: verify, sign or keygen", file=sys.stderr)
+        print("atlas-edge bundle: choose an action: create, verify, sign or keygen", file=sys.stderr)
         return EXIT_USAGE
     return int(handler(args))
+
+
+# --- create -------------------------------------------------------------------------------------------
+
+def _add_create_arguments(sub: Any) -> None:
+    create = sub.add_parser(
+        "create", help="make a bundle from an ONNX or MindIR model trained elsewhere (workstation)",
+        description="Make a bundle (artifacts per tier, golden and calibration sets, manifest) from an ONNX or "
+                    "MindIR file: Ultralytics YOLOv5u/v8/11 exports, MindYOLO/MindCV exports, any classifier. "
+                    "Nothing is written to --out unless every check passes. See docs/bundle.md.")
+    create.add_argument("--model", required=True, metavar="FILE", help="the .onnx or .mindir file")
+    create.add_argument("--out", required=True, metavar="DIR", help="bundle directory (empty, new, or a bundle)")
+    create.add_argument("--name", help="bundle name (default: the model file's stem)")
+    create.add_argument("--version", default="1.0.0", help="bundle version (default: 1.0.0)")
+    create.add_argument("--task", default="auto", metavar="T",
+                        help="auto (from metadata and output shape) | detect-yolov8 | detect-yolov5 | classify")
+    create.add_argument("--labels", metavar="FILE",
+                        help="class names: YAML list, YAML {id: name}, or one per line (default: the model's)")
+    create.add_argument("--tiers", metavar="HxW[,HxW]",
+                        help="input shapes to serve (default: the model's fixed input, or its imgsz metadata)")
+    create.add_argument("--color", choices=("rgb", "bgr"), help="colour order the network was trained on")
+    create.add_argument("--mean", metavar="R,G,B", help="per-channel mean on 0..255 pixels (default 0,0,0)")
+    create.add_argument("--std", metavar="R,G,B", help="per-channel std on 0..255 pixels (default 255,255,255)")
+    create.add_argument("--conf", type=float, help="default score threshold (Ultralytics exports: 0.25)")
+    create.add_argument("--iou", type=float, help="default NMS IoU threshold (Ultralytics exports: 0.7)")
+    create.add_argument("--images", metavar="DIR",
+                        help="images for the golden and calibration sets (default: generated scenes)")
+    create.add_argument("--calibration", type=int, metavar="N", help="calibration images (default 8)")
+    create.add_argument("--golden", type=int, metavar="N", help="golden cases per tier (default 2)")
+    create.set_defaults(bundle_handler=_create)
+
+
+def _create(args: argparse.Namespace) -> int:
+    try:
+        from quant.byom import CreateError, CreateOptions, create_bundle, parse_tiers
+    except ImportError as exc:
+        print("atlas-edge bundle create needs the host extra (%s): pip install 'atlas-edge[host]'" % exc,
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        options = CreateOptions(
+            model=args.model, out=args.out, name=args.name, version=args.version, task=args.task,
+            labels=args.labels, tiers=parse_tiers(args.tiers) if args.tiers else None, color=args.color,
+            mean=_triple("--mean", args.mean), std=_triple("--std", args.std), conf=args.conf, iou=args.iou,
+            images=args.images, calibration=args.calibration, golden=args.golden)
+        manifest = create_bundle(options)
+    except CreateError as exc:
+        print("bundle create refused: %s" % exc, file=sys.stderr)
+        print("nothing was written to %s" % args.out, file=sys.stderr)
+        return EXIT_REFUSED
+    tiers = ", ".join("%dx%d" % tuple(t) for t in manifest["input"]["tiers"])
+    print("created %s: %s %s (%s), %d label(s), tiers %s, %d golden case(s)\n  source: %s\n  images: %s" % (
+        args.out, manifest["name"], manifest["version"], manifest["task"], len(manifest["labels"]), tiers,
+        len(manifest["golden"]["cases"]), manifest["source"]["producer"], manifest["source"]["images"]))
+    return EXIT_OK
+
+
+def _triple(flag: str, text: Optional[str]) -> Optional[Tuple[float, float, float]]:
+    if text is None:
+        return None
+    from quant.byom import CreateError
+
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise CreateError("%s: %r is not three comma-separated numbers" % (flag, text)) from None
+    if len(values) != 3:
+        raise CreateError("%s: %r is not three comma-separated numbers" % (flag, text))
+    return values  # type: ignore[return-value]
 
 
 # --- verify -------------------------------------------------------------------------------------------

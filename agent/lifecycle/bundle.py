@@ -134,6 +134,17 @@ class Calibration:
 
 
 @dataclass(frozen=True)
+class Source:
+    """Where an imported model came from (``atlas-edge bundle create``); bundles trained by ``qat`` have none."""
+
+    model: str = setting(doc="the model file given, by name")
+    sha256: str = setting(doc="of that file as given (artifacts may be copies with fixed input shapes)")
+    producer: str = setting(doc="the exporter the model's metadata names, or 'unknown'")
+    preprocessing: str = setting(doc="where preprocessing came from: the producer's convention, assumed, flags")
+    images: str = setting(doc="what the golden and calibration sets were made from: --images DIR or generated")
+
+
+@dataclass(frozen=True)
 class Manifest:
     name: str
     version: str
@@ -149,6 +160,7 @@ class Manifest:
     toolchain: Dict[str, Optional[str]] = setting(factory=dict)
     golden: Optional[GoldenSet] = None
     calibration: Optional[Calibration] = None
+    source: Optional[Source] = None
 
     def check(self) -> List[Tuple[str, str]]:
         problems = []

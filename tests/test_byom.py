@@ -1,0 +1,357 @@
+"""``atlas-edge bundle create`` (quant/byom.py): models exported by real frameworks become bundles that serve what
+those frameworks predict, and bad input is refused by name with nothing written.
+
+The fixtures under tests/fixtures/byom/ were made by make_fixture.py (Ultralytics' own export and predictor for
+the YOLOv8; torch.onnx for the YOLOv5-layout detector and the classifier). This test needs neither torch nor
+Ultralytics: it compares the agent's serving path (bundle create -> verify -> LoadedModel.infer_frames) with the
+predictions recorded there.
+"""
+
+import json
+import os
+import subprocess
+
+import cv2
+import numpy as np
+import pytest
+
+pytest.importorskip("mindspore")
+onnx = pytest.importorskip("onnx")
+
+from agent.cli.main import main as cli_main  # noqa: E402
+from agent.config.device_config import load_device_config  # noqa: E402
+from agent.lifecycle.bundle import verify_bundle  # noqa: E402
+from agent.pipeline.model import load_model  # noqa: E402
+from quant.byom import CreateError, read_labels_file  # noqa: E402
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "byom")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LITE_PYTHON = os.path.join(ROOT, ".venv-lite", "bin", "python")
+BOX_PX = 1.0  # boxes within 1 pixel of the peer's
+SCORE_ATOL = 1e-3  # scores within 1e-3 of the peer's
+
+with open(os.path.join(FIXTURES, "expected.json")) as _handle:
+    EXPECTED = json.load(_handle)
+
+
+def fixture(name):
+    return os.path.join(FIXTURES, name)
+
+
+def images():
+    return [cv2.imread(fixture(r["image"])) for r in EXPECTED["yolov5"]["results"]]
+
+
+def create(tmp_path, *args):
+    """Run the CLI as a user would; returns (exit code, out dir)."""
+    out = str(tmp_path / "bundle")
+    return cli_main(["bundle", "create", "--out", out] + list(args)), out
+
+
+def serve(out, backend="opencv"):
+    bundle = verify_bundle(out)
+    model = load_model(bundle, load_device_config("cpu-dev"), backend)  # load, warm-up, golden self-test
+    return bundle, model
+
+
+def match(got, expected):
+    """Pair each expected detection with the agent's (same class, nearest box); returns worst box/score diffs."""
+    exp_boxes = np.array(expected["boxes"], np.float64).reshape(-1, 4)
+    assert len(got) == len(exp_boxes), "count: agent %d, peer %d" % (len(got), len(exp_boxes))
+    unused = list(range(len(got)))
+    worst_box = worst_score = 0.0
+    for box, score, cls in zip(exp_boxes, expected["scores"], expected["classes"]):
+        same_class = [i for i in unused if int(got[i, 5]) == cls]
+        assert same_class, "class %d at %s: the agent has no detection of that class left" % (cls, box)
+        best = min(same_class, key=lambda i: np.abs(got[i, :4] - box).max())
+        unused.remove(best)
+        worst_box = max(worst_box, float(np.abs(got[best, :4] - box).max()))
+        worst_score = max(worst_score, abs(float(got[best, 4]) - score))
+    assert worst_box <= BOX_PX, "box off by %.3f px" % worst_box
+    assert worst_score <= SCORE_ATOL, "score off by %.2g" % worst_score
+    return worst_box, worst_score
+
+
+def check_detections(model, peer_by_tier, thresholds):
+    model.set_thresholds(conf=thresholds["conf"], iou=thresholds["iou"], max_det=thresholds["max_det"])
+    frames = images()
+    results = model.infer_frames(frames)
+    figures = []
+    for index, result in enumerate(results):
+        peer = peer_by_tier["%dx%d" % result.tier][index]
+        figures.append((len(result.detections),) + match(result.detections, peer))
+    assert sum(f[0] for f in figures) > 0, "the peer found nothing: the comparison would prove nothing"
+    return figures
+
+
+# --- the peer comparisons -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def yolov8_bundle(tmp_path_factory):
+    code, out = create(tmp_path_factory.mktemp("v8"), "--model", fixture("yolov8t.onnx"))
+    assert code == 0
+    return out
+
+
+def test_ultralytics_yolov8_serves_what_ultralytics_predicts(yolov8_bundle):
+    bundle, model = serve(yolov8_bundle)
+    try:
+        manifest = bundle.manifest
+        assert manifest.task == "detect-yolov8"  # from the export's own metadata and output shape
+        assert manifest.labels == ["circle", "square", "triangle"]  # from metadata_props names, no --labels
+        assert manifest.input.tiers == [(256, 256)]
+        assert manifest.source.producer.startswith("Ultralytics")
+        assert manifest.source.images.startswith("generated")
+        assert (manifest.postprocessing.iou, manifest.postprocessing.max_det) == (0.7, 300)  # Ultralytics' own
+        p = manifest.preprocessing
+        assert (p.color, p.mean, p.std, p.letterbox.pad_value, p.letterbox.center) == (
+            "rgb", (0.0, 0.0, 0.0), (255.0, 255.0, 255.0), 114, True)
+        figures = check_detections(model, EXPECTED["yolov8"]["predictions"], EXPECTED["yolov8"]["predictor"])
+        print("yolov8 opencv (count, max box px, max score):", figures)
+    finally:
+        model.close()
+
+
+def test_ultralytics_dynamic_export_is_fixed_per_tier_and_matches_at_each(tmp_path):
+    code, out = create(tmp_path, "--model", fixture("yolov8t-dynamic.onnx"), "--tiers", "256x256,192x320")
+    assert code == 0
+    bundle, model = serve(out)
+    try:
+        for art in bundle.manifest.artifacts:
+            shape = [d.dim_value for d in onnx.load(bundle.path(art.file)).graph.input[0].type.tensor_type.shape.dim]
+            assert shape == [1, 3] + list(art.tier)
+        figures = check_detections(model, EXPECTED["yolov8"]["predictions"], EXPECTED["yolov8"]["predictor"])
+        assert {r.tier for r in model.infer_frames(images())} == {(256, 256), (192, 320)}
+        print("yolov8 dynamic opencv (count, max box px, max score):", figures)
+    finally:
+        model.close()
+
+
+@pytest.mark.skipif(not os.path.exists(LITE_PYTHON), reason=".venv-lite (MindSpore Lite lane) is not built here")
+def test_ultralytics_yolov8_on_mslite(yolov8_bundle, tmp_path):
+    """The same bundle converted by converter_lite and served by the mslite backend, in the Lite venv."""
+    script = tmp_path / "lite_check.py"
+    script.write_text(
+        "import json, sys, cv2\n"
+        "sys.path.insert(0, %r)\n"
+        "from agent.config.device_config import load_device_config\n"
+        "from agent.lifecycle.bundle import verify_bundle\n"
+        "from agent.pipeline.model import load_model\n"
+        "model = load_model(verify_bundle(sys.argv[1]), load_device_config('cpu-dev'), 'mslite')\n"
+        "t = json.loads(sys.argv[2])\n"
+        "model.set_thresholds(conf=t['conf'], iou=t['iou'], max_det=t['max_det'])\n"
+        "frames = [cv2.imread(p) for p in sys.argv[3:]]\n"
+        "print(json.dumps([r.detections.tolist() for r in model.infer_frames(frames)]))\n" % ROOT)
+    paths = [fixture(r["image"]) for r in EXPECTED["yolov8"]["predictions"]["256x256"]]
+    done = subprocess.run([LITE_PYTHON, str(script), yolov8_bundle, json.dumps(EXPECTED["yolov8"]["predictor"])]
+                          + paths, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for dets, peer in zip(got, EXPECTED["yolov8"]["predictions"]["256x256"]):
+        match(np.array(dets, np.float32).reshape(-1, 6), peer)
+
+
+def test_yolov5_layout_from_torch_is_detected_and_serves_like_torch(tmp_path):
+    v5 = EXPECTED["yolov5"]
+    code, out = create(tmp_path, "--model", fixture(v5["model"]), "--labels", fixture(v5["labels"]))
+    assert code == 0
+    bundle, model = serve(out)
+    try:
+        assert bundle.manifest.task == "detect-yolov5"  # (1, 4032, 9) at 256x256: 3 anchors per cell
+        assert bundle.manifest.labels == ["red", "green", "blue", "grey"]  # one name per line
+        assert bundle.manifest.source.preprocessing.startswith("assumed")  # torch names no exporter convention
+        figures = check_detections(model, {"256x256": v5["results"]}, v5)
+        print("yolov5 opencv (count, max box px, max score):", figures)
+    finally:
+        model.close()
+
+
+def test_classifier_from_torch_serves_torch_probabilities(tmp_path):
+    cls = EXPECTED["classify"]
+    code, out = create(tmp_path, "--model", fixture(cls["model"]), "--labels", fixture(cls["labels"]),
+                       "--tiers", "96x96", "--mean", ",".join(map(str, cls["mean"])),
+                       "--std", ",".join(map(str, cls["std"])), "--images", fixture("images"))
+    assert code == 0
+    bundle, model = serve(out)
+    try:
+        manifest = bundle.manifest
+        assert manifest.task == "classify"
+        assert manifest.labels == ["alpha", "beta", "gamma", "delta", "epsilon"]  # YAML {id: name}
+        assert manifest.preprocessing.mean == tuple(cls["mean"]) and "--mean" in manifest.source.preprocessing
+        assert manifest.source.images.startswith("--images images: 3")
+        model.set_thresholds(top_k=len(manifest.labels))
+        worst = 0.0
+        for result, peer in zip(model.infer_frames(images()), cls["results"]):
+            got = dict(result.classes)
+            assert max(got, key=got.get) == int(np.argmax(peer["probabilities"]))
+            worst = max(worst, max(abs(got[i] - p) for i, p in enumerate(peer["probabilities"])))
+        assert worst <= SCORE_ATOL
+        print("classifier opencv max probability diff:", worst)
+    finally:
+        model.close()
+
+
+def test_mindspore_mindir_classifier_serves_its_network(tmp_path):
+    """MindIR input: what MindSpore itself exports loads through mindspore.load + GraphCell on the box."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec
+
+    class Tiny(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, stride=2)
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.fc = nn.Dense(4, 3)
+
+        def construct(self, x):
+            return self.fc(self.pool(self.conv(x)).reshape(x.shape[0], -1))
+
+    ms.set_seed(3)
+    network = Tiny()
+    network.set_train(False)
+    ms.export(network, ms.Tensor(np.zeros((1, 3, 64, 96), np.float32)), file_name=str(tmp_path / "tiny"),
+              file_format="MINDIR")
+    labels = tmp_path / "labels.yaml"
+    labels.write_text("- cat\n- dog\n- bird\n")
+    code, out = create(tmp_path, "--model", str(tmp_path / "tiny.mindir"), "--labels", str(labels))
+    assert code == 0
+    bundle, model = serve(out, backend="mindspore")
+    try:
+        assert bundle.manifest.input.tiers == [(64, 96)] and bundle.manifest.task == "classify"
+        frames = images()
+        results = model.infer_frames(frames)
+        batcher = BatchPreprocessor(PreprocessSpec(), (64, 96), max_batch=1)
+        for frame, result in zip(frames, results):
+            batcher.fill(0, frame)
+            logits = network(ms.Tensor(batcher.batch)).asnumpy()[0]
+            probabilities = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+            for class_id, probability in result.classes:
+                assert abs(probability - probabilities[class_id]) < 1e-5
+    finally:
+        model.close()
+
+
+def test_images_dir_feeds_golden_and_calibration(tmp_path):
+    code, out = create(tmp_path, "--model", fixture("yolov8t.onnx"), "--images", fixture("images"),
+                       "--calibration", "2", "--golden", "3")
+    assert code == 0
+    manifest = verify_bundle(out).manifest
+    assert manifest.calibration.count == 2 and len(manifest.golden.cases) == 3
+    assert "--images images: 3 image(s)" == manifest.source.images
+    first = np.load(os.path.join(out, manifest.golden.cases[0].image))
+    from agent.pipeline.preprocess import letterbox
+
+    expected, _plan = letterbox(cv2.imread(fixture("images/scene0.png")), (256, 256))
+    assert np.array_equal(first, expected)  # the agent's own letterbox of the first supplied image
+
+
+def test_recreating_over_an_existing_bundle_replaces_it(tmp_path):
+    assert create(tmp_path, "--model", fixture("yolov5t.onnx"), "--labels", fixture("yolov5t.labels.txt"))[0] == 0
+    code, out = create(tmp_path, "--model", fixture("yolov8t.onnx"), "--name", "second")
+    assert code == 0 and verify_bundle(out).manifest.name == "second"
+    assert sorted(os.listdir(str(tmp_path))) == ["bundle"]  # no staging directory left behind
+
+
+# --- refusals: named cause, nothing written -------------------------------------------------------------------
+
+def two_input_model(path):
+    helper = onnx.helper
+    a = helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, [1, 3, 32, 32])
+    b = helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [1, 3, 32, 32])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 32, 32])
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "two", [a, b], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)]), path)
+
+
+def image_out_model(path):
+    """One input, but the output is an image (1, 3, 32, 32): neither a YOLO layout nor class scores."""
+    helper = onnx.helper
+    x = helper.make_tensor_value_info("images", onnx.TensorProto.FLOAT, [1, 3, 32, 32])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 32, 32])
+    graph = helper.make_graph([helper.make_node("Relu", ["images"], ["y"])], "img", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)]), path)
+
+
+def refused(tmp_path, capsys, args, cause, out=None):
+    out = out or str(tmp_path / "out" / "bundle")
+    before = sorted(os.listdir(str(tmp_path)))
+    code = cli_main(["bundle", "create", "--out", out] + args)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert cause in err, err
+    assert sorted(os.listdir(str(tmp_path))) == before  # no --out, no parent, no staging directory
+    return err
+
+
+def test_refuses_a_file_that_is_not_a_model(tmp_path, capsys):
+    fake = tmp_path / "model.onnx"
+    fake.write_text("this is a text file\n" * 20)
+    refused(tmp_path, capsys, ["--model", str(fake)], "not an ONNX model")
+
+
+def test_refuses_a_model_with_two_inputs(tmp_path, capsys):
+    two_input_model(str(tmp_path / "two.onnx"))
+    refused(tmp_path, capsys, ["--model", str(tmp_path / "two.onnx")], "has 2 inputs (a, b)")
+
+
+def test_refuses_an_output_layout_it_cannot_decode(tmp_path, capsys):
+    image_out_model(str(tmp_path / "img.onnx"))
+    err = refused(tmp_path, capsys, ["--model", str(tmp_path / "img.onnx"), "--labels", fixture("yolov5t.labels.txt")],
+                  "cannot tell the task from the output shape (1, 3, 32, 32)")
+    assert "--task" in err  # the flag that would settle it
+
+
+def test_refuses_a_task_the_output_does_not_fit(tmp_path, capsys):
+    refused(tmp_path, capsys, ["--model", fixture("classifier.onnx"), "--tiers", "96x96", "--task", "detect-yolov8"],
+            "--task detect-yolov8: the model's output (1, 5) does not fit (B, 4+nc, N)")
+
+
+def test_refuses_labels_that_do_not_match_the_class_count(tmp_path, capsys):
+    refused(tmp_path, capsys, ["--model", fixture("yolov5t.onnx"), "--labels", fixture("classifier.labels.yaml")],
+            "5 names, but the model's output (1, 4032, 9) has 4 classes")
+
+
+def test_refuses_a_tier_that_is_not_a_multiple_of_the_stride(tmp_path, capsys):
+    refused(tmp_path, capsys, ["--model", fixture("yolov8t-dynamic.onnx"), "--tiers", "256x250"],
+            "--tiers 256x250: not a multiple of the model stride 32")
+
+
+def test_refuses_tiers_that_disagree_with_a_fixed_input(tmp_path, capsys):
+    refused(tmp_path, capsys, ["--model", fixture("yolov8t.onnx"), "--tiers", "320x320"],
+            "--tiers 320x320 does not match the model's fixed input 1x3x256x256")
+
+
+def test_refuses_an_existing_directory_that_is_not_a_bundle(tmp_path, capsys):
+    out = tmp_path / "photos"
+    out.mkdir()
+    (out / "holiday.jpg").write_bytes(b"precious")
+    refused(tmp_path, capsys, ["--model", fixture("yolov8t.onnx")], "is not empty and is not a bundle", out=str(out))
+    assert os.listdir(str(out)) == ["holiday.jpg"] and (out / "holiday.jpg").read_bytes() == b"precious"
+
+
+def test_refuses_a_model_without_names_and_no_labels(tmp_path, capsys):
+    refused(tmp_path, capsys, ["--model", fixture("yolov5t.onnx")], "carries no class names: give --labels FILE (4")
+
+
+# --- labels files ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,text", [
+    ("l.yaml", "- a\n- b\n- c\n"),
+    ("l.yaml", "0: a\n1: b\n2: c\n"),
+    ("data.yaml", "path: x\nnames:\n  0: a\n  1: b\n  2: c\n"),
+    ("l.txt", "a\n\nb\nc\n"),
+])
+def test_labels_files(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    assert read_labels_file(str(path)) == ["a", "b", "c"]
+
+
+def test_labels_file_with_a_gap_is_refused(tmp_path):
+    path = tmp_path / "l.yaml"
+    path.write_text("0: a\n2: c\n")
+    with pytest.raises(CreateError, match="class ids must be 0..1 without gaps"):
+        read_labels_file(str(path))
+
