@@ -274,6 +274,19 @@ def image_out_model(path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)]), path)
 
 
+def reshaping_model(path, output_shape, outputs=1, input_shape=(1, 3, 32, 32)):
+    """One input; ``outputs`` outputs, each the input reshaped to ``output_shape`` (nothing a YOLO head gives)."""
+    helper = onnx.helper
+    x = helper.make_tensor_value_info("images", onnx.TensorProto.FLOAT, list(input_shape))
+    shape = onnx.numpy_helper.from_array(np.array(output_shape, np.int64), "shape")
+    nodes, ys = [], []
+    for i in range(outputs):
+        nodes.append(helper.make_node("Reshape", ["images", "shape"], ["y%d" % i]))
+        ys.append(helper.make_tensor_value_info("y%d" % i, onnx.TensorProto.FLOAT, list(output_shape)))
+    graph = helper.make_graph(nodes, "reshape", [x], ys, initializer=[shape])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)]), path)
+
+
 def refused(tmp_path, capsys, args, cause, out=None):
     out = out or str(tmp_path / "out" / "bundle")
     before = sorted(os.listdir(str(tmp_path)))
@@ -301,6 +314,42 @@ def test_refuses_an_output_layout_it_cannot_decode(tmp_path, capsys):
     err = refused(tmp_path, capsys, ["--model", str(tmp_path / "img.onnx"), "--labels", fixture("yolov5t.labels.txt")],
                   "cannot tell the task from the output shape (1, 3, 32, 32)")
     assert "--task" in err  # the flag that would settle it
+
+
+def test_refuses_a_detection_layout_that_is_neither_yolov8_nor_yolov5(tmp_path, capsys):
+    reshaping_model(str(tmp_path / "odd.onnx"), (1, 12, 256))  # 256 is no anchor count of a 32x32 input
+    refused(tmp_path, capsys, ["--model", str(tmp_path / "odd.onnx"), "--labels", fixture("yolov5t.labels.txt")],
+            "cannot tell the task from the output shape (1, 12, 256) at input 32x32")
+
+
+def test_refuses_a_model_with_two_outputs(tmp_path, capsys):
+    reshaping_model(str(tmp_path / "two.onnx"), (1, 3072), outputs=2)
+    refused(tmp_path, capsys, ["--model", str(tmp_path / "two.onnx")], "has 2 outputs (y0, y1)")
+
+
+def test_refuses_a_channels_last_input(tmp_path, capsys):
+    reshaping_model(str(tmp_path / "nhwc.onnx"), (1, 3072), input_shape=(1, 32, 32, 3))
+    refused(tmp_path, capsys, ["--model", str(tmp_path / "nhwc.onnx")], "an NHWC input: export it channels-first")
+
+
+def test_refuses_an_ultralytics_end_to_end_export(tmp_path, capsys):
+    model = onnx.load(fixture("yolov8t.onnx"))
+    for prop in model.metadata_props:
+        if prop.key == "end2end":
+            prop.value = "True"
+    onnx.save(model, str(tmp_path / "e2e.onnx"))
+    refused(tmp_path, capsys, ["--model", str(tmp_path / "e2e.onnx")], "end-to-end (NMS-free) Ultralytics export")
+
+
+def test_refuses_a_dynamic_mindir(tmp_path, capsys):
+    import mindspore as ms
+    from mindspore import nn
+
+    network = nn.Conv2d(3, 4, 3)
+    network.set_train(False)
+    ms.export(network, ms.Tensor(shape=(None, 3, None, None), dtype=ms.float32), file_name=str(tmp_path / "dyn"),
+              file_format="MINDIR")
+    refused(tmp_path, capsys, ["--model", str(tmp_path / "dyn.mindir")], "MindIR shapes cannot be fixed here")
 
 
 def test_refuses_a_task_the_output_does_not_fit(tmp_path, capsys):

@@ -20,6 +20,7 @@ EPILOG = """examples:
   atlas-edge ctl --broker mqtt://broker:1883 cam-01 status
   atlas-edge validate device_configs/atlas-200dk.yaml
   atlas-edge bundle verify examples/demo-bundle
+  atlas-edge bundle create --model yolov8n.onnx --out out/yolov8n-bundle
   atlas-edge fleet rollout --group site-a --bundle m-1.2.tar.gz --sha256 HEX --max-failure-rate 0.05
   atlas-edge qat --config quant/examples/shapes.yaml --out out/shapes-bundle
   atlas-edge convert --bundle out/shapes-bundle --device atlas-200dk --to om --dry-run
@@ -32,7 +33,7 @@ COMMANDS = {
     "run": ("agent.cli.main", "run the daemon (under systemd: see systemd/atlas-edge.service)", "edge"),
     "ctl": ("agent.cli.ctl", "send one command to a box over MQTT and wait for its final ack", "edge"),
     "validate": ("agent.cli.main", "check a daemon config or device config; per-field errors", "edge"),
-    "bundle": ("agent.cli.bundle", "verify, sign or make keys for model bundles", "edge"),
+    "bundle": ("agent.cli.bundle", "create (from your ONNX/MindIR), verify, sign or make keys for model bundles", "edge"),
     "fleet": ("agent.cli.fleet", "every box at a glance; staged rollouts with canary, waves and abort", "edge"),
     "qat": ("quant.cli", "train / quantization-aware training / export to a bundle (workstation)", "host"),
     "convert": ("converters.cli", "convert a bundle's model with ATC or converter_lite (workstation)", "host"),
