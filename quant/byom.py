@@ -270,7 +270,8 @@ def decide_tiers(info: ModelInfo, requested: Optional[List[Tier]], needs_stride:
         bad = [t for t in tiers if t[0] % stride or t[1] % stride]
         if bad:
             raise CreateError("--tiers %s: not a multiple of the model stride %d (a YOLO input must divide by "
-                              "its largest stride; for a classifier give --task classify)" % (",".join("%dx%d" % t for t in bad), stride))
+                              "its largest stride; for a classifier give --task classify)" % (
+                                  ",".join("%dx%d" % t for t in bad), stride))
     return list(tiers)
 
 

@@ -33,7 +33,7 @@ COMMANDS = {
     "run": ("agent.cli.main", "run the daemon (under systemd: see systemd/atlas-edge.service)", "edge"),
     "ctl": ("agent.cli.ctl", "send one command to a box over MQTT and wait for its final ack", "edge"),
     "validate": ("agent.cli.main", "check a daemon config or device config; per-field errors", "edge"),
-    "bundle": ("agent.cli.bundle", "create (from your ONNX/MindIR), verify, sign or make keys for model bundles", "edge"),
+    "bundle": ("agent.cli.bundle", "create (from ONNX/MindIR), verify, sign, make keys: model bundles", "edge"),
     "fleet": ("agent.cli.fleet", "every box at a glance; staged rollouts with canary, waves and abort", "edge"),
     "qat": ("quant.cli", "train / quantization-aware training / export to a bundle (workstation)", "host"),
     "convert": ("converters.cli", "convert a bundle's model with ATC or converter_lite (workstation)", "host"),
