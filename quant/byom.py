@@ -28,6 +28,7 @@ import numpy as np
 
 from agent.config.schema import ConfigError, parse, to_dict
 from agent.lifecycle.bundle import Postprocessing, Preprocessing, sha256_file
+from agent.pipeline.postprocess import TASKS as MANIFEST_TASKS
 from agent.pipeline.postprocess import YOLOV5_LEADING_CHANNELS, YOLOV8_BOX_CHANNELS
 from agent.pipeline.preprocess import PreprocessSpec, letterbox
 from quant.bundle_writer import ArtifactPlan, write_calibration, write_golden, write_manifest_for
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 Tier = Tuple[int, int]
 
-TASKS = ("auto", "detect-yolov8", "detect-yolov5", "classify")
+TASKS = ("auto",) + MANIFEST_TASKS  # --task: the manifest's tasks, or decide from metadata and output shape
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 ONNX_FLOAT = 1  # onnx.TensorProto.FLOAT
 MINDIR_FLOAT = 1  # mind_ir DataType FLOAT32
