@@ -27,6 +27,7 @@ ROLLOUT_TIMEOUT_S = 600.0
 RSS_POLL_S = 0.1
 PREFIX = "bench-fleet"
 TARGETS = {"confirmed_fraction": (">=", 1.0)}
+ROLLOUT_KINDS = ("cmd", "ack", "status", "events")  # the rollout's own traffic; results and telemetry are serving
 
 
 def _peak_rss_mb(pid: int) -> float:
@@ -149,6 +150,7 @@ def run(context: RunContext) -> Dict[str, Any]:
         "box_confirm_s_median": confirm_s[len(confirm_s) // 2] if confirm_s else None,
         "msgs_per_box": round(total / BOXES, 2),
         "msgs_per_box_by_kind": {k: round(v / BOXES, 2) for k, v in sorted(counts.items())},
+        "rollout_msgs_per_box": round(sum(counts.get(k, 0) for k in ROLLOUT_KINDS) / BOXES, 2),
         "operator_messages": report.get("broker_messages"),
         "operator_peak_rss_mb": round(operator_peak, 1),
         "simulated_boxes_rss_mb": round(boxes_rss, 1),

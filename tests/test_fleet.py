@@ -165,6 +165,15 @@ def test_good_bundle_reaches_every_online_box_and_offline_is_reported_not_failed
         assert box.deploys == 1
     assert [len(w) for w in report["waves"]] == [2, 6, 6, 5]
 
+    # The table for people: one row per box with its serving model and slot, and the totals.
+    code, table = run_cli(["status", "--broker", mosquitto.url, "--prefix", fleet.prefix, "--listen", "0"], capsys)
+    rows = {line.split()[0]: line for line in table.splitlines()[1:-1]}
+    assert code == EXIT_OK and table.splitlines()[-1] == "%d box(es): %d online, 1 offline" % (CI_BOXES,
+                                                                                              CI_BOXES - 1)
+    assert "fleet-standin-classifier 2.0.0" in rows[fleet.boxes[0].device_id]
+    assert "b:confirmed" in rows[fleet.boxes[0].device_id] and "standby" in rows[fleet.boxes[0].device_id]
+    assert "offline" in rows[offline.device_id] and "stopped" in rows[offline.device_id]
+
     # The same command again: the rollout is finished, nothing is sent, the report is the same.
     code, again = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--canary", "2", "--waves", "3",
                                        "--max-failure-rate", "0.05"), capsys)
