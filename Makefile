@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 MINDSPORE_GS := mindspore-gs==1.3.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo test lint pycompat mosquitto demo-bundle bench bench-quick install-service clean lite test-lite
+.PHONY: venv demo test lint imports pycompat mosquitto demo-bundle bench bench-quick install-service clean lite test-lite
 
 # The Lite lane: a Python 3.7 venv with mindspore-lite 2.0.0 (PyPI's only wheel of it is for CPython 3.7), the
 # box package and the test runner. The box's oldest Python is 3.7 (CANN on the Atlas 200 DK), so the whole
@@ -49,12 +49,16 @@ demo: venv mosquitto
 lint: venv
 	$(BIN)/ruff check .
 
+# The boundaries between agent/'s groups (pyproject.toml [tool.importlinter], docs/architecture.md).
+imports: venv
+	$(BIN)/lint-imports
+
 # agent/ runs on the boxes' Python 3.7, and converters/ in the Lite lane: fail if any construct needs newer.
 pycompat: venv
 	$(BIN)/vermin --no-tips --violations --target=3.7- --eval-annotations agent converters
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
-test: venv mosquitto lint pycompat
+test: venv mosquitto lint imports pycompat
 	$(BIN)/pytest -m "not slow" -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc
 	@if [ -n "$(PYTHON37)" ]; then $(MAKE) --no-print-directory test-lite; \

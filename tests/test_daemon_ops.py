@@ -194,7 +194,7 @@ def test_leak_restarts_the_daemon_cleanly_and_a_plateau_does_not(tmp_path, mosqu
             from agent.ops.outbox import Outbox
 
             pending = len(Outbox(str(tmp_path / "state" / "outbox.sqlite"), 1 << 26))
-            assert len(results.messages) + pending == daemon.published > 0
+            assert len(results.messages) + pending == daemon.loop.published > 0
         else:
             assert thread.is_alive(), "a healthy daemon stopped: %r" % daemon.stop_reason
             assert not any(json.loads(p)["kind"] == "leak" for _t, p, _r in alerts.messages)

@@ -1,5 +1,5 @@
 """Small mechanisms every group shares: durable atomic file writes, SQLite WAL transactions, child processes,
-moving damaged state aside, and the disk-space reserve.
+moving damaged state aside, the disk-space reserve, and the typing names Python 3.7 lacks (``compat``).
 
 Imports nothing from ``agent``; any group may import it.
 """

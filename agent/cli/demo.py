@@ -222,16 +222,17 @@ def _serve(args: argparse.Namespace, work: str) -> int:
         daemon.install_signal_handlers()
         started = time.monotonic()
         code = daemon.run(max_frames=args.frames)
-        received = view.wait_for(daemon.published, timeout=10.0)
+        received = view.wait_for(daemon.loop.published, timeout=10.0)
     elapsed = time.monotonic() - started
-    latency = daemon.stats.percentiles()
+    served = daemon.loop
+    latency = served.stats.percentiles()
     print("\n%d frames served in %.1fs (%.1f fps); %d results published, %d received over MQTT" % (
-        daemon.stats.frames, elapsed, daemon.stats.frames / max(elapsed, 1e-6), daemon.published, received))
+        served.stats.frames, elapsed, served.stats.frames / max(elapsed, 1e-6), served.published, received))
     for stage in ("queue", "preprocess", "infer", "postprocess", "total"):
         if stage in latency:
             p = latency[stage]
             print("  %-11s p50 %7.2f ms   p90 %7.2f ms   p99 %7.2f ms" % (stage, p["p50"], p["p90"], p["p99"]))
-    if received < daemon.published:
-        print("WARNING: %d results were not seen by the console view" % (daemon.published - received))
+    if received < daemon.loop.published:
+        print("WARNING: %d results were not seen by the console view" % (daemon.loop.published - received))
         return 1
     return code

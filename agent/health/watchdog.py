@@ -21,8 +21,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
+from agent._util.compat import Protocol
 from agent.config.daemon_config import DEFAULT_LEAK_MIN_SAMPLES, MIN_LEAK_SAMPLES, WatchdogConfig
 
 log = logging.getLogger(__name__)
@@ -265,10 +266,37 @@ class Alert:
                 "figures": dict(self.figures), "ts": round(time.time(), 3)}
 
 
-# Anything with device_used_mb / device_total_mb: agent.health.npu_smi.NpuMemory, or a backend's own reading.
-NpuReading = Any
-# A callable returning a reading (or None), or an object with such a read() (agent.health.npu_smi.NpuSmiProbe).
-NpuProbe = Any
+class NpuReading(Protocol):
+    """One NPU memory reading: :class:`agent.health.npu_smi.NpuMemory`, or a backend's own."""
+
+    @property
+    def device_used_mb(self) -> float: ...
+
+    @property
+    def device_total_mb(self) -> float: ...
+
+
+class NpuProbe(Protocol):
+    """Reads the NPU's memory (:class:`agent.health.npu_smi.NpuSmiProbe`); None when there is no reading."""
+
+    def read(self) -> Optional[NpuReading]: ...
+
+
+# A probe's read() alone also does (tests and backends that read their own figures pass a function).
+NpuRead = Callable[[], Optional[NpuReading]]
+
+
+class Notifier(Protocol):
+    """The service manager's watchdog and status line (:class:`agent.health.sdnotify.SystemdNotifier`)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def watchdog_interval_s(self) -> Optional[float]: ...
+
+    def watchdog(self) -> bool: ...
+
+    def status(self, text: str) -> bool: ...
 
 
 class MemoryWatchdog:
@@ -283,7 +311,7 @@ class MemoryWatchdog:
     """
 
     def __init__(self, config: WatchdogConfig, budget_mb: Optional[float] = None,
-                 npu_probe: Optional[NpuProbe] = None,
+                 npu_probe: Union[NpuProbe, NpuRead, None] = None,
                  clock: Callable[[], float] = time.monotonic, *, npu_budget_mb: Optional[float] = None,
                  read_rss: Callable[[], Optional[float]] = read_rss_mb,
                  read_limit: Callable[[], Optional[float]] = read_cgroup_limit_mb) -> None:
@@ -291,7 +319,7 @@ class MemoryWatchdog:
         self.budget_mb = budget_mb
         self.npu_budget_mb = npu_budget_mb
         self.npu_probe = npu_probe
-        self._read_npu: Optional[Callable[[], Optional[NpuReading]]] = getattr(npu_probe, "read", npu_probe)
+        self._read_npu: Optional[NpuRead] = getattr(npu_probe, "read", npu_probe)
         self._npu_error = ""
         self.clock = clock
         self.restart_on_leak = config.restart_on_leak
@@ -536,7 +564,7 @@ class Watchdog:
     """
 
     def __init__(self, config: WatchdogConfig, memory: MemoryWatchdog, progress: ProgressMonitor,
-                 notifier: Any, on_alert: Callable[[Dict[str, Any]], None],
+                 notifier: Notifier, on_alert: Callable[[Dict[str, Any]], None],
                  request_restart: Callable[[str], None], tick_s: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.memory = memory

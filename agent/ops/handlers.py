@@ -1,0 +1,133 @@
+"""The daemon's command verbs: what ``status``, ``validate``, ``set-config``, ``pause``, ``snapshot``, ``restart``
+(and, through the model manager, ``deploy`` and ``rollback``) do.
+
+Handlers run on the command dispatcher's worker thread, one at a time. Anything that changes what the next
+batch sees goes to the serving loop through the between-batches handover; the rest reads counters that the
+loop only ever replaces whole.
+"""
+
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, Optional
+
+from agent._util.atomic import atomic_write
+from agent._util.compat import Protocol
+from agent.config.daemon_config import DaemonConfig, merge_config
+from agent.config.schema import to_dict
+from agent.errors import CommandError
+from agent.lifecycle.model_manager import ModelManager
+from agent.ops.commands import Handler, Progress
+from agent.pipeline.handover import BetweenBatches
+from agent.pipeline.results import annotate
+from agent.pipeline.serving import ServingLoop
+
+# A set-config waits this long for the serving loop (one batch plus a model's between-batches work).
+CONFIG_HANDOVER_TIMEOUT_S = 5.0
+# The restart ack must reach the operator before the process goes away.
+RESTART_DELAY_S = 0.5
+SNAPSHOT_JPEG_QUALITY = 85  # a picture for a person, not for a model: small beats exact
+
+
+class Publisher(Protocol):
+    """What handlers publish through (the MQTT transport): topics under this device, and messages."""
+
+    def topic(self, *parts: str) -> str: ...
+
+    def publish(self, topic: str, payload: Any, qos: Optional[int] = None, retain: bool = False,
+                durable: bool = True) -> str: ...
+
+
+class CommandHandlers:
+    """The verb table of one daemon; the daemon owns the config and applies it (``apply_config``)."""
+
+    def __init__(self, loop: ServingLoop, models: ModelManager, publisher: Publisher, handover: BetweenBatches,
+                 get_config: Callable[[], DaemonConfig], apply_config: Callable[[DaemonConfig], None],
+                 request_restart: Callable[[str], None], device_name: str, backend: str,
+                 config_path: Optional[str] = None) -> None:
+        self.loop = loop
+        self.models = models
+        self.publisher = publisher
+        self.handover = handover
+        self.get_config = get_config
+        self.apply_config = apply_config
+        self.request_restart = request_restart
+        self.device_name = device_name
+        self.backend = backend
+        self.config_path = config_path
+        self.started = time.time()
+
+    def table(self) -> Dict[str, Handler]:
+        """Verb → handler, for :class:`agent.ops.commands.CommandDispatcher`."""
+        return {
+            "status": lambda payload, progress: self.status(),
+            "validate": self.validate,
+            "set-config": self.set_config,
+            "deploy": self.models.deploy,
+            "rollback": lambda payload, progress: self.models.rollback(payload.get("reason", "operator")),
+            "pause": lambda payload, progress: self.pause(True),
+            "resume": lambda payload, progress: self.pause(False),
+            "snapshot": self.snapshot,
+            "restart": self.restart,
+        }
+
+    def status(self) -> Dict[str, Any]:
+        info = self.loop.telemetry()
+        info.update({
+            "device_id": self.get_config().device_id,
+            "device": self.device_name,
+            "backend": self.backend,
+            "model": self.models.current.describe(),
+            "slots": self.models.status(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "paused": self.loop.paused,
+        })
+        return info
+
+    def validate(self, payload: Dict[str, Any], progress: Progress) -> Dict[str, Any]:
+        changes = payload.get("config", {})
+        merged = merge_config(self.get_config(), changes)  # raises ConfigError with per-field errors
+        return {"valid": True, "config": {k: to_dict(getattr(merged, k)) for k in changes}}
+
+    def set_config(self, payload: Dict[str, Any], progress: Progress) -> Dict[str, Any]:
+        changes = payload.get("config", {})
+        merged = merge_config(self.get_config(), changes)
+        # Applied by the serving loop between batches, all at once; withdrawn if the loop does not get to it.
+        self.handover.submit(lambda: self.apply_config(merged), CONFIG_HANDOVER_TIMEOUT_S, what="config change")
+        self.persist_config()
+        return {"applied": sorted(changes)}
+
+    def persist_config(self) -> None:
+        """Write the running config back so a restart keeps the change (atomic, durable replace)."""
+        if not self.config_path:
+            return
+        import yaml
+
+        config = self.get_config()
+        data = to_dict(config)
+        data["state_dir"] = os.path.relpath(config.state_dir, os.path.dirname(os.path.abspath(self.config_path)))
+        atomic_write(self.config_path, yaml.safe_dump(data, sort_keys=False))
+
+    def pause(self, paused: bool) -> Dict[str, Any]:
+        stale = self.loop.set_paused(paused)
+        return {"paused": paused, "stale_frames_dropped": stale}
+
+    def snapshot(self, payload: Dict[str, Any], progress: Progress) -> Dict[str, Any]:
+        import cv2
+
+        latest = self.loop.latest
+        if latest is None:
+            raise CommandError("no_frame", "no frame has been served yet")
+        frame, result = latest
+        picture = annotate(frame.image, result.get("detections", []))
+        ok, jpeg = cv2.imencode(".jpg", picture, [cv2.IMWRITE_JPEG_QUALITY, SNAPSHOT_JPEG_QUALITY])
+        if not ok:
+            raise RuntimeError("JPEG encoding failed")
+        topic = self.publisher.topic("snapshot", frame.source)
+        self.publisher.publish(topic, jpeg.tobytes(), qos=1, retain=False, durable=False)
+        return {"topic": topic, "bytes": int(jpeg.size), "frame_id": frame.frame_id, "source": frame.source}
+
+    def restart(self, payload: Dict[str, Any], progress: Progress) -> Dict[str, Any]:
+        # Acknowledge first, then stop: the ack must reach the operator before the process goes away.
+        threading.Timer(RESTART_DELAY_S, self.request_restart, args=("restart command",)).start()
+        return {"restarting": True}
