@@ -464,13 +464,18 @@ def load_images(directory: Optional[str], count: int) -> Tuple[List[np.ndarray],
 def fixed_onnx(info: ModelInfo, tier: Tier, path: str) -> None:
     """Write the model with its input fixed at (1, 3, h, w): the input's dims are set and shapes re-inferred.
 
-    A fixed-shape model already at ``tier`` is copied byte for byte.
+    A fixed-shape model already at ``tier`` keeps its graph; every model loses the default-valued attributes the
+    converters refuse (:func:`drop_default_pool_dilations`), and a classifier its final softmax
+    (:func:`drop_final_softmax`).
     """
-    if not info.dynamic:
-        shutil.copyfile(info.path, path)
-        return
     onnx = _import_onnx()
     model = onnx.load(info.path)
+    drop_default_pool_dilations(model)
+    if drop_final_softmax(model):
+        log.info("%s ends in a softmax: the artifact outputs its logits (the agent applies the softmax)", info.path)
+    if not info.dynamic:
+        onnx.save(model, path)
+        return
     graph = model.graph
     graph_input = next(i for i in graph.input if i.name == info.input_name)
     for dim, value in zip(graph_input.type.tensor_type.shape.dim, (1, 3) + tuple(tier)):
@@ -489,6 +494,54 @@ def fixed_onnx(info: ModelInfo, tier: Tier, path: str) -> None:
         raise CreateError("--model %s: fixing the input at %dx%d failed: %s" % (
             info.path, tier[0], tier[1], exc)) from None
     onnx.save(model, path)
+
+
+def drop_final_softmax(model: Any) -> bool:
+    """Make a classifier that ends in ``Softmax`` over its class axis output the logits instead; True if it did.
+
+    The agent's classify decoding applies the softmax itself (postprocess.classify_topk), so a network that already
+    ends in one (Ultralytics' classify exports do) would report the softmax of probabilities: the right order, but
+    flattened scores. Removing the last node gives exactly the network's probabilities again on the box.
+    """
+    graph = model.graph
+    if len(graph.output) != 1:
+        return False
+    output = graph.output[0]
+    producers = [n for n in graph.node if output.name in n.output]
+    if len(producers) != 1 or producers[0].op_type != "Softmax" or len(_dims(output)) != 2:
+        return False
+    softmax = producers[0]
+    axis = next((a.i for a in softmax.attribute if a.name == "axis"), -1 if _opset(model) >= 13 else 1)
+    if axis not in (1, -1) or any(softmax.output[0] in n.input for n in graph.node):
+        return False
+    logits = softmax.input[0]
+    for node in graph.node:  # the logits tensor takes the graph output's name, so the output keeps its name
+        node.output[:] = [output.name if name == logits else name for name in node.output]
+        node.input[:] = [output.name if name == logits else name for name in node.input]
+    graph.node.remove(softmax)
+    return True
+
+
+def _opset(model: Any) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def drop_default_pool_dilations(model: Any) -> int:
+    """Remove ``dilations`` of all ones (the ONNX default) from pooling nodes; returns how many were removed.
+
+    torch's exporter writes them on every MaxPool (Ultralytics' SPPF has three), and MindSpore Lite 2.0.0's
+    converter refuses any pooling node that carries the attribute ("pooling op not support dilations now",
+    measured), so a bundle that keeps them cannot be converted to .ms. Dropping a default changes nothing else.
+    """
+    removed = 0
+    for node in model.graph.node:
+        if node.op_type not in ("MaxPool", "AveragePool"):
+            continue
+        for attribute in list(node.attribute):
+            if attribute.name == "dilations" and all(v == 1 for v in attribute.ints):
+                node.attribute.remove(attribute)
+                removed += 1
+    return removed
 
 
 def fold_shape_constants(model: Any) -> Any:

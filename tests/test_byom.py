@@ -9,7 +9,9 @@ predictions recorded there.
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 
 import cv2
 import numpy as np
@@ -26,7 +28,6 @@ from quant.byom import CreateError, read_labels_file  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "byom")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LITE_PYTHON = os.path.join(ROOT, ".venv-lite", "bin", "python")
 BOX_PX = 1.0  # boxes within 1 pixel of the peer's
 SCORE_ATOL = 1e-3  # scores within 1e-3 of the peer's
 
@@ -99,6 +100,8 @@ def test_ultralytics_yolov8_serves_what_ultralytics_predicts(yolov8_bundle):
         manifest = bundle.manifest
         assert manifest.task == "detect-yolov8"  # from the export's own metadata and output shape
         assert manifest.labels == ["circle", "square", "triangle"]  # from metadata_props names, no --labels
+        pools = [n for n in onnx.load(bundle.path("model_256x256.onnx")).graph.node if n.op_type == "MaxPool"]
+        assert pools and not any(a.name == "dilations" for n in pools for a in n.attribute)  # converter_lite refuses
         assert manifest.input.tiers == [(256, 256)]
         assert manifest.source.producer.startswith("Ultralytics")
         assert manifest.source.images.startswith("generated")
@@ -127,28 +130,65 @@ def test_ultralytics_dynamic_export_is_fixed_per_tier_and_matches_at_each(tmp_pa
         model.close()
 
 
-@pytest.mark.skipif(not os.path.exists(LITE_PYTHON), reason=".venv-lite (MindSpore Lite lane) is not built here")
+# What converter_lite 2.0.0 says about the Conv of Ultralytics' DFL (distribution focal loss) box decoding, a 1x1
+# convolution over a reshaped, transposed, softmaxed tensor: its shape pass fails there. Only this known failure
+# is expected; any other conversion or parity failure fails the test.
+LITE_DFL_FAILURE = "InferShape failed, name: /model.22/dfl/conv/Conv"
+LITE_SERVE = """
+import json, sys, cv2
+from agent.config.device_config import load_device_config
+from agent.lifecycle.bundle import verify_bundle
+from agent.pipeline.model import load_model
+model = load_model(verify_bundle(sys.argv[1]), load_device_config("cpu-dev"), "mslite")
+t = json.loads(sys.argv[2])
+model.set_thresholds(conf=t["conf"], iou=t["iou"], max_det=t["max_det"])
+results = model.infer_frames([cv2.imread(p) for p in sys.argv[3:]])
+print(json.dumps([[list(r.tier), r.detections.tolist()] for r in results]))
+"""
+
+
+def convert_and_serve_on_mslite(source_bundle, tmp_path, thresholds, peers):
+    """Convert a copy of the bundle with the real MindSpore Lite converter, serve it with the mslite backend in the
+    Lite lane's interpreter (Python 3.7 + mindspore_lite 2.0.0), and match each frame against its peer result."""
+    from tests import lite_support
+
+    python = lite_support.lite_python()
+    if python is None:
+        pytest.skip(lite_support.NO_LITE_PYTHON)
+    bundle = str(tmp_path / "bundle")
+    shutil.copytree(source_bundle, bundle)
+    done = subprocess.run([sys.executable, "-m", "converters.cli", "--bundle", bundle, "--device", "cpu-dev",
+                           "--to", "ms"], cwd=ROOT, env=lite_support.lite_env(python), capture_output=True,
+                          text=True, timeout=lite_support.CONVERT_TIMEOUT_S, check=False)
+    output = done.stdout + done.stderr
+    if done.returncode != 0 and LITE_DFL_FAILURE in output:
+        pytest.xfail("MindSpore Lite 2.0.0's converter cannot infer the shape of Ultralytics' DFL Conv (measured)")
+    assert done.returncode == 0, output[-3000:]
+    assert any(a.format == "ms" for a in verify_bundle(bundle).manifest.artifacts)
+    served = subprocess.run([python, "-c", LITE_SERVE, bundle, json.dumps(thresholds)]
+                            + [fixture(p["image"]) for p in peers], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert served.returncode == 0, served.stderr[-3000:]
+    figures = []
+    for (tier, dets), peer in zip(json.loads(served.stdout.strip().splitlines()[-1]), peers):
+        assert tier == [256, 256]
+        figures.append((len(dets),) + match(np.array(dets, np.float32).reshape(-1, 6), peer))
+    assert sum(f[0] for f in figures) > 0
+    return figures
+
+
 def test_ultralytics_yolov8_on_mslite(yolov8_bundle, tmp_path):
-    """The same bundle converted by converter_lite and served by the mslite backend, in the Lite venv."""
-    script = tmp_path / "lite_check.py"
-    script.write_text(
-        "import json, sys, cv2\n"
-        "sys.path.insert(0, %r)\n"
-        "from agent.config.device_config import load_device_config\n"
-        "from agent.lifecycle.bundle import verify_bundle\n"
-        "from agent.pipeline.model import load_model\n"
-        "model = load_model(verify_bundle(sys.argv[1]), load_device_config('cpu-dev'), 'mslite')\n"
-        "t = json.loads(sys.argv[2])\n"
-        "model.set_thresholds(conf=t['conf'], iou=t['iou'], max_det=t['max_det'])\n"
-        "frames = [cv2.imread(p) for p in sys.argv[3:]]\n"
-        "print(json.dumps([r.detections.tolist() for r in model.infer_frames(frames)]))\n" % ROOT)
-    paths = [fixture(r["image"]) for r in EXPECTED["yolov8"]["predictions"]["256x256"]]
-    done = subprocess.run([LITE_PYTHON, str(script), yolov8_bundle, json.dumps(EXPECTED["yolov8"]["predictor"])]
-                          + paths, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    for dets, peer in zip(got, EXPECTED["yolov8"]["predictions"]["256x256"]):
-        match(np.array(dets, np.float32).reshape(-1, 6), peer)
+    figures = convert_and_serve_on_mslite(yolov8_bundle, tmp_path, EXPECTED["yolov8"]["predictor"],
+                                          EXPECTED["yolov8"]["predictions"]["256x256"])
+    print("yolov8 mslite (count, max box px, max score):", figures)
+
+
+def test_yolov5_layout_on_mslite(tmp_path):
+    v5 = EXPECTED["yolov5"]
+    code, out = create(tmp_path, "--model", fixture(v5["model"]), "--labels", fixture(v5["labels"]))
+    assert code == 0
+    figures = convert_and_serve_on_mslite(out, tmp_path / "lite", v5, v5["results"])
+    print("yolov5 mslite (count, max box px, max score):", figures)
 
 
 def test_yolov5_layout_from_torch_is_detected_and_serves_like_torch(tmp_path):
@@ -189,6 +229,30 @@ def test_classifier_from_torch_serves_torch_probabilities(tmp_path):
         print("classifier opencv max probability diff:", worst)
     finally:
         model.close()
+
+
+def test_classifier_ending_in_softmax_reports_its_own_probabilities(tmp_path):
+    """Ultralytics' classify exports end in a softmax; the agent applies one too. The artifact must give logits,
+    else the box would report the softmax of probabilities (same order, flattened scores)."""
+    cls = EXPECTED["classify"]
+    model = onnx.load(fixture(cls["model"]))
+    logits = model.graph.output[0].name
+    model.graph.node.append(onnx.helper.make_node("Softmax", [logits], ["probabilities"], axis=1))
+    model.graph.output[0].name = "probabilities"
+    onnx.save(model, str(tmp_path / "softmax.onnx"))
+    code, out = create(tmp_path, "--model", str(tmp_path / "softmax.onnx"), "--labels", fixture(cls["labels"]),
+                       "--tiers", "96x96", "--mean", ",".join(map(str, cls["mean"])),
+                       "--std", ",".join(map(str, cls["std"])))
+    assert code == 0
+    bundle, served = serve(out)
+    try:
+        assert [n.op_type for n in onnx.load(bundle.path("model_96x96.onnx")).graph.node][-1] != "Softmax"
+        served.set_thresholds(top_k=5)
+        for result, peer in zip(served.infer_frames(images()), cls["results"]):
+            for class_id, probability in result.classes:
+                assert abs(probability - peer["probabilities"][class_id]) <= SCORE_ATOL
+    finally:
+        served.close()
 
 
 def test_mindspore_mindir_classifier_serves_its_network(tmp_path):
