@@ -172,7 +172,7 @@ class SimBox:
                  observation_s: float, prefix: str) -> None:
         self.device_id = device_id
         self.state_dir = os.path.join(root, device_id)
-        config = parse_daemon_config({
+        self.config = parse_daemon_config({
             "device_id": device_id, "state_dir": self.state_dir, "device": "cpu-dev",
             "model": {"bundle": bundle, "backend": "opencv", "observation_s": observation_s,
                       "latency_regression": LATENCY_FACTOR},
@@ -184,13 +184,18 @@ class SimBox:
             "watchdog": {"interval_s": 60.0, "soft_limit_mb": 1.0e6, "restart_on_leak": False,
                          "inference_deadline_s": 60.0},
         })
-        self.daemon = Daemon(config)
         self.deploys = 0
         self.rollbacks = 0
-        handlers = self.daemon.dispatcher.handlers
+        self.daemon = self._daemon()
+        self._thread: Optional[threading.Thread] = None
+
+    def _daemon(self) -> Daemon:
+        """A new Daemon on this box's state dir (a restart is a new process: new objects, same disk)."""
+        daemon = Daemon(self.config)
+        handlers = daemon.dispatcher.handlers
         handlers["deploy"] = self._counted(handlers["deploy"], "deploys")
         handlers["rollback"] = self._counted(handlers["rollback"], "rollbacks")
-        self._thread: Optional[threading.Thread] = None
+        return daemon
 
     def _counted(self, handler: Callable[..., Any], counter: str) -> Callable[..., Any]:
         def run(fields: Dict[str, Any], progress: Callable[[str], None]) -> Any:
@@ -200,6 +205,8 @@ class SimBox:
         return run
 
     def start(self) -> "SimBox":
+        if self.daemon.stop_event.is_set():  # stopped before: come back like a restarted process
+            self.daemon = self._daemon()
         self.daemon.start()
         self._thread = threading.Thread(target=self.daemon.serve, name="serve-%s" % self.device_id, daemon=True)
         self._thread.start()

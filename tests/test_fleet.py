@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -257,6 +258,30 @@ def test_killed_mid_wave_and_rerun_finishes_with_no_box_deployed_twice(make_flee
     assert report["counts"] == {"confirmed": CI_BOXES}
     assert fleet.deploys() == {box.device_id: 1 for box in fleet.boxes}
     assert all(s == {"version": "2.0.0", "state": "confirmed"} for s in truth(fleet).values())
+
+
+def test_wait_offline_sends_to_a_box_that_comes_back_and_reports_the_one_that_does_not(
+        make_fleet, mosquitto, bundles, tmp_path, capsys):
+    fleet = make_fleet(5)
+    back, gone = fleet.boxes[1], fleet.boxes[3]
+    back.stop()
+    gone.stop()
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(zip(("code", "report"), run_cli(rollout_args(
+        mosquitto, fleet, bundles, tmp_path, "--canary", "1", "--waves", "1", "--wait-offline", "8",
+        "--rollout-id", "ro-w"), capsys))))
+    runner.start()
+    assert wait_for(lambda: os.path.exists(str(tmp_path / "rollouts" / "ro-w.json")))  # planned: both offline
+    back.start()  # comes back while the rollout runs; 'gone' stays away
+    runner.join(120)
+    assert not runner.is_alive()
+    report = result["report"]
+    assert result["code"] == EXIT_OK, report
+    by_device = {b["device"]: b for b in report["boxes"]}
+    assert report["waves"][-1] == [back.device_id, gone.device_id]  # the last wave: those offline at the start
+    assert by_device[back.device_id]["outcome"] == "confirmed" and back.deploys == 1
+    assert by_device[gone.device_id]["outcome"] == "offline" and gone.deploys == 0
+    assert report["counts"] == {"confirmed": 4, "offline": 1} and report["failures"] == 0
 
 
 def test_a_rerun_with_different_arguments_is_refused_and_sends_nothing(make_fleet, mosquitto, bundles, tmp_path,

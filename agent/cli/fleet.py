@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "%.0f; more than the boxes' observation_s)" % DEFAULT_CONFIRM_TIMEOUT_S)
     rollout.add_argument("--rollback-on-abort", action="store_true",
                          help="on abort, roll every moved box back to its previous model")
+    rollout.add_argument("--wait-offline", type=float, default=None, metavar="S",
+                         help="boxes offline at the start make a last wave, sent to each that is back within S s")
     rollout.add_argument("--rollout-id", default=None,
                          help="default: derived from prefix, group, bundle and sha256 (a re-run resumes)")
     rollout.add_argument("--state-dir", default=None,
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[Te
                                prefix=args.prefix, canary=args.canary, waves=args.waves,
                                wave_size=args.wave_size, max_failures=args.max_failures,
                                max_failure_rate=args.max_failure_rate, min_executed=args.min_executed,
-                               confirm_timeout_s=args.confirm_timeout, rollback_on_abort=args.rollback_on_abort)
+                               confirm_timeout_s=args.confirm_timeout, rollback_on_abort=args.rollback_on_abort,
+                               wait_offline_s=args.wait_offline)
             spec.check()
             rollout_id = check_rollout_id(args.rollout_id or spec.default_id())
         link = _link(args, "atlas-edge-fleet")

@@ -3,8 +3,10 @@
 Semantics (docs/fleet.md has the long form):
 
 - **Plan.** The targets are the boxes whose retained status names the group. Boxes offline at the start are
-  reported ``offline`` and skipped, never counted as failures; boxes already serving the bundle confirmed are
-  ``already``. The rest, sorted by device id, make the canary (``--canary N``) and then the waves.
+  reported ``offline`` and skipped, never counted as failures (with ``--wait-offline S`` they make a last wave
+  instead, sent to each box that comes back within S seconds of that wave's start); boxes already serving the
+  bundle confirmed are ``already``. The rest, sorted by device id, make the canary (``--canary N``) and then
+  the waves.
 - **A box's outcome.** ``confirmed`` when its retained status shows the bundle confirmed and serving (past its
   observation window); ``failed`` when the deploy command fails (bad bundle, golden mismatch, busy...);
   ``rolled_back`` when the box rolled the new model back itself (latency, errors, restart); ``timed_out`` when
@@ -75,6 +77,7 @@ class RolloutSpec:
     min_executed: int = 1
     confirm_timeout_s: float = DEFAULT_CONFIRM_TIMEOUT_S
     rollback_on_abort: bool = False
+    wait_offline_s: Optional[float] = None
 
     def check(self) -> None:
         problems = []
@@ -92,6 +95,8 @@ class RolloutSpec:
             problems.append("--max-failure-rate must be in [0, 1)")
         if self.min_executed < 1 or self.confirm_timeout_s <= 0:
             problems.append("--min-executed must be >= 1 and --confirm-timeout > 0")
+        if self.wait_offline_s is not None and self.wait_offline_s <= 0:
+            problems.append("--wait-offline must be > 0")
         if problems:
             raise RolloutError("; ".join(problems))
 
@@ -260,7 +265,8 @@ class Rollout:
     def _plan(self) -> RolloutState:
         sha = self.spec.sha256.lower()
         boxes: Dict[str, Dict[str, Any]] = {}
-        movable = []
+        movable: List[str] = []
+        waiting: List[str] = []
         for view in self.view.in_group(self.spec.group):
             serving = view.serving
             box = {"wave": None, "phase": PLANNED, "outcome": None, "error": None,
@@ -269,8 +275,12 @@ class Rollout:
                    "request_id": request_id(self.rollout_id, view.device, "deploy"),
                    "sent_at": None, "deployed_at": None, "finished_at": None, "revert": None}
             if not view.online:
-                box.update(outcome=OFFLINE, phase=DONE, error="offline at the start (%s)" % (view.reason or
-                                                                                             view.state))
+                box["error"] = "offline at the start (%s)" % (view.reason or view.state)
+                if self.spec.wait_offline_s is None:
+                    box.update(outcome=OFFLINE, phase=DONE)
+                else:
+                    box["waits"] = True  # a last wave, if it comes back in time
+                    waiting.append(view.device)
             elif view.serves_confirmed(sha):
                 box.update(outcome=ALREADY, phase=DONE, new=box["old"])
             else:
@@ -280,6 +290,8 @@ class Rollout:
             raise RolloutError("no box has announced itself in group %r under prefix %r" % (
                 self.spec.group, self.spec.prefix))
         waves = plan_waves(movable, self.spec.canary, self.spec.waves, self.spec.wave_size)
+        if waiting:
+            waves.append(waiting)
         for index, wave in enumerate(waves):
             for device in wave:
                 boxes[device]["wave"] = index
@@ -287,7 +299,7 @@ class Rollout:
             "schema": STATE_SCHEMA, "rollout_id": self.rollout_id, "spec": asdict(self.spec),
             "status": RUNNING, "abort": None, "started": self.clock(), "finished": None, "runs": 0,
             "waves": waves, "boxes": boxes})
-        skipped = [d for d, b in boxes.items() if b["outcome"] == OFFLINE]
+        skipped = [d for d, b in boxes.items() if b["outcome"] == OFFLINE or b.get("waits")]
         self.progress("rollout %s: %d box(es) in group %s; %d in %d wave(s), %d already there, %d offline%s" % (
             self.rollout_id, len(boxes), self.spec.group, len(movable), len(waves),
             sum(1 for b in boxes.values() if b["outcome"] == ALREADY), len(skipped),
@@ -298,6 +310,9 @@ class Rollout:
     # --- one wave ----------------------------------------------------------------------------------------
 
     def _run_wave(self, state: RolloutState, index: int, devices: List[str]) -> None:
+        devices = self._back_online(state, devices)
+        if not devices:
+            return
         self._subscribe_acks(devices, "deploy")
         now = self.clock()
         for device in devices:
@@ -333,6 +348,30 @@ class Rollout:
                                    error="deployed, not yet judged when the rollout aborted")
                     state.save()
                     return
+
+    def _back_online(self, state: RolloutState, devices: List[str]) -> List[str]:
+        """The boxes of a wave that may be sent now: waiting boxes only once online (until --wait-offline)."""
+        waits = [d for d in devices if state.boxes[d].get("waits") and state.boxes[d]["phase"] == PLANNED]
+        if not waits:
+            return devices
+        self.progress("waiting up to %.0f s for %d box(es) offline at the start" % (self.spec.wait_offline_s or 0,
+                                                                                   len(waits)))
+        deadline = self.clock() + (self.spec.wait_offline_s or 0.0)
+        while self.clock() < deadline and not all(self._online(d) for d in waits):
+            self._pump()
+        late = [d for d in waits if not self._online(d)]
+        for device in late:
+            state.boxes[device].update(outcome=OFFLINE, phase=DONE, finished_at=self.clock(),
+                                       error="offline at the start and not back within %.0f s" %
+                                       (self.spec.wait_offline_s or 0.0))
+            self.progress("  %-24s offline (not back in time)" % device)
+        if late:
+            state.save()
+        return [d for d in devices if d not in late]
+
+    def _online(self, device: str) -> bool:
+        view = self.view.boxes.get(device)
+        return view is not None and view.online
 
     def _judge(self, state: RolloutState, device: str) -> bool:
         """Advance one box from what its acks and status say; True once it has an outcome."""
