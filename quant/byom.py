@@ -109,8 +109,11 @@ def _import_onnx() -> Any:
     # first would fix the C implementation for the whole process and break MindSpore ("Descriptors cannot be
     # created directly"). So MindSpore goes first, whenever onnx is used in a host process.
     import mindspore  # noqa: F401
-    import onnx
 
+    try:
+        import onnx
+    except ImportError:
+        raise CreateError("reading an ONNX model needs the onnx package: pip install 'atlas-edge[host]'") from None
     return onnx
 
 

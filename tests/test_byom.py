@@ -115,6 +115,20 @@ def test_ultralytics_yolov8_serves_what_ultralytics_predicts(yolov8_bundle):
         model.close()
 
 
+def test_task_comes_from_the_output_shape_when_the_model_has_no_metadata(tmp_path):
+    """The Ultralytics graph without its metadata: (1, 7, 1344) at 256x256 is YOLOv8's layout (1344 anchors)."""
+    model = onnx.load(fixture("yolov8t.onnx"))
+    del model.metadata_props[:]
+    onnx.save(model, str(tmp_path / "bare.onnx"))
+    labels = tmp_path / "labels.txt"
+    labels.write_text("circle\nsquare\ntriangle\n")
+    code, out = create(tmp_path, "--model", str(tmp_path / "bare.onnx"), "--labels", str(labels))
+    assert code == 0
+    manifest = verify_bundle(out).manifest
+    assert manifest.task == "detect-yolov8" and manifest.source.preprocessing.startswith("assumed")
+    assert manifest.postprocessing.iou == 0.45  # the manifest default: nothing says it is an Ultralytics model
+
+
 def test_ultralytics_dynamic_export_is_fixed_per_tier_and_matches_at_each(tmp_path):
     code, out = create(tmp_path, "--model", fixture("yolov8t-dynamic.onnx"), "--tiers", "256x256,192x320")
     assert code == 0
