@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tarfile
 
 import numpy as np
@@ -31,6 +32,7 @@ from agent.lifecycle.bundle import (
     write_manifest,
 )
 from agent.lifecycle.fetch import unpack_archive
+from tests.needs import needs_cryptography
 
 
 def artifact(file, **extra):
@@ -231,6 +233,7 @@ def test_pick_tier_ties_go_to_the_larger_tier():
 
 # --- signatures ------------------------------------------------------------------------------------------
 
+@needs_cryptography
 def test_signature_good_bad_and_missing_with_a_configured_key(tmp_path):
     root = tmp_path / "b"
     make_bundle(root)
@@ -250,6 +253,20 @@ def test_signature_good_bad_and_missing_with_a_configured_key(tmp_path):
         verify_bundle(str(root), bytes.fromhex(other_hex))
 
 
+def test_without_cryptography_a_signed_bundle_is_refused_naming_the_package(tmp_path, monkeypatch):
+    """A box-only install without the ``edge`` extra: a configured key cannot be checked, so nothing serves."""
+    root = tmp_path / "b"
+    make_bundle(root)
+    (root / SIGNATURE).write_bytes(b"\0" * 64)
+    for name in ["cryptography"] + [m for m in sys.modules if m.startswith("cryptography.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it (or a loaded submodule) raises ImportError
+    with pytest.raises(BundleError) as info:
+        verify_bundle(str(root), b"\1" * 32)
+    assert fields(info.value) == ["manifest.sig"]
+    assert "signature checks need the 'cryptography' package" in messages(info.value)
+
+
+@needs_cryptography
 def test_editing_a_signed_manifest_breaks_the_signature(tmp_path):
     root = tmp_path / "b"
     make_bundle(root)
@@ -262,6 +279,7 @@ def test_editing_a_signed_manifest_breaks_the_signature(tmp_path):
         verify_bundle(str(root), bytes.fromhex(public_hex))
 
 
+@needs_cryptography
 def test_rewriting_the_manifest_removes_the_stale_signature(tmp_path):
     root = tmp_path / "b"
     data = make_bundle(root)
@@ -342,6 +360,7 @@ def cli(*argv):
     return bundle_cli.run(parser.parse_args(list(argv)))
 
 
+@needs_cryptography
 def test_cli_keygen_sign_verify(tmp_path, capsys):
     root = tmp_path / "b"
     make_bundle(root)
@@ -370,6 +389,7 @@ def test_cli_verify_refuses_a_tampered_bundle_naming_the_file(tmp_path, capsys):
     assert "artifacts[0].sha256: hash mismatch for model.onnx" in capsys.readouterr().err
 
 
+@needs_cryptography
 def test_cli_sign_refuses_a_broken_bundle_and_writes_no_signature(tmp_path, capsys):
     root = tmp_path / "b"
     make_bundle(root)

@@ -1,9 +1,11 @@
 """ModelManager: hot swap between batches, refusals that change nothing, automatic rollback, crash recovery.
 
-Real inference throughout: a tiny network exported by MindSpore (session fixture) to ONNX and MindIR,
-served by OpenCV's DNN (fast loads) and, in one test, by MindSpore itself. MindSpore also computes the golden
+Real inference throughout: a tiny network that MindSpore exported to ONNX and MindIR, committed in
+``tests/data/tiny-classify`` (rebuilt by ``tests/data/build_tiny_bundle.py``), served by OpenCV's DNN (fast
+loads; all a box-only install needs) and, in one test, by MindSpore itself. MindSpore also computed the golden
 outputs, so the golden self-test compares OpenCV against an independent reference. A small loop in the tests
-plays the daemon's serving thread: ``between_batches(); current.infer_frames(...); record_batch(...)``.
+plays the daemon's serving thread: ``handover.run_pending(); between_batches(); current.infer_frames(...);
+record_batch(...)``.
 """
 
 import functools
@@ -38,8 +40,10 @@ from agent.lifecycle.store import STAGING_DIR
 from agent.pipeline import backends
 from agent.pipeline.backends.opencv_backend import OpenCvBackend
 from agent.pipeline.handover import BetweenBatches
+from tests.needs import needs_cryptography, needs_mindspore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_BUNDLE = os.path.join(REPO, "tests", "data", "tiny-classify")
 TIER = 32
 LONG_WINDOW_S = 600.0  # an observation window no test outlives: the model stays pending
 WAIT_S = 30.0  # bound on anything that should take a few batches
@@ -52,53 +56,6 @@ NOISE_PROOF_FACTOR = 1000.0
 
 # --- fixtures: a real tiny model, its versions, a manager ---------------------------------------------------
 
-def _build_bundle(root):
-    """A classify bundle: conv -> pool -> dense exported by MindSpore to ONNX and MindIR, one golden case."""
-    import mindspore as ms
-    from mindspore import nn
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_seed(7)
-
-    class Tiny(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 3, stride=2, has_bias=True, weight_init="normal")
-            self.relu = nn.ReLU()
-            self.pool = nn.AvgPool2d(15, 15)  # 15x15 feature map -> 1x1 (AdaptiveAvgPool has no ONNX export)
-            self.flat = nn.Flatten()
-            self.fc = nn.Dense(4, 3)
-
-        def construct(self, x):
-            return self.fc(self.flat(self.pool(self.relu(self.conv(x)))))
-
-    net = Tiny()
-    net.set_train(False)
-    os.makedirs(os.path.join(root, "golden"))
-    dummy = ms.Tensor(np.zeros((1, 3, TIER, TIER), np.float32))
-    stem = os.path.join(root, "model_%dx%d" % (TIER, TIER))
-    ms.export(net, dummy, file_name=stem, file_format="ONNX")
-    ms.export(net, dummy, file_name=stem, file_format="MINDIR")
-    image = np.random.default_rng(3).integers(0, 256, size=(TIER, TIER, 3), dtype=np.uint8)
-    # The reference preprocessing written out independently of agent.pipeline.preprocess: BGR->RGB, /255, HWC->CHW.
-    x = (image[:, :, ::-1].astype(np.float32) / 255.0).transpose(2, 0, 1)[None]
-    expected = net(ms.Tensor(x)).asnumpy()
-    np.save(os.path.join(root, "golden", "case0.npy"), image)
-    files = ("model_32x32.onnx", "model_32x32.mindir")
-    for name in files:
-        np.save(os.path.join(root, "golden", "case0.%s.npy" % name), expected)
-    _writable(root)
-    arts = [{"file": f, "format": f.rsplit(".", 1)[1], "target": "cpu", "tier": [TIER, TIER], "sha256": "",
-             "size": 0} for f in files]
-    write_manifest(root, {
-        "name": "tiny", "version": "1.0.0", "created": "2026-01-01T00:00:00Z", "task": "classify",
-        "labels": ["a", "b", "c"], "input": {"name": "x", "tiers": [[TIER, TIER]]}, "artifacts": arts,
-        "golden": {"atol": 1e-4, "rtol": 1e-4, "cases": [
-            {"image": "golden/case0.npy", "tier": [TIER, TIER],
-             "expected": {f: "golden/case0.%s.npy" % f for f in files}}]},
-    })
-
-
 def _writable(root):
     for dirpath, _dirs, names in os.walk(root):
         for name in names:
@@ -107,8 +64,10 @@ def _writable(root):
 
 @pytest.fixture(scope="session")
 def base_bundle(tmp_path_factory):
+    """A copy of the committed tiny bundle (tests/data/build_tiny_bundle.py made it), so tests cannot alter it."""
     root = str(tmp_path_factory.mktemp("tiny") / "tiny-1.0.0")
-    _build_bundle(root)
+    shutil.copytree(TINY_BUNDLE, root)
+    _writable(root)
     return root
 
 
@@ -489,6 +448,7 @@ def test_deploy_from_an_http_url(harness, base_bundle, tmp_path):
 # deploy's compile waits for the batch in flight and serving waits (once) for the compile.
 
 
+@needs_mindspore
 def test_deploy_and_rollback_with_the_mindspore_backend_while_serving(harness, base_bundle):
     h = harness(backend="mindspore")
     old = h.manager.start()
@@ -637,6 +597,7 @@ def test_a_bundle_for_another_soc_is_refused_naming_both_on_a_stand_in_ascend_bo
         h.manager.close()
 
 
+@needs_cryptography
 def test_signatures_are_required_when_a_key_is_configured(harness, base_bundle, tmp_path):
     private_pem, _public_pem, public_hex = make_key_pair()
     other_private = make_key_pair()[0]
