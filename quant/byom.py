@@ -7,12 +7,13 @@ consumes bundles; this makes them.
 
 Order matters:
 
-* Everything that can be wrong with the input is found before anything is written: the file is a model with one
-  float NCHW 3-channel input and one output, the tiers fit the input (fixed shapes must equal ``--tiers``, dynamic
-  sides must be multiples of the stride), labels match the class count, ``--out`` is empty or a bundle.
+* What the file itself says is checked before anything is written: a model with one float NCHW 3-channel input
+  and one output, tiers that fit the input (fixed shapes must equal ``--tiers``, dynamic sides must be multiples
+  of the stride), a readable labels file and images, ``--out`` empty or a bundle.
 * Each tier's artifact is then made in a staging directory beside ``--out`` (a dynamic ONNX is re-written with
   fixed shapes by the ``onnx`` package) and *run* by the runtime that will consume it; the output it gives decides
-  or checks the task's layout. Any failure removes the staging directory: ``--out`` is untouched.
+  or checks the task's layout and the class count the labels must match. Any failure removes the staging
+  directory: ``--out`` is untouched.
 * The manifest is written last (it hashes every file), then the staging directory replaces ``--out``.
 """
 
@@ -160,12 +161,13 @@ def _inspect_onnx(path: str) -> ModelInfo:
     if elem_type != ONNX_FLOAT:
         raise CreateError("--model %s: input %s is %s, the agent feeds float32 (export without half/int8)" % (
             path, inputs[0].name, onnx.TensorProto.DataType.Name(elem_type)))
-    metadata = {p.key: p.value for p in model.metadata_props}
-    producer = " ".join(x for x in (model.producer_name, model.producer_version) if x) or "unknown"
-    if metadata.get("author", "").startswith("Ultralytics"):
-        producer = "Ultralytics %s" % metadata.get("version", "?")
-    return ModelInfo(path=path, format="onnx", input_name=inputs[0].name, input_shape=_dims(inputs[0]),
-                     output_names=[o.name for o in graph.output], metadata=metadata, producer=producer)
+    info = ModelInfo(path=path, format="onnx", input_name=inputs[0].name, input_shape=_dims(inputs[0]),
+                     output_names=[o.name for o in graph.output],
+                     metadata={p.key: p.value for p in model.metadata_props},
+                     producer=" ".join(x for x in (model.producer_name, model.producer_version) if x) or "unknown")
+    if info.from_ultralytics:  # the exporter, not the framework underneath it ("pytorch 2.x")
+        info.producer = "Ultralytics %s" % info.metadata.get("version", "?")
+    return info
 
 
 def _inspect_mindir(path: str) -> ModelInfo:
