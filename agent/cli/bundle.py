@@ -21,8 +21,18 @@ import tempfile
 from typing import Any, Optional, Tuple
 
 from agent.config.schema import ConfigError
-from agent.lifecycle.bundle import Bundle, BundleError, load_public_key, select_artifacts, sign_bundle, verify_bundle
+from agent.lifecycle.bundle import (
+    Bundle,
+    BundleError,
+    Preprocessing,
+    load_public_key,
+    select_artifacts,
+    sign_bundle,
+    verify_bundle,
+)
 from agent.lifecycle.fetch import ARCHIVE_SUFFIXES, unpack_archive
+from agent.pipeline.postprocess import TASKS
+from agent.pipeline.preprocess import COLOR_ORDERS
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -79,21 +89,25 @@ def _add_create_arguments(sub: Any) -> None:
     create.add_argument("--out", required=True, metavar="DIR", help="bundle directory (empty, new, or a bundle)")
     create.add_argument("--name", help="bundle name (default: the model file's stem)")
     create.add_argument("--version", default="1.0.0", help="bundle version (default: 1.0.0)")
-    create.add_argument("--task", default="auto", metavar="T",
-                        help="auto (from metadata and output shape) | detect-yolov8 | detect-yolov5 | classify")
+    create.add_argument("--task", default="auto", choices=("auto",) + TASKS,
+                        help="auto: from the model's metadata and output shape")
     create.add_argument("--labels", metavar="FILE",
                         help="class names: YAML list, YAML {id: name}, or one per line (default: the model's)")
     create.add_argument("--tiers", metavar="HxW[,HxW]",
                         help="input shapes to serve (default: the model's fixed input, or its imgsz metadata)")
-    create.add_argument("--color", choices=("rgb", "bgr"), help="colour order the network was trained on")
-    create.add_argument("--mean", metavar="R,G,B", help="per-channel mean on 0..255 pixels (default 0,0,0)")
-    create.add_argument("--std", metavar="R,G,B", help="per-channel std on 0..255 pixels (default 255,255,255)")
-    create.add_argument("--conf", type=float, help="default score threshold (Ultralytics exports: 0.25)")
-    create.add_argument("--iou", type=float, help="default NMS IoU threshold (Ultralytics exports: 0.7)")
+    create.add_argument("--color", choices=COLOR_ORDERS, help="colour order the network was trained on")
+    defaults = Preprocessing()
+    create.add_argument("--mean", metavar="R,G,B", help="per-channel mean on 0..255 pixels (default %s)" % ",".join(
+        "%g" % v for v in defaults.mean))
+    create.add_argument("--std", metavar="R,G,B", help="per-channel std on 0..255 pixels (default %s)" % ",".join(
+        "%g" % v for v in defaults.std))
+    create.add_argument("--conf", type=float,
+                        help="score threshold (default: Ultralytics' predictor's for its exports, else the manifest's)")
+    create.add_argument("--iou", type=float, help="NMS IoU threshold (default: as --conf)")
     create.add_argument("--images", metavar="DIR",
                         help="images for the golden and calibration sets (default: generated scenes)")
-    create.add_argument("--calibration", type=int, metavar="N", help="calibration images (default 8)")
-    create.add_argument("--golden", type=int, metavar="N", help="golden cases per tier (default 2)")
+    create.add_argument("--calibration", type=int, metavar="N", help="calibration images (default: as qat's)")
+    create.add_argument("--golden", type=int, metavar="N", help="golden cases per tier (default: as qat's)")
     create.set_defaults(bundle_handler=_create)
 
 
