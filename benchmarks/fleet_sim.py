@@ -208,7 +208,7 @@ class SimBox:
         if self.daemon.stop_event.is_set():  # stopped before: come back like a restarted process
             self.daemon = self._daemon()
         self.daemon.start()
-        self._thread = threading.Thread(target=self.daemon.serve, name="serve-%s" % self.device_id, daemon=True)
+        self._thread = threading.Thread(target=self.daemon.loop.serve, name="serve-%s" % self.device_id, daemon=True)
         self._thread.start()
         return self
 
@@ -263,9 +263,9 @@ class SimulatedFleet:
             frame_id += 1
             now, mono = time.time(), time.monotonic()
             for box in self.boxes:
-                if box.running and not box.daemon.paused:
+                if box.running and not box.daemon.loop.paused:
                     try:
-                        box.daemon.frames.put_nowait(Frame(SOURCE, frame_id, now, image, enqueued=mono))
+                        box.daemon.loop.frames.put_nowait(Frame(SOURCE, frame_id, now, image, enqueued=mono))
                     except queue.Full:
                         pass  # that box is behind: the next frame will do
 
