@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional
 
 from agent.config.daemon_config import DaemonConfig, load_daemon_config
 from agent.config.device_config import DeviceConfig, load_device_config
+from agent.config.overrides import Overrides, load_with_overrides, overrides_path
 from agent.config.schema import ConfigError
 from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.serving import ResultCallback, ServingLoop
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_RESTART = 3  # non-zero so systemd's Restart=on-failure brings the daemon back
+# Start-up time asked of systemd (EXTEND_TIMEOUT_USEC) as each step begins: bundle verify, model load, warm-up,
+# golden check. One step on a slow board (an OM load on an Atlas 200 DK, a large bundle's hashes on an SD card)
+# takes tens of seconds; two minutes per step is generous, and a step that hangs gets no further extension.
+STARTUP_STEP_TIMEOUT_S = 120.0
 # Model events after which the retained status is republished, so that an operator (``atlas-edge fleet``) who
 # subscribes later, or resumes a rollout, reads the slot states there instead of having missed the event.
 SLOT_EVENTS = ("switched", "confirmed", "rollback")
@@ -52,9 +57,14 @@ def choose_backend(config: DaemonConfig, device: DeviceConfig) -> str:
 
 class Daemon:
     def __init__(self, config: DaemonConfig, device: Optional[DeviceConfig] = None,
-                 config_path: Optional[str] = None, on_result: Optional[ResultCallback] = None) -> None:
+                 config_path: Optional[str] = None, on_result: Optional[ResultCallback] = None,
+                 overrides: Optional[Overrides] = None) -> None:
+        """``config`` is the file's config with ``overrides`` already merged (:func:`load_with_overrides`);
+        without them (the demo, tests) set-config starts a fresh overrides file in the state directory."""
         self.config = config
         self.config_path = config_path
+        self.overrides = overrides if overrides is not None else Overrides(overrides_path(config))
+        self._starting = True  # until READY=1: loading steps extend systemd's start timeout
         self.device = device or load_device_config(config.device)
         self.backend = choose_backend(config, self.device)
         self.stop_event = threading.Event()
@@ -86,7 +96,7 @@ class Daemon:
                                        extra_subscriptions=[HA_STATUS_TOPIC] if discovery else [],
                                        on_connected=self._publish_discovery if discovery else None)
         self.models = ModelManager(cfg, self.device, self.backend, on_event=self._publish_event,
-                                   handover=self.handover)
+                                   handover=self.handover, on_phase=self._start_step)
         self.notifier = SystemdNotifier()
         self.progress = ProgressMonitor(cfg.watchdog.inference_deadline_s)
         npu = NpuSmiProbe(self.device.device_id) if self.device.target == "ascend" else None
@@ -102,7 +112,7 @@ class Daemon:
         self.handlers = CommandHandlers(self.loop, self.models, self.transport, self.handover,
                                         get_config=lambda: self.config, apply_config=self._apply_config,
                                         request_restart=self._restart, device_name=self.device.name,
-                                        backend=self.backend, config_path=self.config_path)
+                                        backend=self.backend, overrides=self.overrides)
         self.dispatcher = CommandDispatcher(self.transport, self.handlers.table(),
                                             record_path=cfg.state_path("requests.sqlite"))
 
@@ -111,6 +121,8 @@ class Daemon:
     def start(self) -> None:
         """Load and self-test the model before announcing readiness: READY=1 means 'serving'."""
         model = self.models.start()  # thresholds from the config are applied by the manager at load
+        self._starting = False
+        self.handlers.started = time.monotonic()
         self.transport.set_status(self._presence("online"))
         self._announced = True
         self.transport.start()
@@ -183,6 +195,8 @@ class Daemon:
             "npu_memory_mb": None if sample is None or sample.npu_used_mb is None else {
                 "used": sample.npu_used_mb, "total": sample.npu_total_mb},
             "mqtt": self.transport.stats(),
+            # limits, trend, pings and progress behind the watchdog's decisions (operations.md "Reading alerts")
+            "watchdog": self.watchdog.snapshot(),
         }
 
     def _presence(self, state: str) -> Dict[str, Any]:
@@ -217,6 +231,11 @@ class Daemon:
                                                  self.models.current.label):
             self.transport.publish(topic, payload, qos=1, retain=True, durable=False)
 
+    def _start_step(self, step: str) -> None:
+        """The model manager begins a loading step: during start-up, ask systemd for time for it."""
+        if self._starting:
+            self.notifier.extend_timeout(STARTUP_STEP_TIMEOUT_S, status="starting: %s" % step)
+
     def _restart(self, reason: str) -> None:
         self.request_stop(reason, EXIT_RESTART)
 
@@ -224,11 +243,12 @@ class Daemon:
         self._restart("watchdog: %s" % reason)
 
     def _reload_requested(self) -> None:
-        """SIGHUP: re-read the config file; apply live sections if the whole file is valid, else keep serving."""
+        """SIGHUP: re-read the config file, merge the overrides over it as at start; apply live sections if the
+        whole file is valid, else keep serving."""
         if not self.config_path:
             return
         try:
-            new = load_daemon_config(self.config_path)
+            new = self.overrides.apply(load_daemon_config(self.config_path))
         except ConfigError as exc:
             log.error("SIGHUP: config rejected, keeping the running one:\n%s", exc)
             return
@@ -240,9 +260,9 @@ class Daemon:
 
 
 def run_daemon(config_path: str) -> int:
-    config = load_daemon_config(config_path)
+    config, overrides = load_with_overrides(config_path)
     logging.getLogger().setLevel(config.log_level)
-    daemon = Daemon(config, config_path=config_path)
+    daemon = Daemon(config, config_path=config_path, overrides=overrides)
     daemon.install_signal_handlers()
     return daemon.run()
 

@@ -55,6 +55,8 @@ def test_messages_arrive_in_order_on_a_path_socket(notify_socket):
     assert re.fullmatch(r"RELOADING=1\nMONOTONIC_USEC=\d+", receive(sock))
     assert notifier.extend_timeout(90)
     assert receive(sock) == "EXTEND_TIMEOUT_USEC=90000000"
+    assert notifier.extend_timeout(1.5, status="starting: load")
+    assert receive(sock) == "EXTEND_TIMEOUT_USEC=1500000\nSTATUS=starting: load"
     assert notifier.stopping()
     assert receive(sock) == "STOPPING=1"
     notifier.close()
@@ -124,3 +126,41 @@ def test_unsupported_socket_address_disables_with_a_warning(caplog):
     assert not notifier.enabled
     assert notifier.ready() is False
     assert any("vsock:2:1234" in r.getMessage() for r in caplog.records)
+
+
+def test_daemon_start_up_extends_the_start_timeout_per_step(notify_socket, tmp_path, monkeypatch, mosquitto):
+    """Bundle verify, model load, warm-up and golden check each ask for time before READY=1; nothing after."""
+    from agent.cli.demo import DEMO_BUNDLE
+    from agent.config.daemon_config import parse_daemon_config
+    from agent.daemon import STARTUP_STEP_TIMEOUT_S, Daemon
+
+    if not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")):
+        pytest.skip("examples/demo-bundle is missing (make demo-bundle)")
+    sock, path = notify_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    config = parse_daemon_config({
+        "device_id": "notify", "state_dir": str(tmp_path / "state"),
+        "model": {"bundle": DEMO_BUNDLE, "backend": "opencv"},
+        "mqtt": {"host": mosquitto.host, "port": mosquitto.port}})
+    steps = ["verify", "load", "warm-up", "golden check"]
+    for start in ("first start", "restart from the slot table"):
+        daemon = Daemon(config)
+        daemon.start()
+        messages = []
+        while not messages or not messages[-1].startswith("READY=1"):
+            messages.append(receive(sock))
+        extended = [m for m in messages if m.startswith("EXTEND_TIMEOUT_USEC=")]
+        usec = int(STARTUP_STEP_TIMEOUT_S * 1e6)
+        assert extended == ["EXTEND_TIMEOUT_USEC=%d\nSTATUS=starting: %s" % (usec, step) for step in steps], start
+        daemon.models.on_phase("load")  # what a deploy's load reports once serving: not start-up any more
+        daemon.request_stop("test over")
+        daemon.shutdown()
+        after = []
+        sock.settimeout(0.5)
+        try:
+            while True:
+                after.append(receive(sock))
+        except socket.timeout:
+            pass
+        sock.settimeout(RECV_TIMEOUT_S)
+        assert not [m for m in after if "EXTEND_TIMEOUT_USEC" in m] and any("STOPPING=1" in m for m in after)

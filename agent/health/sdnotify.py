@@ -126,9 +126,12 @@ class SystemdNotifier:
         usec = int(time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6)
         return self.notify("RELOADING=1\nMONOTONIC_USEC=%d" % usec)
 
-    def extend_timeout(self, seconds: float) -> bool:
-        """Ask for more start/stop time (a slow model load or NPU init) instead of being killed mid-way."""
-        return self.notify("EXTEND_TIMEOUT_USEC=%d" % int(seconds * 1e6))
+    def extend_timeout(self, seconds: float, status: Optional[str] = None) -> bool:
+        """Ask for ``seconds`` more start/stop time from now (a slow model load or NPU init) instead of being
+        killed mid-way; systemd never shortens the unit's own timeout this way, and a step that hangs sends no
+        further extension, so the unit still fails it."""
+        return self.notify("EXTEND_TIMEOUT_USEC=%d" % int(seconds * 1e6)
+                           + ("\nSTATUS=" + _one_line(status) if status else ""))
 
     def close(self) -> None:
         with self._lock:

@@ -6,14 +6,13 @@ batch sees goes to the serving loop through the between-batches handover; the re
 loop only ever replaces whole.
 """
 
-import os
 import threading
 import time
 from typing import Any, Callable, Dict, Optional
 
-from agent._util.atomic import atomic_write
 from agent._util.compat import Protocol
 from agent.config.daemon_config import DaemonConfig, merge_config
+from agent.config.overrides import Overrides
 from agent.config.schema import to_dict
 from agent.errors import CommandError
 from agent.lifecycle.model_manager import ModelManager
@@ -44,7 +43,7 @@ class CommandHandlers:
     def __init__(self, loop: ServingLoop, models: ModelManager, publisher: Publisher, handover: BetweenBatches,
                  get_config: Callable[[], DaemonConfig], apply_config: Callable[[DaemonConfig], None],
                  request_restart: Callable[[str], None], device_name: str, backend: str,
-                 config_path: Optional[str] = None) -> None:
+                 overrides: Overrides) -> None:
         self.loop = loop
         self.models = models
         self.publisher = publisher
@@ -54,8 +53,8 @@ class CommandHandlers:
         self.request_restart = request_restart
         self.device_name = device_name
         self.backend = backend
-        self.config_path = config_path
-        self.started = time.time()
+        self.overrides = overrides
+        self.started: Optional[float] = None  # time.monotonic() when the daemon became ready
 
     def table(self) -> Dict[str, Handler]:
         """Verb → handler, for :class:`agent.ops.commands.CommandDispatcher`."""
@@ -79,7 +78,8 @@ class CommandHandlers:
             "backend": self.backend,
             "model": self.models.current.describe(),
             "slots": self.models.status(),
-            "uptime_s": round(time.time() - self.started, 1),
+            "uptime_s": None if self.started is None else round(time.monotonic() - self.started, 1),
+            "overrides": self.overrides.report(),
             "paused": self.loop.paused,
         })
         return info
@@ -90,23 +90,26 @@ class CommandHandlers:
         return {"valid": True, "config": {k: to_dict(getattr(merged, k)) for k in changes}}
 
     def set_config(self, payload: Dict[str, Any], progress: Progress) -> Dict[str, Any]:
+        """Validate, record in the overrides file (durable: a restart keeps it), then apply between batches.
+
+        The operator's config file is never written (read-only under the unit, and it carries their comments).
+        If the serving loop does not take the change, the overrides file is put back: nothing changed.
+        """
         changes = payload.get("config", {})
         merged = merge_config(self.get_config(), changes)
-        # Applied by the serving loop between batches, all at once; withdrawn if the loop does not get to it.
-        self.handover.submit(lambda: self.apply_config(merged), CONFIG_HANDOVER_TIMEOUT_S, what="config change")
-        self.persist_config()
-        return {"applied": sorted(changes)}
-
-    def persist_config(self) -> None:
-        """Write the running config back so a restart keeps the change (atomic, durable replace)."""
-        if not self.config_path:
-            return
-        import yaml
-
-        config = self.get_config()
-        data = to_dict(config)
-        data["state_dir"] = os.path.relpath(config.state_dir, os.path.dirname(os.path.abspath(self.config_path)))
-        atomic_write(self.config_path, yaml.safe_dump(data, sort_keys=False))
+        try:
+            previous = self.overrides.record(changes)
+        except OSError as exc:
+            raise CommandError("storage", "could not record the change in %s: %s" % (
+                self.overrides.path, exc)) from exc
+        try:
+            # Applied by the serving loop between batches, all at once; withdrawn if the loop does not get to it.
+            self.handover.submit(lambda: self.apply_config(merged), CONFIG_HANDOVER_TIMEOUT_S,
+                                 what="config change")
+        except BaseException:
+            self.overrides.restore(previous)
+            raise
+        return {"applied": sorted(changes), "overrides": self.overrides.path}
 
     def pause(self, paused: bool) -> Dict[str, Any]:
         stale = self.loop.set_paused(paused)
