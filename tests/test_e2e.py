@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
+from agent.cli.main import EXIT_CANNOT_START
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -208,7 +209,7 @@ def test_unknown_config_key_is_refused_before_start(tmp_path, mosquitto):
     data["mqtt"]["port"] = "1883"
     open(path, "w").write(yaml.safe_dump(data))
     code, output = run_to_exit(path)
-    assert code == 2
+    assert code == EXIT_CANNOT_START  # the unit's RestartPreventExitStatus=: no restart loop on a bad file
     assert "batching.max_bacth: unknown key" in output and "mqtt.port: expected an integer" in output
 
 
