@@ -91,7 +91,7 @@ class Harness:
     """A manager on a fresh state dir, with its events recorded."""
 
     def __init__(self, tmp_path, bundle, device="cpu-dev", backend="opencv", switch_timeout_s=WAIT_S,
-                 **model):
+                 clock=time.monotonic, **model):
         settings = {"bundle": bundle, "backend": backend, "observation_s": LONG_WINDOW_S,
                     "latency_regression": NOISE_PROOF_FACTOR}
         settings.update(model)
@@ -101,7 +101,7 @@ class Harness:
         self.events = []
         self.handover = BetweenBatches()
         self.manager = ModelManager(self.config, self.device, backend, on_event=self.events.append,
-                                    handover=self.handover, switch_timeout_s=switch_timeout_s)
+                                    handover=self.handover, switch_timeout_s=switch_timeout_s, clock=clock)
         self.store = os.path.join(str(tmp_path / "state"), "bundles")
         self.state_file = os.path.join(str(tmp_path / "state"), "slots.json")
 
@@ -823,6 +823,35 @@ def test_operator_rollback_while_pending_and_no_second_deploy_meanwhile(harness,
     with pytest.raises(CommandError) as info:  # slot b was emptied: there is nothing further back
         h.manager.rollback()
     assert info.value.code == "nothing_to_roll_back"
+
+
+class SteppedClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_window_runs_on_the_injected_monotonic_clock_not_the_wall_clock(harness, base_bundle, monkeypatch):
+    clock = SteppedClock()
+    h = harness(clock=clock, observation_s=60.0)
+    h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    real_time = time.time
+    with ServingLoop(h.manager) as loop:
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        monkeypatch.setattr(time, "time", lambda: real_time() + 86400.0)  # NTP steps the wall clock a day ahead
+        loop.wait_batches(15)
+        assert h.events_named("confirmed") == [] and h.manager.status()["pending"]["observed_s"] == 0.0
+        clock.now += 59.0
+        loop.wait_batches(3)
+        assert h.events_named("confirmed") == []
+        clock.now += 1.0
+        confirmed = h.wait_for_event("confirmed")
+    assert confirmed["figures"]["observed_s"] == 60.0
 
 
 @pytest.mark.parametrize("latencies, failed, elapsed, expected", [
