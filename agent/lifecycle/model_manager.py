@@ -2,7 +2,8 @@
 
 The orchestrator: the bundle store (:mod:`agent.lifecycle.store`) holds the files, the probation window
 (:mod:`agent.lifecycle.probation`) judges a new model, the slot table (:mod:`agent.lifecycle.slots`) records
-the decisions, and the serving loop's one handover queue (:class:`agent.pipeline.handover.BetweenBatches`)
+the decisions, start-up (:mod:`agent.lifecycle.recovery`) undoes what a crash or damage left, and the serving
+loop's one handover queue (:class:`agent.pipeline.handover.BetweenBatches`)
 makes every change of the serving model happen between two batches.
 
 Threads and who does what (the daemon's serving loop is the only thread that runs inference):
@@ -35,38 +36,31 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from agent._util.quarantine import move_aside
 from agent.config.daemon_config import DaemonConfig, ThresholdsConfig
 from agent.config.device_config import DeviceConfig
 from agent.config.schema import ConfigError, FieldError, parse, setting
 from agent.errors import CommandError
 from agent.lifecycle.bundle import (
     MANIFEST,
-    SIGNATURE,
     Bundle,
-    BundleError,
     load_public_key,
     select_artifacts,
     sha256_file,
     verify_bundle,
 )
-from agent.lifecycle.fetch import copy_local, fetch_bundle, redact
+from agent.lifecycle.fetch import fetch_bundle, redact
 from agent.lifecycle.probation import CONFIRM, ROLLBACK, Probation
+from agent.lifecycle.recovery import Recovery
 from agent.lifecycle.slots import (
     CONFIRMED,
-    SLOT_NAMES,
     STANDBY,
     STATE_FILE,
     Slot,
-    SlotStateError,
     SlotTable,
     filled_slot,
-    first_table,
-    load_slots,
     other_slot,
     save_slots,
     with_confirmed,
-    with_lost,
     with_pending,
     with_rolled_back,
     with_swapped,
@@ -82,9 +76,9 @@ log = logging.getLogger(__name__)
 DEFAULT_SWITCH_TIMEOUT_S = 30.0
 ENVELOPE_KEYS = ("request_id",)  # command envelope fields the dispatcher may leave in the payload
 
-# Rollback triggers decided here, as reported in events and acks (the window's own are in probation.py).
+# The rollback trigger decided here, as reported in events and acks (the window's own are in probation.py,
+# start-up's in recovery.py).
 TRIGGER_OPERATOR = "operator"
-TRIGGER_RESTART = "restart"
 
 
 @dataclass(frozen=True)
@@ -115,18 +109,6 @@ def _identity(model: Optional[LoadedModel]) -> Optional[Dict[str, Any]]:
         return None
     return {"name": model.manifest.name, "version": model.manifest.version,
             "manifest_sha256": model.bundle.manifest_sha256}
-
-
-def _slot_identity(slot: Slot) -> Dict[str, Any]:
-    return {"name": slot.name, "version": slot.version, "manifest_sha256": slot.manifest_sha256}
-
-
-def _is_damage(exc: BaseException) -> bool:
-    """A store entry whose files fail verification is damaged; one that only lacks a now-required signature is
-    not (the operator changed the key, the files are intact)."""
-    if isinstance(exc, BundleError):
-        return any(error.path != SIGNATURE for error in exc.errors)
-    return isinstance(exc, OSError)
 
 
 class ModelManager:
@@ -166,14 +148,8 @@ class ModelManager:
     def start(self) -> LoadedModel:
         """Serve the confirmed slot; undo a model left pending by a crash; on first start, import one."""
         with self._operation:
-            self.store.open()
-            table = self._read_table()
-            if table is None:
-                model, table = self._first_start()
-            else:
-                if table.pending is not None:
-                    table = self._recover_pending(table)
-                model, table = self._load_serving(table)
+            model, table = Recovery(self.store, self.state_file, self.config.model.bundle, self.public_key,
+                                    self._load, self._emit, self.on_phase, self.wall_clock).run()
             with self._lock:
                 self._table = table
                 self._current = model
@@ -246,7 +222,7 @@ class ModelManager:
             self._operation.release()
             self._gc()
         return {"slot": slot, "state": "pending", "model": _identity(model),
-                "previous": _slot_identity(table.slots[table.serving]),
+                "previous": table.slots[table.serving].identity(),
                 "observation_s": self.config.model.observation_s}
 
     def rollback(self, reason: str = TRIGGER_OPERATOR, timeout_s: Optional[float] = None) -> Dict[str, Any]:
@@ -422,13 +398,13 @@ class ModelManager:
             retired, self._current = self._current, self._fallback
             after = with_rolled_back(table, reason)
             event = {"event": "rollback", "reason": reason, "trigger": reason.split(":", 1)[0],
-                     "slot": window.slot, "from": _slot_identity(pending_slot), "to": _identity(self._current),
+                     "slot": window.slot, "from": pending_slot.identity(), "to": _identity(self._current),
                      "figures": figures}
         else:
             assert decision == CONFIRM
             retired = self._fallback
             after = with_confirmed(table)
-            event = {"event": "confirmed", "slot": window.slot, "model": _slot_identity(pending_slot),
+            event = {"event": "confirmed", "slot": window.slot, "model": pending_slot.identity(),
                      "figures": figures}
         self._fallback = None
         self._table = after
@@ -437,7 +413,7 @@ class ModelManager:
         except OSError:  # serving goes on; a restart would see 'pending' and come back on the confirmed
             log.exception("could not persist the slot table after %s", decision)
         result = {"slot": after.serving, "state": CONFIRMED, "model": _identity(self._current),
-                  "rolled_back": _slot_identity(pending_slot), "reason": reason}
+                  "rolled_back": pending_slot.identity(), "reason": reason}
         return _Ended(retired, event, result)
 
     def _after_window(self, ended: _Ended) -> None:
@@ -458,118 +434,9 @@ class ModelManager:
         self._switch(model, standby, with_swapped, opens_window=False, timeout_s=timeout_s)
         self._gc()
         self._emit({"event": "rollback", "reason": reason, "trigger": TRIGGER_OPERATOR, "slot": table.serving,
-                    "from": _slot_identity(current), "to": _slot_identity(kept), "figures": None})
-        return {"slot": standby, "state": CONFIRMED, "model": _slot_identity(kept),
-                "rolled_back": _slot_identity(current), "reason": reason}
-
-    # --- start steps -------------------------------------------------------------------------------------
-
-    def _read_table(self) -> Optional[SlotTable]:
-        try:
-            return load_slots(self.state_file)
-        except SlotStateError as exc:
-            # Atomic writes make this a disk fault or a hand edit; keep the evidence, start from the config.
-            aside = move_aside(self.state_file, "slot table unusable", clock=self.wall_clock)
-            log.error("slot table unusable, moved to %s; starting from model.bundle:\n%s", aside, exc)
-            self._emit({"event": "slots_reset", "reason": str(exc)[:500], "moved_to": aside})
-            return None
-
-    def _first_start(self) -> Tuple[LoadedModel, SlotTable]:
-        """Copy and verify ``model.bundle`` into slot a, load it, and only then write the table."""
-        source = self.config.model.bundle
-        with self.store.staging() as staging:
-            if not os.path.exists(source):
-                raise BundleError([FieldError("model.bundle", "not found: %s" % source)], source)
-            root = copy_local(os.path.realpath(source), staging, source=source)
-            self.on_phase("verify")
-            bundle = verify_bundle(root, self.public_key)
-            installed = self.store.install(root, SLOT_NAMES[0], bundle)
-        try:
-            model = self._load(replace(bundle, root=self.store.path(installed)))
-            table = first_table(filled_slot(CONFIRMED, installed, model.bundle.manifest_sha256,
-                                            model.manifest.name, model.manifest.version))
-            save_slots(self.state_file, table)
-        except BaseException:
-            self.store.discard(installed)
-            raise
-        self.store.settled(installed)  # start() holds the operation lock: no gc runs before the table is set
-        log.info("first start: %s installed in slot %s", model.label, SLOT_NAMES[0])
-        return model, table
-
-    def _recover_pending(self, table: SlotTable) -> SlotTable:
-        pending = table.pending
-        assert pending is not None
-        reason = "%s: the daemon restarted while %s %s was pending" % (
-            TRIGGER_RESTART, table.slots[pending].name, table.slots[pending].version)
-        after = with_rolled_back(table, reason)
-        save_slots(self.state_file, after)
-        log.warning("%s; serving the confirmed slot %s", reason, after.serving)
-        self._emit({"event": "rollback", "reason": reason, "trigger": TRIGGER_RESTART, "slot": pending,
-                    "from": _slot_identity(table.slots[pending]),
-                    "to": _slot_identity(after.slots[after.serving]), "figures": None})
-        return after
-
-    def _load_serving(self, table: SlotTable) -> Tuple[LoadedModel, SlotTable]:
-        """The confirmed slot's model; if it is damaged or refused and a standby slot exists, that one.
-
-        A slot whose files fail verification is set aside (event ``bundle_moved_aside``) and emptied. When
-        no slot is left to serve and every failure was damage, the configured ``model.bundle`` is imported as
-        on a first start: the box keeps serving. A runtime that refuses intact bundles is not damage: raised.
-        """
-        confirmed, standby = table.confirmed, table.slot_in(STANDBY)
-        refused: Optional[BaseException] = None
-        for name in [confirmed] + ([standby] if standby else []):
-            slot = table.slots[name]
-            self.on_phase("verify")
-            try:
-                bundle = self.store.verify(slot)
-            except (BundleError, OSError) as exc:
-                if not _is_damage(exc):
-                    refused = exc
-                    continue
-                table = self._set_aside(table, name, exc)
-                if table is None:
-                    return self._first_start()
-                continue
-            try:
-                model = self._load(bundle)
-            except (BundleError, RuntimeError) as exc:  # intact files the runtime refused (golden, backend)
-                log.error("slot %s (%s %s) failed to load:\n%s", name, slot.name, slot.version, exc)
-                refused = exc
-                continue
-            if name != table.confirmed:  # the standby serves; the confirmed one failed to load (kept)
-                after = with_swapped(table)
-                save_slots(self.state_file, after)
-                self._emit({"event": "rollback", "reason": "%s: confirmed slot failed to load: %s" % (
-                    TRIGGER_RESTART, str(refused)[:300]), "trigger": TRIGGER_RESTART, "slot": table.confirmed,
-                    "from": _slot_identity(table.slots[table.confirmed]), "to": _slot_identity(slot),
-                    "figures": None})
-                table = after
-            return model, table
-        assert refused is not None
-        raise refused
-
-    def _set_aside(self, table: SlotTable, name: str, exc: BaseException) -> Optional[SlotTable]:
-        """Move a damaged slot's bundle aside, report it, empty the slot; None when no slot is left to serve."""
-        slot = table.slots[name]
-        assert slot.bundle is not None
-        reason = "%s: slot %s (%s %s) failed verification: %s" % (
-            TRIGGER_RESTART, name, slot.name, slot.version, str(exc)[:300])
-        moved = self.store.set_aside(slot.bundle, "bundle failed verification")
-        log.error("%s; moved to %s", reason, moved)
-        self._emit({"event": "bundle_moved_aside", "slot": name, "model": _slot_identity(slot), "reason": reason,
-                    "moved_to": moved})
-        try:
-            after = with_lost(table, name, reason)
-        except ValueError:
-            log.error("no intact bundle left in the store: starting from model.bundle %s", self.config.model.bundle)
-            return None
-        save_slots(self.state_file, after)
-        if after.serving != table.serving:
-            self._emit({"event": "rollback", "reason": reason, "trigger": TRIGGER_RESTART, "slot": name,
-                        "from": _slot_identity(slot), "to": _slot_identity(after.slots[after.serving]),
-                        "figures": None})
-        return after
+                    "from": current.identity(), "to": kept.identity(), "figures": None})
+        return {"slot": standby, "state": CONFIRMED, "model": kept.identity(),
+                "rolled_back": current.identity(), "reason": reason}
 
     # --- helpers -------------------------------------------------------------------------------------------
 

@@ -52,6 +52,10 @@ class Slot:
             return [("bundle", "a %s slot needs bundle and manifest_sha256" % self.state)]
         return []
 
+    def identity(self) -> Dict[str, Any]:
+        """Which model this is, as events and acks name it."""
+        return {"name": self.name, "version": self.version, "manifest_sha256": self.manifest_sha256}
+
     def public(self) -> Dict[str, Any]:
         """The form shown in ``status`` acks (the store path is an implementation detail)."""
         return {"state": self.state, "name": self.name, "version": self.version,
