@@ -12,6 +12,7 @@ import yaml
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from agent.config.overrides import OVERRIDES_FILE
+from tests.conftest import wait_for
 from tests.test_e2e import Subscriber
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
@@ -65,6 +66,13 @@ def ctl(broker, verb, *args):
     return result.returncode, ack
 
 
+def thresholds(broker):
+    """The running daemon's thresholds, as its validate verb merges them."""
+    code, checked = ctl(broker, "validate", "--json", '{"config": {"thresholds": {}}}')
+    assert code == 0, checked
+    return checked["result"]["config"]["thresholds"]
+
+
 def test_set_config_survives_a_restart_and_status_shows_where_values_come_from(tmp_path, mosquitto):
     path = write_config(tmp_path, mosquitto)
     before = path.read_bytes()
@@ -74,9 +82,15 @@ def test_set_config_survives_a_restart_and_status_shows_where_values_come_from(t
         assert code == 0, ack
         code, status = ctl(mosquitto, "status")
         assert status["result"]["overrides"]["values"] == {"thresholds.conf": 0.42}
+        # The operator edits the file and reloads: the file's change applies, the override stays over it.
+        edited = before.replace(b"iou: 0.6", b"iou: 0.55")
+        path.write_bytes(edited)
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: thresholds(mosquitto)["iou"] == 0.55), thresholds(mosquitto)
+        assert thresholds(mosquitto)["conf"] == 0.42
     finally:
         stop(proc)
-    assert path.read_bytes() == before
+    assert path.read_bytes() == edited  # the daemon never wrote the operator's file
     stored = json.loads((tmp_path / "state" / OVERRIDES_FILE).read_text())
     assert stored["changes"] == {"thresholds": {"conf": 0.42}}
 
@@ -85,9 +99,7 @@ def test_set_config_survives_a_restart_and_status_shows_where_values_come_from(t
         code, status = ctl(mosquitto, "status")
         assert code == 0, status
         assert status["result"]["overrides"]["values"] == {"thresholds.conf": 0.42}
-        code, checked = ctl(mosquitto, "validate", "--json", '{"config": {"thresholds": {}}}')
-        assert checked["result"]["config"]["thresholds"] == {"conf": 0.42, "iou": 0.6, "max_det": None,
-                                                             "top_k": None}
+        assert thresholds(mosquitto) == {"conf": 0.42, "iou": 0.55, "max_det": None, "top_k": None}
     finally:
         stop(proc)
 

@@ -189,9 +189,6 @@ class LeakDetector:
         while self._samples and self._samples[0][0] < t - self.window_s:
             self._samples.popleft()
 
-    def __len__(self) -> int:
-        return len(self._samples)
-
     @property
     def span_s(self) -> float:
         return self._samples[-1][0] - self._samples[0][0] if self._samples else 0.0
