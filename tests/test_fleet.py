@@ -19,6 +19,7 @@ import pytest
 from agent.cli import fleet as fleet_cli
 from agent.cli.ctl import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from agent.devtools.broker import EmbeddedBroker
+from agent.fleet.link import Message
 from agent.fleet.rollout import (
     ABORTED_ROLLOUT,
     COMPLETED,
@@ -28,6 +29,7 @@ from agent.fleet.rollout import (
     plan_waves,
     request_id,
 )
+from agent.fleet.status import FleetView, render_table
 from agent.ops.commands import REQUEST_ID_RE
 from benchmarks.fleet_sim import GOLDEN, SLOW, BundleServer, SimulatedFleet, build_bundles, slot_summary
 from tests.conftest import REPO_ROOT, wait_for
@@ -129,6 +131,30 @@ def test_cli_refuses_a_bad_sha_before_connecting(capsys):
                            "--sha256", "nothex"])
     assert code == EXIT_USAGE
     assert "--sha256 must be 64 hex digits" in capsys.readouterr().err
+
+
+def test_fleet_view_folds_status_will_telemetry_and_cleared_topics():
+    view = FleetView("site/a")
+    slots = {"serving": "b", "slots": {"a": {"state": "standby", "version": "1"},
+                                       "b": {"state": "confirmed", "version": "2", "manifest_sha256": "f" * 64}}}
+    online = {"state": "online", "groups": ["g1"], "model": "m 2", "slots": slots, "ts": 100.0}
+    assert view.apply(Message("site/a/cam-1/status", json.dumps(online).encode(), True)) == "cam-1"
+    box = view.boxes["cam-1"]
+    assert box.online and box.serving["version"] == "2" and box.serves_confirmed("f" * 64)
+    # the last will: offline, groups only; the slot table last seen is kept
+    will = {"state": "offline", "device": "cam-1", "reason": "connection lost", "groups": ["g1"]}
+    view.apply(Message("site/a/cam-1/status", json.dumps(will).encode(), True))
+    assert not box.online and box.reason == "connection lost" and box.serving["version"] == "2"
+    assert [b.device for b in view.in_group("g1")] == ["cam-1"] and view.in_group("g2") == []
+    view.apply(Message("site/a/cam-1/telemetry", json.dumps({"fps": 12.5, "ts": 130.0}).encode(), False))
+    view.apply(Message("site/a/cam-1/telemetry/alert", json.dumps({"kind": "rss_leak", "ts": 140.0}).encode(),
+                       False))
+    assert box.fps == 12.5 and box.last_seen == 140.0 and box.alerts[0]["kind"] == "rss_leak"
+    assert "rss_leak" in render_table([box], now=150.0) and "10s ago" in render_table([box], now=150.0)
+    for ignored in ("site/a/group/g1/cmd/status", "other/cam-2/status", "site/a/cam-2/status/x"):
+        assert view.apply(Message(ignored, b'{"state": "online"}', True)) is None
+    assert view.apply(Message("site/a/cam-1/status", b"", True)) == "cam-1"  # cleared: decommissioned
+    assert view.boxes == {}
 
 
 # --- against the simulated fleet ----------------------------------------------------------------------------

@@ -226,7 +226,7 @@ class Rollout:
         state = RolloutState.load(self.path)
         if state is not None:
             self._check_same(state)
-        collect(self.link, self.view, self.listen_s)  # retained status of every box
+        collect(self.link, self.view, self.listen_s, status_only=True)  # retained status of every box
         if state is None:
             state = self._plan()
         elif state.status != RUNNING and not self._reverts_left(state):

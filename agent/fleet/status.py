@@ -138,13 +138,15 @@ def _latest(current: Optional[float], new: Any) -> Optional[float]:
     return new if current is None else max(current, float(new))
 
 
-def collect(link: FleetLink, view: FleetView, listen_s: float) -> FleetView:
+def collect(link: FleetLink, view: FleetView, listen_s: float, status_only: bool = False) -> FleetView:
     """Subscribe to the fleet topics and fold messages in for ``listen_s`` (or until quiet after the burst).
 
     With ``listen_s`` 0 the retained burst alone is read: it ends once the broker has been quiet for
-    :data:`QUIET_S`, so a small fleet does not wait for nothing.
+    :data:`QUIET_S`, so a small fleet does not wait for nothing. ``status_only`` leaves telemetry and alerts
+    out (a rollout needs only the retained status, and a large fleet's telemetry is most of its traffic).
     """
-    link.subscribe(status_topics(view.prefix))
+    topics = status_topics(view.prefix)
+    link.subscribe(topics[:1] if status_only else topics)
     deadline = time.monotonic() + listen_s
     while True:
         now = time.monotonic()
