@@ -13,9 +13,6 @@ monotonic clock, so across both steps:
 
 import json
 import os
-import shutil
-import socket
-import tempfile
 import threading
 import time
 from typing import List
@@ -24,6 +21,8 @@ import pytest
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from tests.conftest import WAIT_S, wait_for
+from tests.test_daemon_ops import new_version
+from tests.test_watchdog import NotifyListener
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -49,50 +48,6 @@ class SteppedWallClock:
 
     def __call__(self) -> float:
         return self.real() + self.offset
-
-
-class NotifyListener:
-    """A datagram socket standing in for systemd's notify socket; collects what the daemon sends."""
-
-    def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="sdn-", dir="/tmp")  # AF_UNIX paths are short
-        self.path = os.path.join(self.directory, "notify")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.settimeout(0.2)
-        self.messages: List[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.messages.append(self.sock.recv(4096).decode())
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-
-    def pings(self) -> int:
-        return sum(m == "WATCHDOG=1" for m in list(self.messages))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def new_version(store: str, version: str):
-    from agent.lifecycle.bundle import sha256_file, write_manifest
-
-    target = os.path.join(store, "incoming", "demo-%s" % version)
-    shutil.copytree(DEMO_BUNDLE, target)
-    manifest = json.load(open(os.path.join(target, "manifest.json")))
-    manifest["version"] = version
-    write_manifest(target, manifest)
-    return "incoming/demo-%s" % version, sha256_file(os.path.join(target, "manifest.json"))
 
 
 class Arrivals:
@@ -157,7 +112,7 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
     thread.start()
     try:
         assert wait_for(lambda: len(results.since(0)) >= 4), "no results"
-        source, sha = new_version(os.path.join(config.state_dir, "bundles"), "1.1.0")
+        source, sha = new_version(tmp_path, os.path.join(config.state_dir, "bundles"), "1.1.0")
         before_deploy = time.monotonic()  # the window starts after this
         deployed = command("deploy", "deploy-1", bundle=source, sha256=sha)
         assert deployed["state"] == "succeeded", deployed
@@ -179,7 +134,7 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
         # token bucket would let nothing through for an hour, a wall-clock ping interval would stop pings.
         wall.offset = DAY_S - HOUR_S
         back = time.monotonic()
-        pings_at_back = notify.pings()
+        pings_at_back = len(notify.received("WATCHDOG=1"))
         assert wait_for(lambda: daemon.models.status().get("pending") is None, timeout=WAIT_S + OBSERVATION_S)
         assert time.monotonic() - before_deploy >= OBSERVATION_S
         status = daemon.models.status()
@@ -189,7 +144,7 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
             answered = command("status", "status-%d" % i)
             assert answered["state"] == "succeeded", answered
         assert 0 <= answered["result"]["uptime_s"] < HOUR_S  # counted from start, not from the wall clock
-        assert wait_for(lambda: notify.pings() >= pings_at_back + 2), "watchdog pings stopped"
+        assert wait_for(lambda: len(notify.received("WATCHDOG=1")) >= pings_at_back + 2), "watchdog pings stopped"
         assert not [a for a in probe.on("atlas-edge/clock/telemetry/alert") if a["kind"] == "hang"]
     finally:
         daemon.request_stop("test over")

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
-from tests.test_daemon_ops import outbox_rows
+from tests.test_daemon_ops import new_version, outbox_rows
 from tests.test_e2e import Subscriber
 from tests.test_systemd_unit import ROOT, UNIT, directives, one
 
@@ -165,14 +165,7 @@ def test_a_full_run_writes_only_where_the_unit_lets_it(tmp_path, fresh_broker):
             "publish": {"telemetry_interval_s": 1.0},
         }))
     # A second version in the store's incoming area, put there the way an operator would (not the daemon).
-    incoming = os.path.join(state, "bundles", "incoming", "demo-1.1.0")
-    shutil.copytree(DEMO_BUNDLE, incoming)
-    from agent.lifecycle.bundle import sha256_file, write_manifest
-
-    manifest = json.load(open(os.path.join(incoming, "manifest.json")))
-    manifest["version"] = "1.1.0"
-    write_manifest(incoming, manifest)
-    sha = sha256_file(os.path.join(incoming, "manifest.json"))
+    source, sha = new_version(tmp_path, os.path.join(state, "bundles"), "1.1.0")
     launcher = tmp_path / "launcher.py"
     launcher.write_text(LAUNCHER)
     audit_log = str(tmp_path / "writes.log")  # outside the box root: the test's, not the daemon's
@@ -198,8 +191,7 @@ def test_a_full_run_writes_only_where_the_unit_lets_it(tmp_path, fresh_broker):
         fresh_broker.start()
         results = Subscriber(fresh_broker, "atlas-edge/%s/results/#" % DEVICE)
         assert results.wait(lambda m: any(json.loads(p).get("historical") for _t, p, _r in m), timeout=WAIT_S)
-        deployed = ctl(fresh_broker, "deploy", "--json", json.dumps({"bundle": "incoming/demo-1.1.0",
-                                                                     "sha256": sha}), timeout=120)
+        deployed = ctl(fresh_broker, "deploy", "--json", json.dumps({"bundle": source, "sha256": sha}), timeout=120)
         assert deployed["state"] == "succeeded"
         assert results.wait(lambda m: json.loads(m[-1][1])["model"]["version"] == "1.1.0", timeout=WAIT_S)
         rolled = ctl(fresh_broker, "rollback", "--json", '{"reason": "test"}')
