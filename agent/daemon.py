@@ -126,6 +126,8 @@ class Daemon:
         self.transport.set_status(self._presence("online"))
         self._announced = True
         self.transport.start()
+        for alert in self.overrides.alerts():  # a damaged or outdated overrides file: said once, at start
+            self._publish_alert(alert)
         self.dispatcher.start()
         self.loop.sources.start()
         self.notifier.ready()

@@ -175,6 +175,8 @@ def test_an_override_that_no_longer_validates_is_reported_and_ignored(tmp_path):
     ignored = {item["section"]: item["errors"][0]["field"] for item in overrides.ignored}
     assert ignored == {"mqtt": "mqtt", "batching": "batching.max_batch"}
     assert overrides.damaged is None and (state / OVERRIDES_FILE).exists()  # not damaged: kept for a person
+    assert sorted(a["figures"]["section"] for a in overrides.alerts()) == ["batching", "mqtt"]
+    assert {a["kind"] for a in overrides.alerts()} == {"override_ignored"}
 
 
 @pytest.mark.parametrize("damage", [

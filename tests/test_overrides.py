@@ -112,8 +112,13 @@ def test_a_damaged_overrides_file_is_moved_aside_and_the_daemon_serves(tmp_path,
     (tmp_path / "state").mkdir()
     target = tmp_path / "state" / OVERRIDES_FILE
     target.write_bytes(damage)
+    alerts = Subscriber(mosquitto, "atlas-edge/%s/telemetry/alert" % DEVICE)
     proc = start(path, mosquitto)  # starts and serves
     try:
+        assert alerts.wait(lambda m: any(json.loads(p)["kind"] == "state_file_damaged" for _t, p, _r in m),
+                           timeout=30)
+        alert = [a for _t, a in alerts.json() if a["kind"] == "state_file_damaged"][0]
+        assert alert["figures"]["file"] == str(target) and alert["figures"]["moved_to"]
         code, status = ctl(mosquitto, "status")
         report = status["result"]["overrides"]
         assert report["damaged"] and report["moved_to"].startswith(str(target) + ".corrupt-")
@@ -122,4 +127,5 @@ def test_a_damaged_overrides_file_is_moved_aside_and_the_daemon_serves(tmp_path,
         assert code == 0, ack  # and a fresh overrides file takes changes again
     finally:
         err = stop(proc)
+        alerts.close()
     assert err.count("overrides %s are damaged" % target) == 1  # said once

@@ -121,6 +121,24 @@ class Overrides:
                 out[section] = value
         return out
 
+    def alerts(self) -> List[Dict[str, Any]]:
+        """What start-up found, as ``telemetry/alert`` messages (the shape the outbox and command record use)."""
+        found = []
+        if self.damaged:
+            found.append({"kind": "state_file_damaged", "restart": False,
+                          "message": "overrides %s were unusable (%s)%s; remote set-config changes are lost, the "
+                                     "config file alone is in effect" % (
+                                         self.path, self.damaged,
+                                         " and were moved to %s" % self.moved_to if self.moved_to else ""),
+                          "figures": {"file": self.path, "moved_to": self.moved_to, "reason": self.damaged,
+                                      "lost": "remote set-config changes"}})
+        for item in self.ignored:
+            found.append({"kind": "override_ignored", "restart": False,
+                          "message": "override of %s in %s ignored: it does not validate against the config "
+                                     "file" % (item["section"], self.path),
+                          "figures": {"file": self.path, "section": item["section"], "errors": item["errors"]}})
+        return found
+
     def report(self) -> Dict[str, Any]:
         """For ``status`` and ``validate``: the file, the values it sets, what was ignored or moved aside."""
         return {"file": self.path, "values": self.values(), "ignored": list(self.ignored),
