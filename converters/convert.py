@@ -513,10 +513,13 @@ class BundleTransaction:
             self.backups[relative] = saved
 
     def put(self, source: str, relative: str) -> None:
+        """Bytes only: the converter writes 0400 files (MindSpore Lite does), the bundle gets ordinary ones."""
         destination = os.path.join(self.root, relative)
         self._backup(relative)
         os.makedirs(os.path.dirname(destination), exist_ok=True)
-        _replace_file(source, destination)
+        if os.path.lexists(destination):
+            os.remove(destination)
+        shutil.copyfile(source, destination)
 
     def rollback(self) -> None:
         """Remove what was added (deepest first), then restore every backed-up file."""

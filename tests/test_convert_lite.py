@@ -207,3 +207,38 @@ def test_daemon_serves_the_converted_bundle_on_lite_over_mosquitto(converted, tm
                 assert max((iou(box, d["box"]) for d in got), default=0.0) >= 0.5, (item["name"], box)
     finally:
         reference.close()
+
+
+MS20 = os.path.join(lite_support.REPO, "tests", "fixtures", "ms20")  # written by MindSpore 2.0.0 (its script)
+MS20_ATOL = 1e-5  # measured 6e-9 between MindSpore 2.0.0 and Lite 2.0.0 on this network
+
+
+def test_a_mindspore_2_0_mindir_is_converted_from_the_mindir_itself(tmp_path):
+    """The version-matched chain: a MindIR version 1 (MindSpore 2.0.0) needs no ONNX detour."""
+    root = tmp_path / "bundle"
+    root.mkdir()
+    source = os.path.join(MS20, "tiny_ms20.mindir")
+    with open(source, "rb") as handle, open(str(root / "tiny_ms20.mindir"), "wb") as out:
+        out.write(handle.read())
+    write_manifest(str(root), {
+        "schema": 1, "name": "tiny20", "version": "0.1.0", "created": "2026-12-01T00:00:00Z", "task": "classify",
+        "labels": ["a", "b", "c", "d"], "input": {"name": "x", "tiers": [[32, 32]]},
+        "preprocessing": {"color": "rgb", "mean": [0.0, 0.0, 0.0], "std": [255.0, 255.0, 255.0]},
+        "artifacts": [{"file": "tiny_ms20.mindir", "format": "mindir", "target": "cpu", "tier": [32, 32],
+                       "sha256": "", "size": 0}],
+    })
+    assert mindir.read_header(source) == (1, "2.0.0")
+    status = cli.run(convert_args(str(root)), env=lite_env(LITE_PYTHON))
+    assert status == cli.EXIT_OK
+    with open(str(root / "logs" / "tiny20_32x32_cpu.ms.log"), encoding="utf-8") as handle:
+        assert "--fmk=MINDIR --modelFile=tiny_ms20.mindir" in handle.readline()
+    if not lite_support.HAS_MSLITE:
+        return  # the Lite lane also runs both files
+    from agent.pipeline.backends import TensorSpec, create_backend
+
+    data = np.load(os.path.join(MS20, "tiny_ms20_input.npy"))
+    expected = np.load(os.path.join(MS20, "tiny_ms20_output.npy"))
+    spec = TensorSpec("x", data.shape, "float32")
+    for name in ("tiny20_32x32_cpu.ms", "tiny_ms20.mindir"):  # converted, and read directly
+        with create_backend("mslite", str(root / name), spec) as backend:
+            np.testing.assert_allclose(backend.infer(data)[0], expected, rtol=0, atol=MS20_ATOL, err_msg=name)
