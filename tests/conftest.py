@@ -28,6 +28,15 @@ HAS_MINDSPORE = importlib.util.find_spec("mindspore") is not None
 collect_ignore_glob = [] if HAS_MINDSPORE else list(HOST_ONLY_TESTS)
 
 
+@pytest.fixture(autouse=True)
+def _ieee_floats() -> Iterator[None]:
+    """The Lite lane loads mindspore_lite, which switches on flush-to-zero; each test starts with IEEE floats."""
+    from tests.lite_support import restore_ieee_floats
+
+    restore_ieee_floats()
+    yield
+
+
 def pytest_report_header() -> List[str]:
     if HAS_MINDSPORE:
         return []

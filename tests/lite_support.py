@@ -6,6 +6,7 @@ through ``.venv-lite``'s Python as ``atlas-edge convert`` finds it. Tests that n
 """
 
 import argparse
+import ctypes
 import importlib.util
 import os
 import subprocess
@@ -22,7 +23,16 @@ NO_MSLITE = "needs the real mindspore_lite (the Lite lane: `make test-lite`, Pyt
 NO_LITE_PYTHON = ("needs a Python that imports mindspore_lite ($%s or `make lite`'s .venv-lite)"
                   % toolrun.MSLITE_PYTHON_ENV)
 NO_DEMO = "examples/demo-bundle is not built (make demo-bundle)"
+FE_DFL_ENV = -1  # glibc <fenv.h>: ((const fenv_t *) -1)
 CONVERT_TIMEOUT_S = 600.0  # two tiers of the demo model convert in seconds; a loaded CI box is slower
+
+
+def restore_ieee_floats() -> None:
+    """Undo what importing mindspore_lite 2.0.0 does to this thread: it is built with fast-math, and loading it
+    turns on flush-to-zero (subnormals become 0.0), which later tests' float strategies (hypothesis) refuse.
+    glibc's ``fesetenv(FE_DFL_ENV)`` restores the default floating-point environment, MXCSR included."""
+    if "mindspore_lite" in sys.modules and sys.platform.startswith("linux"):
+        ctypes.CDLL("libm.so.6").fesetenv(ctypes.c_void_p(FE_DFL_ENV))
 
 
 def lite_python() -> Optional[str]:
