@@ -58,14 +58,15 @@ pycompat: venv
 	$(BIN)/vermin --no-tips --violations --target=3.7- --eval-annotations agent converters
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
-test: venv mosquitto lint imports pycompat
+# With a Python 3.7 the Lite venv is built first, so the host lane's conversion tests find it too.
+test: venv mosquitto lint imports pycompat $(if $(PYTHON37),lite)
 	$(BIN)/pytest -m "not slow" -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc
 	@if [ -n "$(PYTHON37)" ]; then $(MAKE) --no-print-directory test-lite; \
 	else echo "Lite lane skipped: no Python 3.7"; fi
 
 # The whole suite on the box's oldest Python with the real mindspore_lite; host-only tests skip themselves
-# (no MindSpore there). ATLAS_EDGE_MSLITE_PYTHON lets the host lane's conversion tests use the same venv.
+# (no MindSpore there) and tests/conftest.py does not collect quant/'s.
 test-lite: lite mosquitto
 	$(LITE_PY) -m pytest -m "not slow" -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest (Lite lane) collected no tests" >&2; exit 1; fi; exit $$rc

@@ -36,7 +36,9 @@ SECTIONS = {
 }
 NEEDS_MODEL = ("pipeline", "batching", "memory", "startup")
 BACKENDS = tuple(BACKEND_FORMATS)  # every backend the agent has
-DEFAULT_BACKENDS = ("mindspore", "opencv")  # the two that run on a CPU box
+# the three that run on a CPU box; mslite through the Lite venv (benchmarks/lite_lane.py) when this Python
+# cannot import it, and recorded as skipped when no Lite venv exists
+DEFAULT_BACKENDS = ("mindspore", "opencv", "mslite")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The figures the issue asks for by name: the JSON of a full selection must carry each of them.
 REQUIRED_KEYS = (

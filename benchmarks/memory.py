@@ -13,6 +13,7 @@ import gc
 import logging
 from typing import Any, Dict, List
 
+from benchmarks import lite_lane
 from benchmarks.harness import RunContext, linear_slope, target
 from benchmarks.workload import backend_available, bench_device, camera_frames, load_bundle, open_model
 
@@ -117,6 +118,8 @@ def run(context: RunContext) -> Dict[str, Any]:
             frames_result["rss_mb_per_10k_frames"],
             swaps.get("rss_mb_per_swap", float("nan")),
         )
+    if lite_lane.delegated(context):  # mslite runs in the Lite venv's Python 3.7 (benchmarks/lite_lane.py)
+        per_backend[lite_lane.BACKEND] = lite_lane.measure("memory", context)
     headline_backend = HEADLINE_BACKEND if HEADLINE_BACKEND in per_backend else backends[0]
     headline = per_backend[headline_backend]
     return {

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any, Dict, List
 
+from benchmarks import lite_lane
 from benchmarks.harness import RunContext, summarize, target
 from benchmarks.workload import (
     artifact_batches,
@@ -107,6 +108,8 @@ def run(context: RunContext) -> Dict[str, Any]:
             "overhead_fraction_b8": results["b8"]["overhead_fraction"]["median"],
             **results,
         }
+    if lite_lane.delegated(context):  # mslite runs in the Lite venv's Python 3.7 (benchmarks/lite_lane.py)
+        per_backend[lite_lane.BACKEND] = lite_lane.measure("pipeline", context)
     headline = per_backend.get(HEADLINE_BACKEND, {})
     if "overhead_fraction_b1" not in headline:  # the preferred backend is missing: report the first that ran
         headline = next((v for v in per_backend.values() if "overhead_fraction_b1" in v), {})

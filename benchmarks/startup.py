@@ -10,6 +10,7 @@ with more than one run, a restart on the existing state is measured too.
 For scale, the interpreter's own start and (full runs) ``import mindspore`` are timed the same way.
 """
 
+import importlib.util
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
+from benchmarks import lite_lane
 from benchmarks.harness import RunContext, summarize
 from benchmarks.workload import DEFAULT_DEVICE, backend_available, bench_device
 
@@ -192,8 +194,10 @@ def run(context: RunContext) -> Dict[str, Any]:
             log.info("startup %s: %.2f s to READY=1", backend, per_backend[backend]["seconds_to_ready"])
     finally:
         broker.close()
+    if lite_lane.delegated(context):  # mslite runs in the Lite venv's Python 3.7 (benchmarks/lite_lane.py)
+        per_backend[lite_lane.BACKEND] = lite_lane.measure("startup", context)
     scale = {"python_interpreter_s": time_command("pass", context.root)}
-    if profile.name != "quick":
+    if profile.name != "quick" and importlib.util.find_spec("mindspore") is not None:  # not in the Lite lane
         scale["import_mindspore_s"] = time_command("import mindspore", context.root)
     ran = [b for b, v in per_backend.items() if "seconds_to_ready" in v]
     headline = HEADLINE_BACKEND if HEADLINE_BACKEND in ran else (ran[0] if ran else None)

@@ -242,3 +242,17 @@ def test_a_mindspore_2_0_mindir_is_converted_from_the_mindir_itself(tmp_path):
     for name in ("tiny20_32x32_cpu.ms", "tiny_ms20.mindir"):  # converted, and read directly
         with create_backend("mslite", str(root / name), spec) as backend:
             np.testing.assert_allclose(backend.infer(data)[0], expected, rtol=0, atol=MS20_ATOL, err_msg=name)
+
+
+def test_the_benchmarks_mslite_lane_measures_start_up_in_the_lite_interpreter(tmp_path, monkeypatch):
+    """pipeline/memory/startup hand backend mslite to benchmarks/lite_lane.py; start-up is the cheapest."""
+    from benchmarks import lite_lane
+    from benchmarks.harness import QUICK, RunContext
+
+    monkeypatch.setenv(toolrun.MSLITE_PYTHON_ENV, LITE_PYTHON)
+    context = RunContext(profile=QUICK, threads=1, root=lite_support.REPO, work_dir=str(tmp_path),
+                         bundle_dir=DEMO_BUNDLE, backends=("mindspore", "opencv", "mslite"))
+    lane = lite_lane.measure("startup", context)
+    assert lane["seconds_to_ready"] > 0 and lane["exit_codes_after_sigterm"] == [0]
+    assert lane["lane"]["python"].startswith("3.7") and lane["lane"]["mindspore_lite"] == "2.0.0"
+    assert os.path.isfile(os.path.join(str(tmp_path), lite_lane.LITE_BUNDLE_DIR, "shapes-det_256x256_cpu.ms"))
