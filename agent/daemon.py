@@ -24,6 +24,7 @@ from agent.config.device_config import DeviceConfig, load_device_config
 from agent.config.overrides import Overrides, load_with_overrides, overrides_path
 from agent.config.schema import ConfigError
 from agent.pipeline.handover import BetweenBatches
+from agent.pipeline.results import SequenceCounter
 from agent.pipeline.serving import ResultCallback, ServingLoop
 from agent.pipeline.sources import SourceSet
 
@@ -94,7 +95,8 @@ class Daemon:
         self.transport = MqttTransport(cfg.mqtt, cfg.device_id, self.outbox, on_message=self._on_message,
                                        replay_rate_hz=cfg.outbox.replay_rate_hz,
                                        extra_subscriptions=[HA_STATUS_TOPIC] if discovery else [],
-                                       on_connected=self._publish_discovery if discovery else None)
+                                       on_connected=self._publish_discovery if discovery else None,
+                                       on_alert=self._publish_alert)
         self.models = ModelManager(cfg, self.device, self.backend, on_event=self._publish_event,
                                    handover=self.handover, on_phase=self._start_step)
         self.notifier = SystemdNotifier()
@@ -108,13 +110,15 @@ class Daemon:
         self.loop = ServingLoop(frames, SourceSet(list(cfg.sources), frames), self.models, self.transport,
                                 self.progress, self.handover, self.stop_event, cfg.batching.max_batch,
                                 cfg.batching.max_wait_ms, cfg.publish, on_event=self._publish_event,
-                                telemetry_extras=self._telemetry_extras, on_result=on_result)
+                                telemetry_extras=self._telemetry_extras, on_result=on_result,
+                                numbering=SequenceCounter(cfg.state_path("sequence.json")))
         self.handlers = CommandHandlers(self.loop, self.models, self.transport, self.handover,
                                         get_config=lambda: self.config, apply_config=self._apply_config,
                                         request_restart=self._restart, device_name=self.device.name,
                                         backend=self.backend, overrides=self.overrides)
         self.dispatcher = CommandDispatcher(self.transport, self.handlers.table(),
-                                            record_path=cfg.state_path("requests.sqlite"))
+                                            record_path=cfg.state_path("requests.sqlite"),
+                                            on_alert=self._publish_alert)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -128,7 +132,9 @@ class Daemon:
         self.transport.start()
         for alert in self.overrides.alerts():  # a damaged or outdated overrides file: said once, at start
             self._publish_alert(alert)
-        self.dispatcher.start()
+        self.dispatcher.start()  # reports a damaged command record, if it found one
+        for alert in self.loop.numbering.alerts:  # and a damaged sequence file
+            self._publish_alert(alert)
         self.loop.sources.start()
         self.notifier.ready()
         self.notifier.status("serving %s on %s" % (model.label, self.backend))
@@ -197,6 +203,7 @@ class Daemon:
             "npu_memory_mb": None if sample is None or sample.npu_used_mb is None else {
                 "used": sample.npu_used_mb, "total": sample.npu_total_mb},
             "mqtt": self.transport.stats(),
+            "commands": self.dispatcher.stats(),  # received, accepted, failed by code, dropped by reason
             # limits, trend, pings and progress behind the watchdog's decisions (operations.md "Reading alerts")
             "watchdog": self.watchdog.snapshot(),
         }

@@ -21,7 +21,7 @@ from agent.config.daemon_config import PublishConfig
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.model import LoadedModel
-from agent.pipeline.results import result_payload
+from agent.pipeline.results import SequenceCounter, result_payload
 from agent.pipeline.sources import Frame, SourceSet
 from agent.pipeline.stats import StageStats
 
@@ -79,7 +79,8 @@ class ServingLoop:
                  max_batch: int, max_wait_ms: float, publish: PublishConfig,
                  on_event: Callable[[Dict[str, Any]], None],
                  telemetry_extras: Callable[[], Dict[str, Any]] = dict,
-                 on_result: Optional[ResultCallback] = None) -> None:
+                 on_result: Optional[ResultCallback] = None,
+                 numbering: Optional[SequenceCounter] = None) -> None:
         self.frames = frames
         self.sources = sources
         self.models = models
@@ -92,6 +93,7 @@ class ServingLoop:
         self.on_event = on_event
         self.telemetry_extras = telemetry_extras
         self.on_result = on_result
+        self.numbering = numbering or SequenceCounter()  # per-source `seq` in each result (in memory if not given)
         self.stats = StageStats()
         self.published = 0
         self.inference_errors = 0
@@ -171,7 +173,8 @@ class ServingLoop:
             timings = dict(result.timings_ms)
             timings["queue"] = (started - frame.enqueued) * 1e3
             timings["total"] = (time.monotonic() - frame.enqueued) * 1e3
-            payload = result_payload(frame, result, identity, labels, timings)
+            payload = result_payload(frame, result, identity, labels, timings,
+                                     seq=self.numbering.next(frame.source))
             self.stats.add(timings)
             self.latest = (frame, payload)
             if self._rate_allows(frame.source):
