@@ -600,6 +600,13 @@ def execute(plan: ConvertPlan, env: Mapping[str, str], timeout_s: float,
                 echo("warning: " + warning)
     tool_env = toolrun.child_env(plan.tool, located.path, env)
     toolchain = _toolchain(plan, located, tool_env)
+    if plan.soc_version and located.argv[-1] == toolrun.PYCONVERT and toolchain.get("cann") == \
+            toolrun.UNKNOWN_VERSION:
+        raise ConvertError(["device %s is an Ascend box: MindSpore Lite's converter builds its Ascend MindIR "
+                            "with the CANN toolkit of the host it runs on (CANN >= 7.5), and none was found "
+                            "($ASCEND_TOOLKIT_HOME, $ASCEND_HOME/latest, %s). Convert on a host with the box's "
+                            "SoC and CANN, or use --dry-run for the commands" % (
+                                plan.device_name, os.path.dirname(toolrun.DEFAULT_TOOLKIT_BIN))])
     echo("using %s (%s)" % (" ".join(located.argv), ", ".join("%s %s" % kv for kv in sorted(toolchain.items()))))
     with tempfile.TemporaryDirectory(prefix="atlas-edge-convert-") as work:
         _stage(plan, work)

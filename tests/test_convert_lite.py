@@ -113,14 +113,28 @@ def test_mindir_too_new_without_onnx_is_refused_naming_both_versions(tmp_path, c
 
 
 def test_target_ascend_fails_clearly_without_cann(tmp_path, capsys):
-    """Lite's Ascend output needs CANN on the converting host; here it fails with the converter's words."""
+    """Lite's Ascend output needs CANN on the converting host (measured without it: "NULL pointer returned")."""
     root = copy_demo(str(tmp_path / "bundle"))
     before = tree(root)
-    status = cli.run(convert_args(root, device="atlas-300i-pro", tiers=[(256, 256)]), env=lite_env(LITE_PYTHON))
+    env = dict(lite_env(LITE_PYTHON), ASCEND_TOOLKIT_HOME=str(tmp_path / "no-cann"), ASCEND_HOME=str(tmp_path))
+    status = cli.run(convert_args(root, device="atlas-300i-pro", tiers=[(256, 256)]), env=env)
     err = capsys.readouterr().err
-    assert status == cli.EXIT_TOOL_FAILED, err
-    assert "the bundle is unchanged" in err and "last lines of the converter_lite log" in err
+    assert status == cli.EXIT_BAD_INPUT, err
+    assert "device atlas-300i-pro is an Ascend box" in err and "CANN toolkit" in err and "none was found" in err
     assert tree(root) == before
+
+
+@pytest.mark.skipif(not lite_support.HAS_MSLITE, reason=lite_support.NO_MSLITE)
+def test_the_runtime_on_target_ascend_fails_naming_the_npu_and_cann(converted):
+    from agent.pipeline.backends import BackendError, BackendOptions, TensorSpec, create_backend
+
+    root, status, output = converted
+    assert status == cli.EXIT_OK, output
+    backend = create_backend("mslite", os.path.join(root, "shapes-det_256x256_cpu.ms"),
+                             TensorSpec("images", (1, 3, 256, 256), "float32"), BackendOptions(target="ascend"))
+    with pytest.raises(BackendError, match="target ascend needs an Ascend NPU with its driver and the CANN runtime"):
+        backend.load()
+    assert not backend.loaded
 
 
 def test_lite_pyconvert_refuses_flags_it_cannot_map(tmp_path):
@@ -256,3 +270,15 @@ def test_the_benchmarks_mslite_lane_measures_start_up_in_the_lite_interpreter(tm
     assert lane["seconds_to_ready"] > 0 and lane["exit_codes_after_sigterm"] == [0]
     assert lane["lane"]["python"].startswith("3.7") and lane["lane"]["mindspore_lite"] == "2.0.0"
     assert os.path.isfile(os.path.join(str(tmp_path), lite_lane.LITE_BUNDLE_DIR, "shapes-det_256x256_cpu.ms"))
+
+
+@pytest.mark.skipif(not lite_support.HAS_MSLITE, reason=lite_support.NO_MSLITE)
+def test_bundle_verify_runs_the_golden_set_on_lite(converted):
+    root, status, output = converted
+    assert status == cli.EXIT_OK, output
+    done = subprocess.run([sys.executable, "-m", "agent", "bundle", "verify", root, "--device", "cpu-dev",
+                           "--run-golden"], cwd=lite_support.REPO, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cpu-dev/mslite serves      tier 256x256 with shapes-det_256x256_cpu.ms" in done.stdout
+    assert "golden set       passed: 4 case(s)" in done.stdout

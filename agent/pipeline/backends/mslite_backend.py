@@ -1,13 +1,15 @@
 """MindSpore Lite backend: ``.ms`` (MINDIR_LITE) or converted ``.mindir`` files, on the CPU or the Ascend NPU.
 
 Written to the MindSpore Lite 2.x Python API (``mindspore_lite.Context`` with ``target`` / ``cpu`` /
-``ascend`` properties, ``Model.build_from_file``, ``get_inputs``, ``predict``); NOT run here: no
-mindspore_lite wheel exists for this machine's Python, so it is tested against a stand-in
-(tests/fakes/fake_mslite.py). Releases before 2.0 configured devices with ``AscendDeviceInfo`` +
-``append_device_info``; they are refused with :class:`BackendUnavailable` rather than half-supported.
+``ascend`` properties, ``Model.build_from_file``, ``get_inputs``, ``predict``). Run for real on the CPU with
+MindSpore Lite 2.0.0 on Python 3.7 (the Lite lane, docs/backends.md); the Ascend target has not run (no NPU
+here) and is tested against the stand-in (tests/fakes/fake_mslite.py). Releases before 2.0 configured devices
+with ``AscendDeviceInfo`` + ``append_device_info``; they are refused with :class:`BackendUnavailable` rather
+than half-supported.
 
-The model is built once at load and its input tensors are fetched once; ``infer`` only copies the batch
-into them (``set_data_from_numpy``), runs ``predict`` and copies the outputs out.
+The model is built once at load and its input tensors are fetched once; ``infer`` hands the batch to them
+(``set_data_from_numpy`` is zero-copy in 2.0.0: the batch stays referenced until ``predict`` returns), runs
+``predict`` and copies the outputs out (``get_data_to_numpy`` is a view the next ``predict`` overwrites).
 """
 
 import logging
@@ -19,7 +21,8 @@ from agent.pipeline.backends.base import Backend, BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
-# ATC / device-config precision names -> MindSpore Lite's (per the mapping in mindspore_lite.Context's docs)
+# ATC / device-config precision names -> MindSpore Lite's, as mindspore_lite.Context's own docstring pairs them
+# (mindspore/lite/python/api/context.py: "enforce_fp16: ACL option is force_fp16", ...)
 PRECISION_MODES: Dict[str, str] = {
     "force_fp32": "enforce_fp32",
     "allow_fp32_to_fp16": "preferred_fp32",
@@ -71,8 +74,12 @@ class MindSporeLiteBackend(Backend):
         try:
             model.build_from_file(self.artifact_path, model_type, context)
         except (RuntimeError, ValueError, TypeError) as err:
-            raise self._error("mindspore_lite build_from_file (%s, target %s) failed" % (
-                model_type, self.options.target), err) from err
+            hint = ""
+            if self.options.target == "ascend":
+                hint = (" (target ascend needs an Ascend NPU with its driver and the CANN runtime on this box: "
+                        "`npu-smi info` lists it, CANN's set_env.sh puts it on the library path)")
+            raise self._error("mindspore_lite build_from_file (%s, target %s) failed%s" % (
+                model_type, self.options.target, hint), err) from err
         self._model = model
         self._inputs = self._bind_input(model)
 
