@@ -479,3 +479,46 @@ def test_demo_bundle_plans_for_each_box_kind(device, to):
     plan = plan_conversion(ConvertRequest(bundle=DEMO_BUNDLE, device=device, to=to))
     assert plan.jobs and all(job.output not in before for job in plan.jobs)
     assert tree(DEMO_BUNDLE) == before
+
+
+# --- issue 12 on the run path ---------------------------------------------------------------------------
+
+def test_atc_output_named_for_the_host_os_and_arch_is_kept_under_the_planned_name(bundle, tmp_path, capsys):
+    """atlas-300i-pro names no arch, so no --host_env_*: the stand-in then writes <stem>_linux_<arch>.om."""
+    assert cli.run(args_for(bundle, "atlas-300i-pro", "om", tiers=[(32, 32)]), env=env_with(tmp_path, STANDINS)) \
+        == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "atc wrote tiny_32x32_Ascend310P3_linux_" in out and "kept as tiny_32x32_Ascend310P3.om" in out
+    (added,) = [a for a in manifest_of(bundle)["artifacts"] if a["format"] == "om"]
+    assert added["file"] == "tiny_32x32_Ascend310P3.om" and "arch" not in added["toolchain"]
+    assert not [n for n in os.listdir(bundle) if n.endswith(".om") and n != added["file"]]
+    verify_bundle(bundle)
+
+
+def test_converter_lite_version_comes_from_version_txt_never_from_a_timestamp(tmp_path):
+    home = tmp_path / "lite" / "tools" / "converter" / "converter"
+    home.mkdir(parents=True)
+    tool = home / "converter_lite"
+    tool.write_text("#!/bin/sh\necho 2026-11-30-23:55:37.869 1.2.3\n")  # would be misread if it were asked
+    tool.chmod(0o755)
+    assert toolrun.converter_version(str(tool)) == "unknown"
+    (tmp_path / "lite" / "version.txt").write_text("2026-11-30-23:55:37\n")
+    assert toolrun.converter_version(str(tool)) == "unknown"  # a timestamp is not a version
+    (tmp_path / "lite" / "version.txt").write_text("2.3.1\n")
+    assert toolrun.converter_version(str(tool)) == "2.3.1"
+
+
+def test_calibration_bins_are_transposed_into_the_models_layout_in_staging_only(bundle, tmp_path):
+    from converters.convert import Relayout
+
+    source = os.path.join(bundle, "calibration")
+    staged = str(tmp_path / "staged")
+    Relayout("calibration", "NHWC", "NCHW", (1, 32, 32, 3), "float32").write(source, staged)
+    for name in os.listdir(source):
+        nhwc = np.fromfile(os.path.join(source, name), np.float32).reshape(1, 32, 32, 3)
+        nchw = np.fromfile(os.path.join(staged, name), np.float32).reshape(1, 3, 32, 32)
+        np.testing.assert_array_equal(nchw, nhwc.transpose(0, 3, 1, 2))
+    with pytest.raises(ConvertError, match=r"calibration/000.bin: 3072 float32 values, expected 1x64x64x3"):
+        Relayout("calibration", "NHWC", "NCHW", (1, 64, 64, 3), "float32").write(source, str(tmp_path / "x"))
+    plan = plan_conversion(ConvertRequest(bundle=bundle, device="cpu-dev", to="ms", ptq=True, tiers=[(32, 32)]))
+    assert plan.relayout is not None and any("staging copy is transposed" in w for w in plan.warnings)

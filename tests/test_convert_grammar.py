@@ -451,3 +451,56 @@ def test_any_undocumented_flag_is_rejected(name):
         with pytest.raises(grammar.GrammarError) as info:
             check(good + ["--%s=1" % name])
         assert "--%s: unknown flag" % name in str(info.value)
+
+
+# --- issue 12: what the published ATC / converter_lite pages say, each checked -----------------------------
+
+def test_atc_refuses_nhwc_for_an_onnx_model_and_takes_the_documented_formats():
+    base = ["--model=m.onnx", "--framework=5", "--output=m", "--soc_version=Ascend310"]
+    for fmt in ("NCHW", "NCDHW", "ND"):
+        grammar.check_atc_args(base + ["--input_format=%s" % fmt])
+    with pytest.raises(grammar.GrammarError, match="for an ONNX model .* ATC takes NCHW, NCDHW, ND"):
+        grammar.check_atc_args(base + ["--input_format=NHWC"])
+    grammar.check_atc_args(["--model=m.pb", "--framework=3", "--output=m", "--soc_version=Ascend310",
+                            "--input_format=NHWC"])  # TensorFlow may say NHWC
+
+
+def test_an_nhwc_bundle_is_refused_for_atc_not_relabelled(tmp_path):
+    root = make_bundle(str(tmp_path / "nhwc"), IMAGENET_RGB, calibration=False)
+    import json
+
+    path = os.path.join(root, "manifest.json")
+    with open(path, encoding="utf-8") as handle:
+        manifest = json.load(handle)
+    manifest["input"]["layout"] = "NHWC"
+    write_manifest(root, manifest)
+    with pytest.raises(ConvertError, match="input.layout is NHWC, but ATC reads an ONNX model's input as "
+                                           "NCHW/NCDHW/ND only"):
+        _plan(root, "atlas-200dk", "om")
+
+
+def test_host_env_comes_from_the_device_arch_and_is_absent_when_unknown(bundles):
+    a2 = _plan(bundles["imagenet-rgb"], "atlas-200i-dk-a2", "om").jobs[0]
+    assert a2.cmd[-2:] == ["--host_env_os=linux", "--host_env_cpu=aarch64"] and a2.toolchain == {"arch": "aarch64"}
+    card = _plan(bundles["imagenet-rgb"], "atlas-300i-pro", "om").jobs[0]  # a PCIe card: the host's CPU
+    assert not any(c.startswith("--host_env") for c in card.cmd) and card.toolchain == {}
+    with pytest.raises(grammar.GrammarError, match="--host_env_os and --host_env_cpu go together"):
+        grammar.check_atc_args(["--model=m.onnx", "--framework=5", "--output=m", "--soc_version=Ascend310",
+                                "--host_env_cpu=aarch64"])
+
+
+def test_calibrate_path_joins_inputs_with_a_comma():
+    from converters import lite_config
+
+    assert lite_config.calibrate_path([("a", "d1"), ("b", "d2")]) == "a:d1,b:d2"
+    ok = "[common_quant_param]\nquant_type=FULL_QUANT\nbit_num=8\n[data_preprocess_param]\n" \
+         "calibrate_path=a:d1,b:d2\ncalibrate_size=4\ninput_type=BIN\n"
+    grammar.check_lite_config(ok)
+    with pytest.raises(grammar.GrammarError, match="calibrate_path"):
+        grammar.check_lite_config(ok.replace("a:d1,b:d2", "a:d1;b:d2"))
+
+
+def test_the_200i_dk_a2_serves_pyacl_first_and_lite_as_the_fallback():
+    device = load_device_config("atlas-200i-dk-a2")
+    assert (device.backend, device.fallback_backends, device.artifact_format) == ("acl", ["mslite"], "om")
+    assert device.arch == "aarch64" and device.soc_version == "Ascend310B4"
