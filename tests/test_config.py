@@ -216,3 +216,15 @@ def test_validate_marks_values_from_overrides_and_changes_nothing(tmp_path):
     result = _cli("validate", str(path))
     assert result.returncode == 0 and "damaged and would be moved aside" in result.stdout
     assert target.read_bytes() == b"\x00garbage" and os.listdir(tmp_path / "state") == [OVERRIDES_FILE]
+
+
+def test_overrides_that_cannot_be_read_are_reported_not_moved(tmp_path):
+    """A person running validate without the daemon's permissions, or a path that is not a file."""
+    path = write_config(tmp_path)
+    (tmp_path / "state" / OVERRIDES_FILE).mkdir(parents=True)  # open() fails with an OSError, as on EACCES
+    config, overrides = load_with_overrides(str(path))
+    assert config.thresholds.conf is None and overrides.unreadable and overrides.moved_to is None
+    assert [a["kind"] for a in overrides.alerts()] == ["state_file_unreadable"]
+    assert (tmp_path / "state" / OVERRIDES_FILE).is_dir()
+    result = _cli("validate", str(path))
+    assert result.returncode == 0 and "could not be read" in result.stdout

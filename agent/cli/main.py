@@ -129,7 +129,10 @@ def _validate(args: argparse.Namespace) -> int:
 def _print_overrides(overrides: "Overrides") -> None:
     """What the state directory's overrides file contributes, or why it would be ignored by ``run``."""
     report = overrides.report()
-    if report["damaged"]:
+    if report["unreadable"]:
+        print("overrides %s could not be read (%s); run validate as the daemon's user (sudo -u atlas-edge) to "
+              "see what they set" % (report["file"], report["unreadable"]))
+    elif report["damaged"]:
         print("overrides %s are damaged and would be moved aside at start: %s" % (report["file"],
                                                                                   report["damaged"]))
     elif report["values"] or report["ignored"]:

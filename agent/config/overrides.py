@@ -15,7 +15,6 @@ Two ways an overrides file can be unusable, handled differently:
 
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -48,6 +47,7 @@ class Overrides:
     ignored: List[Dict[str, Any]] = field(default_factory=list)  # {"section", "errors"} per rejected section
     damaged: Optional[str] = None  # why the file could not be used at all
     moved_to: Optional[str] = None  # where a damaged file went (None: not moved, e.g. validate's dry read)
+    unreadable: Optional[str] = None  # why the file could not be read (permissions): not applied, not moved
 
     @classmethod
     def load(cls, path: str, quarantine: bool = True) -> "Overrides":
@@ -59,9 +59,9 @@ class Overrides:
                 raw = handle.read()
         except FileNotFoundError:
             return overrides
-        except OSError as exc:  # unreadable: nothing to apply, and nothing this process can move either
-            overrides.damaged = "cannot read: %s" % exc
-            log.error("overrides %s ignored: %s", path, overrides.damaged)
+        except OSError as exc:  # not damaged, unreadable to this user (validate run by a person): not moved
+            overrides.unreadable = str(exc)
+            log.error("overrides %s cannot be read, so they are not applied: %s", path, exc)
             return overrides
         try:
             document = parse(OverridesDocument, json.loads(raw.decode("utf-8")), source=path)
@@ -132,6 +132,11 @@ class Overrides:
                                          " and were moved to %s" % self.moved_to if self.moved_to else ""),
                           "figures": {"file": self.path, "moved_to": self.moved_to, "reason": self.damaged,
                                       "lost": "remote set-config changes"}})
+        if self.unreadable:
+            found.append({"kind": "state_file_unreadable", "restart": False,
+                          "message": "overrides %s cannot be read (%s); remote set-config changes are not in "
+                                     "effect" % (self.path, self.unreadable),
+                          "figures": {"file": self.path, "reason": self.unreadable}})
         for item in self.ignored:
             found.append({"kind": "override_ignored", "restart": False,
                           "message": "override of %s in %s ignored: it does not validate against the config "
@@ -142,7 +147,7 @@ class Overrides:
     def report(self) -> Dict[str, Any]:
         """For ``status`` and ``validate``: the file, the values it sets, what was ignored or moved aside."""
         return {"file": self.path, "values": self.values(), "ignored": list(self.ignored),
-                "damaged": self.damaged, "moved_to": self.moved_to}
+                "damaged": self.damaged, "moved_to": self.moved_to, "unreadable": self.unreadable}
 
 
 def combine(base: Mapping[str, Any], changes: Mapping[str, Any]) -> Dict[str, Any]:
@@ -172,14 +177,3 @@ def load_with_overrides(config_path: str, quarantine: bool = True) -> Tuple[Daem
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text[:300]
-
-
-def describe_overrides(config: DaemonConfig) -> Optional[Overrides]:
-    """The overrides that ``run`` would merge over ``config``, read without changing anything (for
-    ``atlas-edge validate``); None when the state directory has none."""
-    path = overrides_path(config)
-    if not os.path.exists(path):
-        return None
-    overrides = Overrides.load(path, quarantine=False)
-    overrides.apply(config)
-    return overrides
