@@ -4,6 +4,7 @@
 import json
 import os
 import sqlite3
+import time
 
 import pytest
 
@@ -93,3 +94,32 @@ def test_the_daemon_starts_serves_and_reports_damaged_state(tmp_path, mosquitto,
                 proc.kill()
         alerts.close()
         results.close()
+
+
+def test_status_counts_a_burst_of_hostile_commands(tmp_path, mosquitto):
+    """Issue 12: after a burst, `status` says how many commands arrived, failed (by code) and were dropped (by
+    reason): the dispatcher's counters, not only the transport's."""
+    frames = tmp_path / "frames"
+    write_sample_frames(str(frames), sizes_hw=SIZES[:2], seed=4)
+    proc = start_daemon(write_config(tmp_path, mosquitto, frames, loop=True))
+    sender = Subscriber(mosquitto, "atlas-edge/e2e/ack/#")  # a plain client; its subscription is unused
+    try:
+        wait_status(mosquitto)
+        burst = 300
+        for i in range(burst):
+            body = b"not json" if i % 3 else b'{"request_id": "hostile-%d", "verb": 1}' % i
+            sender.client.publish("atlas-edge/e2e/cmd/status", body, qos=1).wait_for_publish(10)
+        time.sleep(3.0)  # the token bucket refills (10/s) so that the status request itself is accepted
+        counters = json.loads(wait_status(mosquitto).stdout.strip().splitlines()[-1])["result"]["commands"]
+        assert counters["received"] >= burst + 2  # the burst and both status requests
+        dropped, failed = sum(counters["dropped"].values()), sum(counters["failed"].values())
+        assert counters["dropped"].get("rate_limited", 0) + counters["failed"].get("rate_limited", 0) > 0
+        assert counters["accepted"] + dropped + failed + counters["duplicates"] >= burst
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        sender.close()
