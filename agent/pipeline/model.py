@@ -23,6 +23,9 @@ from agent.pipeline.preprocess import BatchPreprocessor, LetterboxPlan, Preproce
 
 log = logging.getLogger(__name__)
 
+# (backend name, artifact path, input spec, options) -> a backend not loaded yet
+BackendFactory = Callable[[str, str, TensorSpec, BackendOptions], Backend]
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -50,18 +53,54 @@ class GoldenReport:
     failures: List[str]
 
 
+# Input buffers per tier: the serving loop fills one while the backend reads the other (agent/pipeline/serving.py).
+BUFFERS_PER_TIER = 2
+
+
 @dataclass
 class _TierRunner:
     artifact: Artifact
     backend: Backend
-    preprocessor: BatchPreprocessor
+    buffers: List[BatchPreprocessor]  # preallocated input batches, used in turn
+    turn: int = 0
+
+    @property
+    def preprocessor(self) -> BatchPreprocessor:
+        """The first buffer: warm-up and the golden check use it (never while serving overlaps)."""
+        return self.buffers[0]
+
+    def next_buffer(self) -> BatchPreprocessor:
+        buffer = self.buffers[self.turn]
+        self.turn = (self.turn + 1) % len(self.buffers)
+        return buffer
+
+
+@dataclass
+class PreparedChunk:
+    """Up to one artifact batch of frames, letterboxed into one of its tier's input buffers, ready to run.
+
+    The buffer is reused :data:`BUFFERS_PER_TIER` chunks of the same tier later, so a chunk must have run
+    before that many more of its tier are prepared.
+    """
+
+    runner: _TierRunner
+    buffer: BatchPreprocessor
+    plans: List[LetterboxPlan]
+    preprocess_ms: float
+
+    @property
+    def tier(self) -> Tier:
+        return self.runner.artifact.tier
 
 
 class LoadedModel:
     """Serve one verified bundle on this box with one backend."""
 
-    def __init__(self, bundle: Bundle, device: DeviceConfig, backend: str, max_batch: int = 1) -> None:
+    def __init__(self, bundle: Bundle, device: DeviceConfig, backend: str, max_batch: int = 1,
+                 backend_factory: Optional[BackendFactory] = None) -> None:
+        """``backend_factory`` builds each tier's backend (default ``create_backend``; benchmarks pass stand-ins)."""
         self.bundle = bundle
+        self.backend_factory = backend_factory
         self.device = device
         self.backend_name = backend
         self.max_batch = max_batch
@@ -86,12 +125,14 @@ class LoadedModel:
                 h, w = tier
                 shape = (art.batch, 3, h, w) if art.input_layout == "NCHW" else (art.batch, h, w, 3)
                 spec = TensorSpec(name=self.manifest.input.name, shape=shape, dtype=art.input_dtype)
-                backend = create_backend(self.backend_name, self.bundle.path(art.file), spec, options)
+                factory = self.backend_factory or create_backend  # looked up now: tests patch the module's name
+                backend = factory(self.backend_name, self.bundle.path(art.file), spec, options)
                 backend.load()
-                preprocessor = BatchPreprocessor(
+                buffers = [BatchPreprocessor(
                     self.spec, tier, art.batch, input_dtype=art.input_dtype, input_layout=art.input_layout,
                     input_color=art.input_color, normalize=art.normalize_on == "host")
-                self._runners[tier] = _TierRunner(art, backend, preprocessor)
+                    for _ in range(BUFFERS_PER_TIER)]
+                self._runners[tier] = _TierRunner(art, backend, buffers)
                 log.info("loaded %s tier %dx%d with %s (%s, batch %d)", self.label, h, w, self.backend_name,
                          art.file, art.batch)
         except Exception:
@@ -121,38 +162,56 @@ class LoadedModel:
         return tier
 
     def infer_frames(self, images: List[np.ndarray]) -> List[FrameResult]:
-        """Run frames (BGR, any sizes) and return one result per frame, in order.
+        """Run frames (BGR, any sizes) one chunk after another and return one result per frame, in order.
 
-        Frames are grouped by tier; each group goes through that tier's fixed batch in chunks, a short last
-        chunk is padded with the buffer's stale slots and their outputs are discarded.
+        The serving loop overlaps the same steps (:meth:`chunks`, :meth:`prepare`, :meth:`run`, :meth:`decode`)
+        across chunks; this is the plain sequence, for benchmarks and tools.
         """
         results: List[Optional[FrameResult]] = [None] * len(images)
+        for tier, indices in self.chunks(images):
+            chunk = self.prepare(tier, [images[i] for i in indices])
+            t1 = time.perf_counter()
+            outputs = self.run(chunk)
+            t2 = time.perf_counter()
+            decoded = self.decode(chunk, outputs)
+            t3 = time.perf_counter()
+            n = len(indices)
+            timings = {"preprocess": chunk.preprocess_ms / n, "infer": (t2 - t1) * 1e3 / n,
+                       "postprocess": (t3 - t2) * 1e3 / n}
+            for slot, result in zip(indices, decoded):
+                result.timings_ms.update(timings)
+                results[slot] = result
+        return [r for r in results if r is not None]
+
+    def chunks(self, images: List[np.ndarray]) -> List[Tuple[Tier, List[int]]]:
+        """Frames grouped by tier, each group cut into runs of the tier's fixed artifact batch (indices)."""
         groups: Dict[Tier, List[int]] = {}
         for index, image in enumerate(images):
             groups.setdefault(self.tier_for(image.shape[:2]), []).append(index)
+        out = []
         for tier, indices in groups.items():
-            runner = self._runners[tier]
-            step = runner.artifact.batch
-            for start in range(0, len(indices), step):
-                chunk = indices[start:start + step]
-                for slot, result in zip(chunk, self._run_chunk(runner, [images[i] for i in chunk])):
-                    results[slot] = result
-        return [r for r in results if r is not None]
+            step = self._runners[tier].artifact.batch
+            out.extend((tier, indices[start:start + step]) for start in range(0, len(indices), step))
+        return out
 
-    def _run_chunk(self, runner: _TierRunner, images: List[np.ndarray]) -> List[FrameResult]:
-        t0 = time.perf_counter()
-        plans: List[LetterboxPlan] = [runner.preprocessor.fill(i, image) for i, image in enumerate(images)]
-        t1 = time.perf_counter()
-        outputs = runner.backend.infer(runner.preprocessor.batch)
-        t2 = time.perf_counter()
-        results = self._decode(runner.artifact.tier, outputs[0][:len(images)], plans)
-        t3 = time.perf_counter()
-        n = len(images)
-        timings = {"preprocess": (t1 - t0) * 1e3 / n, "infer": (t2 - t1) * 1e3 / n,
-                   "postprocess": (t3 - t2) * 1e3 / n}
-        for result in results:
-            result.timings_ms.update(timings)
-        return results
+    def prepare(self, tier: Tier, images: List[np.ndarray]) -> PreparedChunk:
+        """Letterbox up to one artifact batch of frames into the tier's next input buffer.
+
+        A short chunk leaves the buffer's last slots stale; their outputs are discarded by :meth:`decode`.
+        """
+        runner = self._runners[tier]
+        buffer = runner.next_buffer()
+        started = time.perf_counter()
+        plans = [buffer.fill(i, image) for i, image in enumerate(images)]
+        return PreparedChunk(runner, buffer, plans, (time.perf_counter() - started) * 1e3)
+
+    def run(self, chunk: PreparedChunk) -> List[np.ndarray]:
+        """The backend call alone (the serving loop makes it on its backend thread)."""
+        return chunk.runner.backend.infer(chunk.buffer.batch)
+
+    def decode(self, chunk: PreparedChunk, outputs: List[np.ndarray]) -> List[FrameResult]:
+        """Detections (or classes) per frame of the chunk, boxes in source pixels; timings are the caller's."""
+        return self._decode(chunk.tier, outputs[0][:len(chunk.plans)], chunk.plans)
 
     def _decode(self, tier: Tier, output: np.ndarray, plans: List[LetterboxPlan]) -> List[FrameResult]:
         """The task's decoder (one dispatch: :func:`agent.pipeline.postprocess.decode`), then boxes to source pixels."""

@@ -1,8 +1,17 @@
-"""The serving loop: frame queue → batcher → model → result payloads → a result sink.
+"""The serving loop: frame queue → batcher → letterbox → backend → decode → result payloads → a result sink.
 
-One thread serves; it is the only one that runs inference, so a model switch between batches needs no lock.
-Everything that changes what the next batch sees (a config change, a swap, a rollback) reaches it through
-:class:`~agent.pipeline.handover.BetweenBatches`, which the loop drains before each batch.
+The stages overlap. One backend thread makes every backend call, in order, one at a time (an accelerator
+runs one model call at a time anyway); the serving thread letterboxes the next chunk into the tier's other
+preallocated input buffer while the backend runs the current one, and decodes and publishes the previous
+one meanwhile. A chunk is up to one fixed artifact batch of one tier; a batch from the batcher is one or
+more chunks, and its results are published together, in frame order, so each source's frames keep their
+order.
+
+Between two batches, with nothing on the backend, the loop runs the
+:class:`~agent.pipeline.handover.BetweenBatches` queue and the model source's ``between_batches``: a config
+change, a swap or a rollback lands there, so a batch runs on one model from its letterbox to its decode (a
+batch letterboxed for a model that was just swapped out is letterboxed again for the new one). Shutdown and
+pause stop taking frames and finish everything already taken.
 
 The loop knows nothing of MQTT or systemd: it publishes through a :class:`ResultSink` (the daemon passes the
 MQTT transport), marks liveness on a :class:`ProgressSink` (the daemon passes the watchdog's progress monitor)
@@ -14,13 +23,14 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from agent._util.compat import Protocol
 from agent.config.daemon_config import PublishConfig
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.handover import BetweenBatches
-from agent.pipeline.model import LoadedModel
+from agent.pipeline.model import FrameResult, LoadedModel, PreparedChunk
 from agent.pipeline.results import SequenceCounter, result_payload
 from agent.pipeline.sources import Frame, SourceSet
 from agent.pipeline.stats import StageStats
@@ -31,6 +41,12 @@ log = logging.getLogger(__name__)
 PAUSED_POLL_S = 0.05
 # Characters of a backend's error message carried in an ``inference_error`` event (a traceback can be huge).
 EVENT_ERROR_CHARS = 200
+# The backend's busy fraction is reported over this trailing window (the same span as the fps figure).
+BUSY_WINDOW_S = 5.0
+# Backend calls remembered for the busy fraction: a 5 s window of 1 ms calls, with room to spare.
+BUSY_HISTORY = 8192
+# How long the batcher waits for a first frame when nothing is in flight (keeps stop, pause and handover prompt).
+IDLE_WAIT_S = 0.1
 
 ResultCallback = Callable[[Frame, Dict[str, Any]], None]
 
@@ -66,8 +82,133 @@ class ModelSource(Protocol):
     def record_batch(self, frames: int, infer_ms_per_frame: float, failed: bool) -> None: ...
 
 
+class _Call:
+    """One backend call handed to the backend thread; ``done`` is set when it returned or raised."""
+
+    __slots__ = ("fn", "done", "outputs", "error", "started", "ended")
+
+    def __init__(self, fn: Callable[[], List[Any]]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.outputs: List[Any] = []
+        self.error: Optional[BaseException] = None
+        self.started = 0.0
+        self.ended = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+
+class BackendThread:
+    """The one thread that calls the backend: calls run in submission order, one at a time.
+
+    It marks each call on the progress sink (the watchdog's hang check) and keeps the calls' start and end
+    times, from which :meth:`busy_fraction` says how much of the trailing window the backend was working.
+    """
+
+    def __init__(self, progress: ProgressSink, clock: Callable[[], float] = time.monotonic) -> None:
+        self.progress = progress
+        self.clock = clock
+        self.busy_s = 0.0  # total seconds in backend calls (benchmarks difference it over a run)
+        self._calls: "queue.Queue[Optional[_Call]]" = queue.Queue()
+        self._history: Deque[Tuple[float, float]] = deque(maxlen=BUSY_HISTORY)
+        self._running: Optional[_Call] = None
+        self._first_start: Optional[float] = None
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="backend", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Finish the calls already submitted, then end the thread."""
+        if self._thread is not None:
+            self._calls.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, fn: Callable[[], List[Any]]) -> _Call:
+        call = _Call(fn)
+        self._calls.put(call)
+        return call
+
+    def _run(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            self.progress.begin_inference()
+            call.started = self.clock()
+            with self._lock:
+                self._running = call
+                if self._first_start is None:
+                    self._first_start = call.started
+            try:
+                call.outputs = call.fn()
+            except Exception as exc:  # handed to the serving thread, which reports it
+                call.error = exc
+            finally:
+                call.ended = self.clock()
+                self.progress.end_inference()
+                with self._lock:
+                    self._running = None
+                    self._history.append((call.started, call.ended))
+                    self.busy_s += call.ended - call.started
+                call.done.set()
+
+    def busy_fraction(self, now: Optional[float] = None) -> Optional[float]:
+        """Share of the last :data:`BUSY_WINDOW_S` seconds spent in backend calls; None before the first call."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            if self._first_start is None:
+                return None
+            spans = list(self._history)
+            if self._running is not None:
+                spans.append((self._running.started, now))
+        since = max(now - BUSY_WINDOW_S, self._first_start)
+        if now <= since:
+            return None
+        busy = sum(min(end, now) - max(start, since) for start, end in spans if end > since)
+        return min(1.0, busy / (now - since))
+
+
+class _Batch:
+    """Frames taken together from the batcher, served on one model and published together, in order."""
+
+    def __init__(self, frames: List[Frame], model: LoadedModel, taken: float) -> None:
+        self.frames = frames
+        self.taken = taken
+        self.results: List[Optional[FrameResult]] = [None] * len(frames)
+        self.infer_s = 0.0
+        self.failed = False
+        self.recorded = False  # told to the model source (probation) once, as served or as failed
+        self.plan(model)
+
+    def plan(self, model: LoadedModel) -> None:
+        """(Re)plan the chunks for ``model``; the chunks not yet prepared are ``todo``."""
+        self.model = model
+        self.todo: Deque[Tuple[Any, List[int]]] = deque(model.chunks([f.image for f in self.frames]))
+        self.chunks_left = len(self.todo)
+
+
+class _Chunk:
+    __slots__ = ("batch", "indices", "prepared", "first", "ready_at", "submitted_at", "call")
+
+    def __init__(self, batch: _Batch, indices: List[int], prepared: PreparedChunk, first: bool) -> None:
+        self.batch = batch
+        self.indices = indices
+        self.prepared = prepared
+        self.first = first  # the batch's first chunk: the point before it is a point between batches
+        self.ready_at = time.monotonic()
+        self.submitted_at = 0.0
+        self.call: Optional[_Call] = None
+
+
 class ServingLoop:
-    """Serve batches until stopped; owns the batcher, the stage statistics and the serving counters.
+    """Serve batches until stopped; owns the batcher, the backend thread, the stage statistics and the counters.
 
     ``on_event(dict)`` receives an ``inference_error`` event for a failed batch; ``telemetry_extras()`` adds the
     daemon's own figures (memory, MQTT) to each telemetry message; ``on_result(frame, payload)`` sees every
@@ -94,14 +235,20 @@ class ServingLoop:
         self.telemetry_extras = telemetry_extras
         self.on_result = on_result
         self.numbering = numbering or SequenceCounter()  # per-source `seq` in each result (in memory if not given)
+        self.backend = BackendThread(progress)
         self.stats = StageStats()
+        self.taken = 0  # frames taken from the queue; every one ends published, rate-limited or failed
         self.published = 0
         self.inference_errors = 0
+        self.failed_frames = 0
         self.paused = False
         self.dropped_on_resume = 0
         self.latest: Optional[Tuple[Frame, Dict[str, Any]]] = None  # replaced whole: readers see a matched pair
         self._last_telemetry = 0.0
         self._last_publish: Dict[str, float] = {}
+        self._preparing: Optional[_Batch] = None  # the batch whose chunks are being prepared
+        self._ready: Optional[_Chunk] = None  # prepared, not yet on the backend
+        self._running: Optional[_Chunk] = None  # on the backend
 
     def configure(self, max_batch: int, max_wait_ms: float, publish: PublishConfig) -> None:
         """Serving thread only (a handover item): batching and publishing take effect from the next batch."""
@@ -109,32 +256,28 @@ class ServingLoop:
         self.publish = publish
 
     def serve(self, max_frames: Optional[int] = None, until_sources_end: bool = False) -> Optional[str]:
-        """Serve until the stop event is set; returns why the loop stopped on its own (None when told to)."""
-        while not self.stop_event.is_set():
-            self.handover.run_pending()
-            self.models.between_batches()
-            if self.paused:
-                self.progress.idle_tick()  # paused on purpose is not a hang
-                self._maybe_telemetry()
-                self.stop_event.wait(PAUSED_POLL_S)
-                continue
-            batch = self.batcher.next_batch(self.stop_event)
-            if batch:
-                self.serve_batch(batch)
-            else:
-                self.progress.idle_tick()
-                if until_sources_end and self.sources.all_finished() and self.frames.empty():
-                    return "sources finished"
-            self._maybe_telemetry()
-            if max_frames is not None and self.stats.frames >= max_frames:
-                return "%d frames done" % max_frames
-        return None
+        """Serve until the stop event is set; returns why the loop stopped on its own (None when told to).
+
+        Either way, every frame already taken from the queue is served before it returns.
+        """
+        self.backend.start()
+        reason: Optional[str] = None
+        try:
+            while not self.stop_event.is_set() and reason is None:
+                reason = self._turn(max_frames, until_sources_end)
+            while self._in_flight():  # drain: shutdown loses no frame it took
+                self._turn(None, False, taking=False)
+        finally:
+            self.backend.stop()
+        return reason
+
+    def _in_flight(self) -> bool:
+        return self._running is not None or self._ready is not None or (
+            self._preparing is not None and bool(self._preparing.todo))
 
     def set_paused(self, paused: bool) -> int:
-        """Pause stops inference at once; frames queued meanwhile are stale on resume, so they are dropped.
-
-        Returns how many were dropped. Any thread may call it (the flag is read once per loop turn).
-        """
+        """Pause stops taking frames at once (what was taken is finished); frames queued meanwhile are stale
+        on resume, so they are dropped. Returns how many were dropped. Any thread may call it."""
         self.sources.pause(paused)
         stale = 0
         if not paused:
@@ -148,42 +291,154 @@ class ServingLoop:
         self.paused = paused
         return stale
 
-    # --- one batch ----------------------------------------------------------------------------------------
+    # --- one turn of the pipeline ---------------------------------------------------------------------------
 
-    def serve_batch(self, batch: List[Frame]) -> None:
-        model = self.models.current
-        started = time.monotonic()
-        self.progress.begin_inference()
+    def _turn(self, max_frames: Optional[int], until_sources_end: bool, taking: bool = True) -> Optional[str]:
+        """Prepare the next chunk, collect the running one, pass a point between batches, submit, publish."""
+        if self._ready is None:
+            self._ready = self._prepare_next(taking and not self.paused)
+        finished = self._collect()
+        if self._ready is None or self._ready.first:  # nothing on the backend, no batch half-served
+            self.handover.run_pending()
+            self.models.between_batches()
+            if self._ready is not None and self._ready.batch.model is not self.models.current:
+                self._replan(self._ready)
+        if self._ready is not None:
+            self._submit(self._ready)
+            self._ready = None
+        if finished is not None:
+            self._decode(finished)
+        reason = None
+        if finished is None and self._running is None and self._ready is None:
+            self.progress.idle_tick()  # nothing to do, on purpose or for want of frames: not a hang
+            if self.paused and taking:
+                self.stop_event.wait(PAUSED_POLL_S)
+            elif until_sources_end and self.sources.all_finished() and self.frames.empty():
+                reason = "sources finished"
+        self._maybe_telemetry()
+        if max_frames is not None and self.stats.frames >= max_frames:
+            reason = "%d frames done" % max_frames
+        return reason
+
+    def _prepare_next(self, taking: bool) -> Optional[_Chunk]:
+        """Letterbox the next chunk: the rest of the batch being prepared, else a new batch from the batcher."""
+        batch = self._preparing
+        if batch is None or not batch.todo:
+            self._preparing = batch = None
+            if not taking:
+                return None
+            # With a chunk on the backend, only take frames that are already waiting: its results must not
+            # wait for the next frame to arrive.
+            frames = self.batcher.next_batch(self.stop_event, 0.0 if self._running is not None else IDLE_WAIT_S)
+            if not frames:
+                return None
+            self.taken += len(frames)
+            batch = self._preparing = _Batch(frames, self.models.current, time.monotonic())
         try:
-            results = model.infer_frames([f.image for f in batch])
-        except Exception as exc:  # a failing model must be reported and counted, and serving goes on
-            self.inference_errors += 1
-            self.stats.error()
-            self.models.record_batch(len(batch), 0.0, failed=True)
-            log.exception("inference failed on a batch of %d", len(batch))
-            self.on_event({"event": "inference_error", "error": str(exc)[:EVENT_ERROR_CHARS]})
+            return self._prepare_chunk(batch)
+        except Exception as exc:  # a frame the model cannot take fails its batch, not the loop
+            self._fail(batch, exc)
+            return None
+
+    def _prepare_chunk(self, batch: _Batch) -> _Chunk:
+        first = len(batch.todo) == batch.chunks_left
+        tier, indices = batch.todo.popleft()
+        prepared = batch.model.prepare(tier, [batch.frames[i].image for i in indices])
+        return _Chunk(batch, indices, prepared, first)
+
+    def _replan(self, chunk: _Chunk) -> None:
+        """The model changed between batches: letterbox the new batch again, for the model that serves it."""
+        batch = chunk.batch
+        batch.plan(self.models.current)
+        self._ready = self._prepare_chunk(batch)
+
+    def _submit(self, chunk: _Chunk) -> None:
+        chunk.submitted_at = time.monotonic()
+        model, prepared = chunk.batch.model, chunk.prepared
+        chunk.call = self.backend.submit(lambda: model.run(prepared))
+        self._running = chunk
+
+    def _collect(self) -> Optional[_Chunk]:
+        """Wait for the chunk on the backend; account its batch when it was the batch's last backend call."""
+        chunk = self._running
+        if chunk is None:
+            return None
+        assert chunk.call is not None
+        chunk.call.done.wait()
+        self._running = None
+        batch = chunk.batch
+        batch.chunks_left -= 1
+        batch.infer_s += chunk.call.seconds
+        if chunk.call.error is not None:
+            self._fail(batch, chunk.call.error)
+        elif batch.chunks_left == 0 and not batch.failed:
+            batch.recorded = True
+            self.models.record_batch(len(batch.frames), batch.infer_s * 1e3 / len(batch.frames), failed=False)
+        return chunk
+
+    def _fail(self, batch: _Batch, error: BaseException) -> None:
+        """A failing model is reported and counted; the batch's other chunks are dropped, serving goes on."""
+        if batch.failed:
             return
-        finally:
-            self.progress.end_inference()
-        infer_ms = results[0].timings_ms.get("infer", 0.0) if results else 0.0
-        self.models.record_batch(len(batch), infer_ms, failed=False)
-        identity = {"name": model.manifest.name, "version": model.manifest.version}
-        labels = model.manifest.labels
-        for frame, result in zip(batch, results):
+        batch.failed = True
+        if not batch.recorded:
+            batch.recorded = True
+            self.models.record_batch(len(batch.frames), 0.0, failed=True)
+        batch.todo.clear()
+        if self._ready is not None and self._ready.batch is batch:
+            self._ready = None
+        if self._preparing is batch:
+            self._preparing = None
+        self.inference_errors += 1
+        self.failed_frames += len(batch.frames)
+        self.stats.error()
+        log.error("inference failed on a batch of %d: %s", len(batch.frames), error, exc_info=error)
+        self.on_event({"event": "inference_error", "error": str(error)[:EVENT_ERROR_CHARS]})
+
+    def _decode(self, chunk: _Chunk) -> None:
+        batch = chunk.batch
+        if batch.failed:
+            return
+        call = chunk.call
+        assert call is not None
+        started = time.monotonic()
+        try:
+            decoded = batch.model.decode(chunk.prepared, call.outputs)
+        except Exception as exc:  # outputs the decoder cannot read fail the batch, as a backend error does
+            self._fail(batch, exc)
+            return
+        n = len(chunk.indices)
+        timings = {"preprocess": chunk.prepared.preprocess_ms / n,
+                   "wait_backend": (call.started - chunk.ready_at) * 1e3,
+                   "infer": call.seconds * 1e3 / n,
+                   "postprocess": (time.monotonic() - started) * 1e3 / n}
+        for index, result in zip(chunk.indices, decoded):
+            result.timings_ms.update(timings)
+            batch.results[index] = result
+        if batch.chunks_left == 0:
+            self._publish(batch)
+
+    def _publish(self, batch: _Batch) -> None:
+        manifest = batch.model.manifest
+        identity = {"name": manifest.name, "version": manifest.version}
+        for frame, result in zip(batch.frames, batch.results):
+            assert result is not None
             timings = dict(result.timings_ms)
-            timings["queue"] = (started - frame.enqueued) * 1e3
-            timings["total"] = (time.monotonic() - frame.enqueued) * 1e3
-            payload = result_payload(frame, result, identity, labels, timings,
+            timings["queue"] = (batch.taken - frame.enqueued) * 1e3
+            started = time.monotonic()
+            timings["total"] = (started - frame.enqueued) * 1e3  # up to the hand-over to the sink
+            payload = result_payload(frame, result, identity, manifest.labels, timings,
                                      seq=self.numbering.next(frame.source))
-            self.stats.add(timings)
-            self.latest = (frame, payload)
             if self._rate_allows(frame.source):
                 self.sink.publish_result(frame.source, payload)
                 self.published += 1
+            timings["publish"] = (time.monotonic() - started) * 1e3  # in the statistics, not in the payload
+            self.stats.add(timings)
+            self.latest = (frame, payload)
             if self.on_result is not None:
                 self.on_result(frame, payload)
-        self.stats.frame_done(len(batch))
-        self.progress.frame_done(len(batch))
+        self.stats.frame_done(len(batch.frames))
+        self.progress.frame_done(len(batch.frames))
 
     def _rate_allows(self, source: str) -> bool:
         limit = self.publish.max_rate_hz
@@ -205,11 +460,13 @@ class ServingLoop:
 
     def telemetry(self) -> Dict[str, Any]:
         """The periodic telemetry message: the pipeline's figures plus the daemon's ``telemetry_extras``."""
+        busy = self.backend.busy_fraction()
         info: Dict[str, Any] = {
             "ts": time.time(),
             "fps": round(self.stats.fps(), 2),
             "frames": self.stats.frames,
             "latency_ms": self.stats.percentiles(),
+            "backend_busy_fraction": None if busy is None else round(busy, 3),
             "queue_depth": self.frames.qsize(),
             "inference_errors": self.inference_errors,
             "dropped_on_resume": self.dropped_on_resume,

@@ -1,0 +1,277 @@
+"""The pipelined serving loop (agent/pipeline/serving.py) keeps its guarantees while stages overlap.
+
+Functional, not timed: the backend is the paced stand-in of the benchmarks (benchmarks/paced_backend.py: the
+demo model's real outputs, each call held for a few milliseconds without using the CPU), so that the serving
+thread really letterboxes and decodes while a call is in flight. Each test checks that overlap happened, then
+the guarantee: order per source, one model per frame across a swap, nothing lost at shutdown, and a failed
+batch that costs only its own frames.
+"""
+
+import os
+import queue
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from agent.config.daemon_config import PublishConfig
+from agent.pipeline.handover import BetweenBatches
+from agent.pipeline.model import LoadedModel
+from agent.pipeline.serving import ServingLoop
+from agent.pipeline.sources import Frame, SourceSet
+from benchmarks.paced_backend import PacedStandinBackend, freeze, paced_factory
+from benchmarks.workload import DEMO_BUNDLE, bench_device, load_bundle
+
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
+                                reason="examples/demo-bundle is missing (make demo-bundle)")
+
+HOLD_S = 0.002  # long enough that the serving thread's letterbox lands inside a call
+SQUARE_HW = (480, 480)  # -> the demo model's 256x256 tier
+WIDE_HW = (480, 800)  # -> its 192x320 tier
+MAX_BATCH = 4  # four chunks per batch: the artifacts have batch 1
+
+
+class Sink:
+    def __init__(self):
+        self.results = []
+        self.lock = threading.Lock()
+
+    def publish_result(self, source, payload):
+        with self.lock:
+            self.results.append(payload)
+
+    def publish_telemetry(self, telemetry):
+        pass
+
+
+class Progress:
+    def begin_inference(self):
+        pass
+
+    def end_inference(self):
+        pass
+
+    def frame_done(self, count=1):
+        pass
+
+    def idle_tick(self):
+        pass
+
+
+class Models:
+    """A model source whose current model changes only through the handover queue (as the manager's does)."""
+
+    def __init__(self, model):
+        self.current = model
+        self.recorded = []
+
+    def between_batches(self):
+        pass
+
+    def record_batch(self, frames, infer_ms_per_frame, failed):
+        self.recorded.append((frames, failed))
+
+
+class OverlapProbe:
+    """Counts the letterboxes done while a backend call was running: proof that the stages overlapped."""
+
+    def __init__(self):
+        self.in_call = 0
+        self.overlapped = 0
+        self.lock = threading.Lock()
+
+    def wrap(self, model):
+        prepare, run = model.prepare, model.run
+
+        def probed_prepare(tier, images):
+            with self.lock:
+                self.overlapped += bool(self.in_call)
+            return prepare(tier, images)
+
+        def probed_run(chunk):
+            with self.lock:
+                self.in_call += 1
+            try:
+                return run(chunk)
+            finally:
+                with self.lock:
+                    self.in_call -= 1
+
+        model.prepare, model.run = probed_prepare, probed_run
+        return model
+
+
+def scene(hw, seed):
+    from agent.devtools.scenes import generate_scene
+
+    return generate_scene(np.random.default_rng(seed), hw)[0]
+
+
+@pytest.fixture(scope="module")
+def images():
+    return {"square": scene(SQUARE_HW, 1), "wide": scene(WIDE_HW, 2)}
+
+
+def paced_model(images, version=None, hold_s=HOLD_S, backend_cls=PacedStandinBackend):
+    """The demo bundle on OpenCV behind paced stand-ins: real outputs for a real frame of each tier."""
+    made = []
+    factory = paced_factory(hold_s, made)
+    if backend_cls is not PacedStandinBackend:
+        def factory(name, path, spec, options):
+            backend = backend_cls(path, spec, options, hold_s=hold_s)
+            made.append(backend)
+            return backend
+    model = LoadedModel(load_bundle(DEMO_BUNDLE), bench_device(1), "opencv", 1, backend_factory=factory)
+    model.load()
+    model.infer_frames([images["square"], images["wide"]])
+    freeze(made)
+    if version is not None:
+        model.manifest = replace(model.manifest, version=version)
+    return model
+
+
+def make_loop(models, frames, sink, stop=None, handover=None, on_event=None):
+    return ServingLoop(frames, SourceSet([], frames), models, sink, Progress(), handover or BetweenBatches(),
+                       stop or threading.Event(), MAX_BATCH, 5.0, PublishConfig(telemetry_interval_s=3600.0),
+                       on_event=on_event or (lambda event: None))
+
+
+def queued(images, sources=("cam-a", "cam-b"), per_source=24):
+    """Frames of two sources interleaved; each source alternates the two tiers, so a batch spans both."""
+    frames = queue.Queue()
+    for index in range(per_source):
+        for number, source in enumerate(sources):
+            image = images["square"] if (index + number) % 2 else images["wide"]
+            frames.put(Frame(source=source, frame_id=index, ts=time.time(), image=image,
+                             enqueued=time.monotonic()))
+    return frames
+
+
+def test_each_source_keeps_its_order_while_stages_overlap(images):
+    probe = OverlapProbe()
+    model = probe.wrap(paced_model(images))
+    try:
+        sink = Sink()
+        loop = make_loop(Models(model), queued(images), sink)
+        loop.serve(until_sources_end=True)
+    finally:
+        model.close()
+    assert probe.overlapped > 0, "no letterbox ran during a backend call: nothing overlapped"
+    assert loop.taken == len(sink.results) == 48
+    for source in ("cam-a", "cam-b"):
+        ids = [r["frame_id"] for r in sink.results if r["source"] == source]
+        assert ids == list(range(24)), source
+    assert set(sink.results[-1]["timings_ms"]) == {"queue", "preprocess", "wait_backend", "infer", "postprocess",
+                                                   "total"}
+    assert "publish" in loop.stats.percentiles()  # measured after the payload left, so only in the statistics
+    assert 0.0 < loop.backend.busy_fraction() <= 1.0
+
+
+def test_a_swap_with_batches_in_flight_serves_each_frame_on_one_model(images):
+    old, new = paced_model(images, version="1.0.0"), paced_model(images, version="2.0.0")
+    expected = {}  # version -> (source size -> detections count), from each model alone
+    for model in (old, new):
+        expected[model.manifest.version] = {
+            hw: len(model.infer_frames([images[key]])[0].detections)
+            for key, hw in (("square", SQUARE_HW), ("wide", WIDE_HW))}
+    for backend in new._runners[(256, 256)].backend, new._runners[(192, 320)].backend:
+        backend.frozen = [np.zeros_like(out) for out in backend.frozen]  # the new model finds nothing
+    expected["2.0.0"] = {SQUARE_HW: 0, WIDE_HW: 0}
+    assert expected["1.0.0"][SQUARE_HW] > 0 and expected["1.0.0"][WIDE_HW] > 0
+    probe = OverlapProbe()
+    probe.wrap(old)
+    probe.wrap(new)
+    models = Models(old)
+    handover = BetweenBatches()
+    frames = queue.Queue(maxsize=8)
+    sink, stop = Sink(), threading.Event()
+    loop = make_loop(models, frames, sink, stop=stop, handover=handover)
+    thread = threading.Thread(target=loop.serve)
+    thread.start()
+
+    def swap():
+        models.current = new
+        old.close()  # the old model's backends refuse calls from here on: a late one would be an error
+
+    try:
+        for index in range(120):
+            image = images["square"] if index % 2 else images["wide"]
+            frames.put(Frame(source="cam", frame_id=index, ts=time.time(), image=image, enqueued=time.monotonic()))
+            if index == 60:
+                handover.submit(swap, timeout=30.0, what="swap")
+    finally:
+        while not frames.empty():
+            time.sleep(0.01)
+        stop.set()
+        thread.join(30)
+        new.close()
+    assert probe.overlapped > 0
+    assert loop.inference_errors == 0
+    assert [r["frame_id"] for r in sink.results] == list(range(120))
+    versions = [r["model"]["version"] for r in sink.results]
+    assert versions.count("1.0.0") > 0 and versions.count("2.0.0") > 0
+    switched = versions.index("2.0.0")
+    assert set(versions[switched:]) == {"2.0.0"}, "a frame went back to the old model after the swap"
+    for result in sink.results:
+        hw = tuple(result["image_hw"])
+        assert len(result["detections"]) == expected[result["model"]["version"]][hw], result["frame_id"]
+
+
+def test_shutdown_under_load_serves_every_frame_it_took(images):
+    probe = OverlapProbe()
+    model = probe.wrap(paced_model(images))
+    frames = queue.Queue(maxsize=8)
+    sink, stop = Sink(), threading.Event()
+    loop = make_loop(Models(model), frames, sink, stop=stop)
+    thread = threading.Thread(target=loop.serve)
+    thread.start()
+    fed = 0
+    try:
+        while len(sink.results) < 40:
+            frames.put(Frame(source="cam", frame_id=fed, ts=time.time(), image=images["wide"],
+                             enqueued=time.monotonic()))
+            fed += 1
+        stop.set()  # frames are queued and chunks are in flight right now
+        thread.join(30)
+    finally:
+        model.close()
+    assert not thread.is_alive()
+    assert probe.overlapped > 0
+    left = frames.qsize()
+    assert loop.taken + left == fed
+    assert loop.taken == loop.published == len(sink.results)  # nothing taken was lost
+    assert [r["frame_id"] for r in sink.results] == list(range(loop.taken))
+
+
+class FailsOnceBackend(PacedStandinBackend):
+    """STAND-IN: paced, and its 5th paced call raises, as a runtime's failing call would."""
+
+    calls = 0
+
+    def _infer(self, batch):
+        if self.frozen is not None:
+            type(self).calls += 1
+            if type(self).calls == 5:
+                raise RuntimeError("device lost for one call")
+        return super()._infer(batch)
+
+
+def test_a_backend_error_in_one_batch_does_not_lose_the_next_batch(images):
+    FailsOnceBackend.calls = 0
+    model = paced_model(images, backend_cls=FailsOnceBackend)
+    events = []
+    sink = Sink()
+    models = Models(model)
+    loop = make_loop(models, queued(images, sources=("cam",), per_source=16), sink, on_event=events.append)
+    try:
+        loop.serve(until_sources_end=True)
+    finally:
+        model.close()
+    # Batches of 4 frames, one backend call each: the 5th call is the 1st chunk of the 2nd batch (frames 4-7).
+    assert loop.inference_errors == 1 and [e["event"] for e in events] == ["inference_error"]
+    assert "device lost" in events[0]["error"]
+    assert [r["frame_id"] for r in sink.results] == [0, 1, 2, 3] + list(range(8, 16))
+    assert loop.failed_frames == 4 and loop.taken == 16
+    assert models.recorded == [(4, False), (4, True), (4, False), (4, False)]
