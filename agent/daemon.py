@@ -1,12 +1,13 @@
 """The edge daemon's wiring: build the parts, start them in order, stop them in order.
 
-The serving loop (:mod:`agent.pipeline.serving`) runs on the main thread; sources read on their own threads
+The serving loop (:mod:`agent.pipeline.serving`) runs on the main thread, with one backend thread for the
+backend calls it overlaps with letterbox and decode; sources read on their own threads
 into a bounded queue; paho's thread only enqueues commands; commands (:mod:`agent.ops.handlers`) run one at a
 time on the dispatcher's worker; the watchdog thread samples memory and pings systemd only when the serving
 loop has shown progress. Changes to what the next batch sees reach the loop through one
 :class:`~agent.pipeline.handover.BetweenBatches` queue.
 
-Shutdown order matters: stop taking frames, let the batch in flight finish, flush results to the broker (or
+Shutdown order matters: stop taking frames, finish every batch already taken, flush results to the broker (or
 the outbox), publish ``offline``, then release the model.
 """
 
