@@ -1,7 +1,6 @@
 """The command protocol end to end through a real Mosquitto: acks, idempotent retries, structured errors,
 counted drops, group topics, a bounded persistent record, and a fuzz run of thousands of bad payloads."""
 
-import errno
 import itertools
 import json
 import os
@@ -14,6 +13,7 @@ import pytest
 from conftest import WAIT_S, MqttProbe, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_outbox import read_only_fs
 
 from agent._util import quarantine
 from agent.config.daemon_config import MqttConfig
@@ -385,9 +385,6 @@ def test_a_damaged_record_is_moved_aside_reported_and_commands_still_run(tmp_pat
 def test_a_record_that_cannot_be_moved_aside_lives_in_memory(tmp_path, mosquitto, probe_factory, monkeypatch):
     path = tmp_path / "requests.sqlite"
     path.write_bytes(os.urandom(100))
-
-    def read_only_fs(src, dst):  # what rename(2) says on a file system remounted read-only
-        raise OSError(errno.EROFS, "Read-only file system", src)
 
     monkeypatch.setattr(quarantine.os, "replace", read_only_fs)
     alerts: List[Dict[str, Any]] = []

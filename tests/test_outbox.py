@@ -192,9 +192,6 @@ def test_a_file_that_cannot_be_moved_aside_degrades_to_memory(tmp_path, monkeypa
     path = tmp_path / "o.sqlite"
     path.write_bytes(os.urandom(100))
 
-    def read_only_fs(src, dst):  # what rename(2) says on a file system remounted read-only
-        raise OSError(errno.EROFS, "Read-only file system", src)
-
     monkeypatch.setattr(quarantine.os, "replace", read_only_fs)
     box = Outbox(str(path), max_bytes=64 * 1024 * 1024)
     assert box.in_memory and box.max_bytes == MEMORY_MAX_BYTES
@@ -221,7 +218,7 @@ def test_delivered_rows_are_never_peeked_again_even_when_the_delete_fails(tmp_pa
     ids = [box.put(TOPIC if i % 2 else "t/other", payload(i)) for i in range(6)]
     assert box.pending_for(TOPIC) == 3 and box.pending_for("t/other") == 3
     real = box._conn
-    box._conn = _RefusingCommit(real)  # the disk refuses the delete's COMMIT
+    box._conn = RefusingCommit(real)  # the disk refuses the delete's COMMIT
     assert box.remove(ids[:3]) == 0
     assert [m.id for m in box.peek(10)] == ids[3:]  # marked delivered: not replayed again
     assert len(box) == 3 and box.pending_for(TOPIC) == 2 and box.pending_for("t/other") == 1
@@ -231,17 +228,25 @@ def test_delivered_rows_are_never_peeked_again_even_when_the_delete_fails(tmp_pa
     assert box.bytes == sum(message_size(m.topic, m.payload) for m in box.peek(10))
 
 
-class _RefusingCommit:
-    """A connection whose COMMIT fails the way SQLite's does on a full disk (reads and BEGIN still work)."""
+class RefusingCommit:
+    """Wraps an outbox's SQLite connection: every COMMIT fails as SQLite's does on a full disk (reads and BEGIN
+    still work, as they do on a full disk)."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
+        self.conn = conn
+        self.refused = 0
 
     def execute(self, sql: str, *args):
         if sql == "COMMIT":
+            self.refused += 1
             raise sqlite3.OperationalError("database or disk is full")
-        return self._conn.execute(sql, *args)
+        return self.conn.execute(sql, *args)
 
     @property
     def in_transaction(self) -> bool:
-        return self._conn.in_transaction
+        return self.conn.in_transaction
+
+
+def read_only_fs(src, dst):
+    """In place of os.replace: what rename(2) says on a file system remounted read-only."""
+    raise OSError(errno.EROFS, "Read-only file system", src)

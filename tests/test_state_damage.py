@@ -54,6 +54,16 @@ def wrong_schema(state) -> None:
     (state / "sequence.json").write_text(json.dumps({"counters": [1, 2, 3]}))
 
 
+def stop(proc) -> None:
+    """SIGTERM, then SIGKILL if it does not end within a minute."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def damaged_files(messages) -> set:
     """The files named by ``state_file_damaged`` alerts among raw (topic, payload, retain) messages."""
     alerts = [json.loads(payload) for _topic, payload, _retain in messages]
@@ -86,12 +96,7 @@ def test_the_daemon_starts_serves_and_reports_damaged_state(tmp_path, mosquitto,
         assert status["mqtt"]["outbox_in_memory"] is False
         assert proc.poll() is None  # serving, not exited
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop(proc)
         alerts.close()
         results.close()
 
@@ -116,10 +121,5 @@ def test_status_counts_a_burst_of_hostile_commands(tmp_path, mosquitto):
         assert counters["dropped"].get("rate_limited", 0) + counters["failed"].get("rate_limited", 0) > 0
         assert counters["accepted"] + dropped + failed + counters["duplicates"] >= burst
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop(proc)
         sender.close()

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import pytest
 from conftest import REPO_ROOT, WAIT_S, wait_for
+from test_outbox import RefusingCommit
 
 from agent.config.daemon_config import MqttConfig, TlsConfig
 from agent.config.schema import ConfigError
@@ -465,30 +466,18 @@ def test_broker_restart_keeps_frame_order_per_source(fresh_broker, tmp_path, pro
 # -- replay is at least once, never a loop (issue 16) --------------------------------------------------------
 
 
-class RefusingCommit:
-    """Wraps the outbox's SQLite connection: every COMMIT fails as SQLite's does on a full disk."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.refused = 0
-
-    def execute(self, sql: str, *args: Any) -> Any:
-        if sql == "COMMIT":
-            self.refused += 1
-            raise sqlite3.OperationalError("database or disk is full")
-        return self.conn.execute(sql, *args)
-
-    @property
-    def in_transaction(self) -> bool:
-        return self.conn.in_transaction
+def queued_before_start(tmp_path, broker, transports, device: str, count: int) -> MqttTransport:
+    """A transport (not started: the broker is "away") with ``count`` results waiting in its outbox."""
+    transport = make_transport(tmp_path, broker.host, broker.port, device=device)
+    transports.append(transport)
+    for i in range(count):
+        transport.publish_result("front", {"seq": i})
+    return transport
 
 
 def test_acknowledged_rows_are_not_resent_when_their_delete_fails(mosquitto, tmp_path, probe_factory,
                                                                   transports):
-    transport = make_transport(tmp_path, mosquitto.host, mosquitto.port, device="cam-nodel")
-    transports.append(transport)
-    for i in range(300):
-        transport.publish_result("front", {"seq": i})
+    transport = queued_before_start(tmp_path, mosquitto, transports, "cam-nodel", 300)
     outbox = transport._outbox
     real = outbox._conn
     outbox._conn = refusing = RefusingCommit(real)  # from here on no delete can commit
@@ -506,10 +495,7 @@ def test_acknowledged_rows_are_not_resent_when_their_delete_fails(mosquitto, tmp
 
 def test_replay_resumes_after_an_error_without_resending(mosquitto, tmp_path, probe_factory, transports,
                                                         monkeypatch):
-    transport = make_transport(tmp_path, mosquitto.host, mosquitto.port, device="cam-err")
-    transports.append(transport)
-    for i in range(250):
-        transport.publish_result("front", {"seq": i})
+    transport = queued_before_start(tmp_path, mosquitto, transports, "cam-err", 250)
     outbox = transport._outbox
     real_peek = outbox.peek
     calls = []

@@ -7,7 +7,7 @@ aside with a timestamp (evidence for a person), reports what was lost, and start
 import logging
 import os
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -37,3 +37,8 @@ def move_aside(path: str, reason: str, clock: Callable[[], float] = time.time) -
                 logger.warning("could not move %s aside: %s", path + companion, exc)
     logger.error("%s is unusable (%s); moved to %s", path, reason, aside)
     return aside
+
+
+def state_alert(kind: str, message: str, **figures: Any) -> Dict[str, Any]:
+    """An alert about a state file, shaped like the watchdog's (published on ``telemetry/alert``)."""
+    return {"kind": kind, "message": message, "restart": False, "figures": figures}

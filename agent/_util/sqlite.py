@@ -10,7 +10,9 @@ import logging
 import os
 import sqlite3
 import urllib.parse
-from typing import Dict, Iterable, Iterator
+from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple
+
+from agent._util.quarantine import move_aside, state_alert
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +97,47 @@ def check_read_only(path: str, tables: Dict[str, Iterable[str]]) -> None:
         verify_schema(conn, tables)
     finally:
         conn.close()
+
+
+class Opened(NamedTuple):
+    conn: sqlite3.Connection
+    in_memory: bool
+    alerts: List[Dict[str, Any]]  # what happened to a damaged file, for the owner to publish
+
+
+def open_recovering(path: str, tables: Dict[str, Iterable[str]], prepare: Callable[[sqlite3.Connection], Any],
+                    what: str, lost: str, memory_kind: str, synchronous: str = "NORMAL") -> Opened:
+    """Open a state database the box must never crash over: check it, else move it aside, else use memory.
+
+    ``prepare(conn)`` creates the schema and reads what the owner needs (it must close ``conn`` when it raises).
+    A file that fails :func:`check_read_only` or ``prepare`` is moved aside (evidence, unchanged) and a new one
+    is made, with a ``state_file_damaged`` alert saying ``lost``; when it cannot be moved or no file can be
+    made, an in-memory database is used, with a ``memory_kind`` alert. Never raises for the file's state.
+    """
+    alerts: List[Dict[str, Any]] = []
+    try:
+        check_read_only(path, tables)
+        conn = open_wal(path, synchronous)
+        prepare(conn)
+        return Opened(conn, False, alerts)
+    except (OSError, sqlite3.Error) as exc:
+        reason = "%s: %s" % (type(exc).__name__, exc)
+    aside = move_aside(path, reason) if os.path.exists(path) else None
+    if aside is not None:
+        alerts.append(state_alert("state_file_damaged", "%s %s was unusable (%s) and was moved to %s; %s; "
+                                  "starting empty" % (what, path, reason, aside, lost),
+                                  file=path, moved_to=aside, reason=reason, lost=lost))
+        try:
+            conn = open_wal(path, synchronous)
+            prepare(conn)
+            return Opened(conn, False, alerts)
+        except (OSError, sqlite3.Error) as exc:
+            reason = "%s: %s" % (type(exc).__name__, exc)
+    logger.error("%s %s: unusable (%s); kept in memory until the file is fixed and the agent restarted", what,
+                 path, reason)
+    alerts.append(state_alert(memory_kind, "%s %s is unusable (%s); it is kept in memory only, lost at restart, "
+                              "until the file is fixed and the agent restarted" % (what, path, reason),
+                              file=path, reason=reason))
+    conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    prepare(conn)
+    return Opened(conn, True, alerts)

@@ -23,7 +23,6 @@ deploy, rollback, pause, resume, snapshot, restart); this module is only the pro
 
 import json
 import logging
-import os
 import queue
 import re
 import sqlite3
@@ -31,9 +30,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
-from agent._util.quarantine import move_aside
 from agent._util.ratelog import LogLimiter
-from agent._util.sqlite import check_read_only, open_wal, transaction
+from agent._util.sqlite import open_recovering, transaction
 from agent.config.schema import ConfigError
 from agent.errors import CommandError
 
@@ -113,48 +111,24 @@ class _RequestRecord:
         self.path = path
         self.in_memory = not path
         self.alerts: List[Dict[str, Any]] = []
-        self._conn = self._open_or_recover(path) if path else self._open_memory()
+        if path:
+            opened = open_recovering(path, _RECORD_TABLES, self._prepare, "command record",
+                                     "the outcomes of earlier request ids are forgotten (a retry of one would run "
+                                     "again)", "record_in_memory")
+            self._conn, self.in_memory, self.alerts = opened.conn, opened.in_memory, opened.alerts
+        else:
+            self._conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+            self._prepare(self._conn)
         self._lock = threading.Lock()
         self._close_interrupted()
 
-    def _open_or_recover(self, path: str) -> sqlite3.Connection:
-        try:
-            check_read_only(path, _RECORD_TABLES)
-            return self._prepare(open_wal(path))
-        except (OSError, sqlite3.Error) as exc:
-            reason = "%s: %s" % (type(exc).__name__, exc)
-        aside = move_aside(path, reason) if os.path.exists(path) else None
-        if aside is not None:
-            self._alert("state_file_damaged", "command record %s was unusable (%s) and was moved to %s; the "
-                        "outcomes of earlier request ids are forgotten (a retry of one would run again)"
-                        % (path, reason, aside), file=path, moved_to=aside, reason=reason,
-                        lost="recorded outcomes of earlier request ids")
-            try:
-                return self._prepare(open_wal(path))
-            except (OSError, sqlite3.Error) as exc:
-                reason = "%s: %s" % (type(exc).__name__, exc)
-        self.in_memory = True
-        logger.error("command record %s: unusable (%s); remembering request ids in memory until restart",
-                     path, reason)
-        self._alert("record_in_memory", "command record %s is unusable (%s); request ids are remembered in "
-                    "memory only, until the file is fixed and the agent restarted" % (path, reason),
-                    file=path, reason=reason)
-        return self._open_memory()
-
-    def _open_memory(self) -> sqlite3.Connection:
-        return self._prepare(sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False))
-
     @staticmethod
-    def _prepare(conn: sqlite3.Connection) -> sqlite3.Connection:
+    def _prepare(conn: sqlite3.Connection) -> None:
         try:
             conn.execute(_RECORD_SCHEMA)
         except BaseException:
             conn.close()
             raise
-        return conn
-
-    def _alert(self, kind: str, message: str, **figures: Any) -> None:
-        self.alerts.append({"kind": kind, "message": message, "restart": False, "figures": figures})
 
     def _close_interrupted(self) -> None:
         open_rows = self._conn.execute("SELECT request_id, verb, ack FROM requests WHERE state NOT IN (?, ?)",

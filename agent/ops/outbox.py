@@ -37,9 +37,9 @@ import time
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from agent._util.disk import RESERVE_BYTES, free_bytes
-from agent._util.quarantine import move_aside
+from agent._util.quarantine import state_alert
 from agent._util.ratelog import LogLimiter
-from agent._util.sqlite import check_read_only, is_disk_full, open_wal, transaction
+from agent._util.sqlite import is_disk_full, open_recovering, transaction
 
 logger = logging.getLogger(__name__)
 
@@ -128,34 +128,15 @@ class Outbox:
         self._pressure_since: Optional[float] = None  # monotonic
         self._pressure_drops = 0
         self._pressure_cause = ""
-        self._conn = self._open_or_recover(path, synchronous)
+        opened = open_recovering(path, _TABLES, self._load, "outbox", "the messages waiting in it were not sent",
+                                 "outbox_in_memory", synchronous)
+        self._conn = opened.conn
+        self._alerts.extend(opened.alerts)
+        if opened.in_memory:
+            self.in_memory = True
+            self.max_bytes = min(self.max_bytes, MEMORY_MAX_BYTES)  # RAM is scarcer than disk
 
-    # -- opening: a damaged file is moved aside, an unusable place degrades to memory -----------------------
-
-    def _open_or_recover(self, path: str, synchronous: str) -> sqlite3.Connection:
-        try:
-            check_read_only(path, _TABLES)
-            return self._load(open_wal(path, synchronous))
-        except (OSError, sqlite3.Error) as exc:
-            reason = "%s: %s" % (type(exc).__name__, exc)
-        aside = move_aside(path, reason) if os.path.exists(path) else None
-        if aside is not None:
-            self._alert("state_file_damaged", "outbox %s was unusable (%s) and was moved to %s; the messages "
-                        "waiting in it were not sent; starting empty" % (path, reason, aside),
-                        file=path, moved_to=aside, reason=reason, lost="the unsent messages in the file")
-            try:
-                return self._load(open_wal(path, synchronous))
-            except (OSError, sqlite3.Error) as exc:
-                reason = "%s: %s" % (type(exc).__name__, exc)
-        self.in_memory = True
-        self.max_bytes = min(self.max_bytes, MEMORY_MAX_BYTES)
-        logger.error("outbox %s: unusable (%s); keeping unsent messages in memory (at most %d bytes, lost at "
-                     "restart)", path, reason, self.max_bytes)
-        self._alert("outbox_in_memory", "outbox %s is unusable (%s); unsent messages are kept in memory only, "
-                    "at most %d bytes, until the file is fixed and the agent restarted"
-                    % (path, reason, self.max_bytes), file=path, reason=reason)
-        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-        return self._load(conn)
+    # -- opening (agent._util.sqlite.open_recovering: a damaged file is moved aside, else memory) ------------
 
     def _load(self, conn: sqlite3.Connection) -> sqlite3.Connection:
         """Create what is missing, read the depth and counters; closes ``conn`` on error (checked read-only before)."""
@@ -264,7 +245,7 @@ class Outbox:
         return self._pressure_since is not None
 
     def _alert(self, kind: str, message: str, **figures: Any) -> None:
-        self._alerts.append({"kind": kind, "message": message, "restart": False, "figures": figures})
+        self._alerts.append(state_alert(kind, message, **figures))
 
     def take_alerts(self) -> List[Dict[str, Any]]:
         """Alerts raised since the last call (damaged file, in-memory fallback, disk pressure started/ended)."""

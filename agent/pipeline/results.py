@@ -16,7 +16,7 @@ import cv2
 import numpy as np
 
 from agent._util.atomic import atomic_write
-from agent._util.quarantine import move_aside
+from agent._util.quarantine import move_aside, state_alert
 from agent._util.ratelog import LogLimiter
 from agent.pipeline.model import FrameResult
 from agent.pipeline.sources import Frame
@@ -127,12 +127,10 @@ class SequenceCounter:
             reason = "%s: %s" % (type(exc).__name__, exc)
             aside = move_aside(path, reason)
             self._seed = int(self._clock() * SEQ_SEED_PER_S)
-            self.alerts.append({"kind": "state_file_damaged", "restart": False, "message":
-                                "sequence file %s was unusable (%s)%s; result numbers restart at %d (wall clock "
-                                "in ms)" % (path, reason, " and was moved to %s" % aside if aside else "",
-                                            self._seed),
-                                "figures": {"file": path, "moved_to": aside, "reason": reason,
-                                            "lost": "the last reserved result numbers", "seed": self._seed}})
+            self.alerts.append(state_alert(
+                "state_file_damaged", "sequence file %s was unusable (%s)%s; result numbers restart at %d (wall "
+                "clock in ms)" % (path, reason, " and was moved to %s" % aside if aside else "", self._seed),
+                file=path, moved_to=aside, reason=reason, lost="the last reserved result numbers", seed=self._seed))
             return
         self._reserved = dict(reserved)
         self._next = dict(reserved)
