@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
+from agent._util.compat import Protocol
 from agent._util.ratelog import LogLimiter
 from agent._util.sqlite import open_recovering, transaction
 from agent.config.schema import ConfigError
@@ -82,6 +83,16 @@ def peek_request_id(payload: bytes) -> Optional[str]:
     """A well-formed request id from the head of a payload we will not fully parse, or None."""
     match = _REQUEST_ID_PEEK.search(payload[:PEEK_BYTES])
     return match.group(1).decode("ascii") if match else None
+
+
+class AckPublisher(Protocol):
+    """What the dispatcher needs of the transport (:class:`agent.ops.transport.MqttTransport`)."""
+
+    prefix: str
+    device_id: str
+    groups: Tuple[str, ...]
+
+    def publish_ack(self, request_id: str, payload: Dict[str, Any]) -> str: ...
 
 
 class _Job(NamedTuple):
@@ -195,15 +206,15 @@ class _TokenBucket:
 class CommandDispatcher:
     """Turns command messages into handler calls and acks; see the module docstring for the protocol.
 
-    ``transport`` needs ``prefix``, ``device_id``, ``groups`` and ``publish_ack(request_id, dict)``
-    (:class:`agent.ops.transport.MqttTransport`). Each handler is ``handler(fields, progress) -> dict | None``:
-    ``fields`` is the payload without ``request_id``; ``progress(message)`` sends an ``in_progress`` ack; it
-    may raise :class:`CommandError` or :class:`agent.config.schema.ConfigError` to fail with a structured error.
+    ``transport`` is an :class:`AckPublisher` (:class:`agent.ops.transport.MqttTransport`). Each handler is
+    ``handler(fields, progress) -> dict | None``: ``fields`` is the payload without ``request_id``;
+    ``progress(message)`` sends an ``in_progress`` ack; it may raise :class:`CommandError` or
+    :class:`agent.config.schema.ConfigError` to fail with a structured error.
     """
 
     def __init__(
         self,
-        transport: Any,
+        transport: AckPublisher,
         handlers: Dict[str, Handler],
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         rate_per_s: float = DEFAULT_RATE_PER_S,

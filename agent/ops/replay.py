@@ -54,7 +54,7 @@ class Replayer:
 
     def __init__(self, outbox: Outbox, rate_hz: float, current_generation: Callable[[], int],
                  is_live: Callable[[int], bool], send: Sender, replay_pending: Callable[[], int],
-                 take_acked: Callable[[], Any], on_alert: Optional[Callable[[Alert], None]] = None) -> None:
+                 take_acked: Callable[[], List[int]], on_alert: Optional[Callable[[Alert], None]] = None) -> None:
         self._outbox = outbox
         self._interval = 1.0 / rate_hz
         self._current_generation = current_generation
