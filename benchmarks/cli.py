@@ -45,6 +45,8 @@ REQUIRED_KEYS = (
     "preprocess.ratio_to_resize",
     "postprocess.speedup_vs_naive",
     "pipeline.overhead_fraction_b1",
+    "pipeline.throughput_ratio_to_backend",
+    "pipeline.backend_busy_fraction",
     "mqtt.ratio_to_paho",
     "memory.rss_mb_per_10k_frames",
     "startup.seconds_to_ready",

@@ -44,6 +44,16 @@ HEADLINES: Tuple[Tuple[str, str, str], ...] = (
     ),
     ("pipeline.overhead_fraction_b8", "{:.1%}", "the same at batch 8"),
     (
+        "pipeline.throughput_ratio_to_backend",
+        "{:.3f}",
+        "1080p frames/s through the pipelined serving loop over the backend alone, paced stand-in holding 3 ms",
+    ),
+    (
+        "pipeline.backend_busy_fraction",
+        "{:.3f}",
+        "share of that serving run the backend spent in calls (3 ms paced stand-in)",
+    ),
+    (
         "batching.bound_violations_beyond_slack",
         "{:d}",
         "paced frames handed over later than max_wait_ms + the batch in flight + the measured thread wake-up",
@@ -225,6 +235,27 @@ def detail_tables(data: Dict[str, Any]) -> str:
                     "overhead",
                 ],
                 rows,
+            )
+        )
+    if pipe and (pipe.get("throughput") or any("throughput" in r for r in pipe["backends"].values())):
+        kinds = dict(pipe.get("throughput", {}))
+        kinds.update({name: r["throughput"] for name, r in pipe["backends"].items() if "throughput" in r})
+        parts.append(
+            "**Serving throughput** (1080p frames through the pipelined loop, batch 1; medians of per-round "
+            "figures)\n\n"
+            + _rows(
+                ["backend", "backend alone", "serving", "ratio", "backend busy", "frames x rounds"],
+                [
+                    [
+                        name,
+                        _fmt("{:.0f}/s", r["backend_alone_fps"]["median"]),
+                        _fmt("{:.0f}/s", r["serving_fps"]["median"]),
+                        _fmt("{:.3f}", r["ratio_to_backend"]["median"]),
+                        _fmt("{:.3f}", r["backend_busy_fraction"]["median"]),
+                        "%d x %d" % (r["frames_per_round"], r["rounds"]),
+                    ]
+                    for name, r in kinds.items()
+                ],
             )
         )
     batching = data.get("batching")

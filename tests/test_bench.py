@@ -322,7 +322,7 @@ def test_missing_required_names_only_selected_sections():
     data = {"preprocess": {"ratio_to_resize": 1.2}, "postprocess": {}}
     assert missing_required(data, ["preprocess", "postprocess"]) == ["postprocess.speedup_vs_naive"]
     assert missing_required(data, ["preprocess"]) == []
-    assert len(REQUIRED_KEYS) == 6
+    assert len(REQUIRED_KEYS) == 8
 
 
 def test_write_json_makes_numpy_and_nan_plain(tmp_path):
@@ -402,3 +402,38 @@ def test_startup_probe_sees_ready_from_the_real_daemon(broker, tmp_path):
     result = startup.time_to_ready(config, REPO_ROOT, str(tmp_path))
     assert 0 < result["seconds_to_ready"] < startup.READY_TIMEOUT_S
     assert result["exit_code_after_sigterm"] == 0
+
+
+def test_pipeline_throughput_targets_judge_the_paced_headline():
+    from benchmarks import pipeline
+
+    section = {"overhead_fraction_b1": 0.05, "throughput_ratio_to_backend": 0.95, "backend_busy_fraction": 0.85,
+               "throughput": {"paced_standin_3ms": {}}, "backends": {}}
+    goals = pipeline.targets(section)
+    assert goals["throughput_ratio_to_backend"]["met"] is True
+    assert goals["backend_busy_fraction"]["met"] is False
+    assert "throughput_ratio_to_backend" not in pipeline.targets(dict(section, throughput={}))
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(REPO_ROOT, "examples", "demo-bundle", "manifest.json")),
+                    reason="examples/demo-bundle is missing (make demo-bundle)")
+def test_throughput_measure_serves_every_frame_on_the_paced_standin():
+    from agent.pipeline.model import LoadedModel
+    from benchmarks.paced_backend import freeze, paced_factory
+    from benchmarks.throughput import measure
+    from benchmarks.workload import DEMO_BUNDLE, bench_device, camera_frames, load_bundle
+
+    made = []
+    model = LoadedModel(load_bundle(DEMO_BUNDLE), bench_device(1), "opencv", 1,
+                        backend_factory=paced_factory(0.001, made))
+    model.load()
+    try:
+        images = camera_frames(2)
+        model.infer_frames([images[0]])
+        freeze(made)
+        assert all(not out.flags.writeable for backend in made for out in backend.frozen)
+        result = measure(model, images, frames_per_round=12, rounds=2)
+    finally:
+        model.close()
+    assert result["rounds"] == 2 and result["ratio_to_backend"]["n"] == 2
+    assert 0 < result["ratio_to_backend"]["median"] and 0 < result["backend_busy_fraction"]["max"] <= 1.0
