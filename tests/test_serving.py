@@ -167,6 +167,7 @@ def test_each_source_keeps_its_order_while_stages_overlap(images):
                                                    "total"}
     assert "publish" in loop.stats.percentiles()  # measured after the payload left, so only in the statistics
     assert 0.0 < loop.backend.busy_fraction() <= 1.0
+    assert 0.0 < loop.telemetry()["backend_busy_fraction"] <= 1.0  # and so in `status`, built on telemetry
 
 
 def test_a_swap_with_batches_in_flight_serves_each_frame_on_one_model(images):
