@@ -276,3 +276,87 @@ def test_a_backend_error_in_one_batch_does_not_lose_the_next_batch(images):
     assert [r["frame_id"] for r in sink.results] == [0, 1, 2, 3] + list(range(8, 16))
     assert loop.failed_frames == 4 and loop.taken == 16
     assert models.recorded == [(4, False), (4, True), (4, False), (4, False)]
+
+
+def test_pause_with_chunks_in_flight_finishes_what_was_taken_then_serves_nothing(images):
+    probe = OverlapProbe()
+    model = probe.wrap(paced_model(images))
+    frames = queue.Queue(maxsize=8)
+    sink, stop = Sink(), threading.Event()
+    loop = make_loop(Models(model), frames, sink, stop=stop)
+    feeding = threading.Event()
+    fed = []
+
+    def feed():
+        while not stop.is_set():
+            if feeding.is_set():
+                try:
+                    frames.put(Frame(source="cam", frame_id=len(fed), ts=time.time(), image=images["wide"],
+                                     enqueued=time.monotonic()), timeout=0.05)
+                    fed.append(1)
+                except queue.Full:
+                    pass
+            else:
+                time.sleep(0.005)
+
+    feeder = threading.Thread(target=feed)
+    thread = threading.Thread(target=loop.serve)
+    feeder.start()
+    thread.start()
+    try:
+        feeding.set()
+        while len(sink.results) < 20:
+            time.sleep(0.005)
+        loop.set_paused(True)  # chunks are on the backend and letterboxed right now
+        deadline = time.monotonic() + 10
+        while loop.published != loop.taken and time.monotonic() < deadline:
+            time.sleep(0.01)
+        settled = len(sink.results)
+        time.sleep(0.3)
+        assert len(sink.results) == settled == loop.taken, "results kept coming while paused"
+        assert frames.qsize() > 0  # frames waited in the queue; none was taken while paused
+        feeding.clear()
+        stale = loop.set_paused(False)
+        assert stale > 0 and loop.dropped_on_resume == stale
+        feeding.set()
+        while len(sink.results) < settled + 10:
+            time.sleep(0.005)
+    finally:
+        stop.set()
+        feeder.join(10)
+        thread.join(30)
+        model.close()
+    assert probe.overlapped > 0
+    assert loop.taken == loop.published == len(sink.results)
+    assert [r["frame_id"] for r in sink.results] == sorted(r["frame_id"] for r in sink.results)
+
+
+def test_a_rollback_decided_between_batches_serves_each_frame_on_one_model(images):
+    """The model source swaps (and releases the model it leaves) inside between_batches, as the manager's
+    automatic rollback does; frames keep coming and none runs on a released model."""
+    pending, confirmed = paced_model(images, version="2.0.0"), paced_model(images, version="1.0.0")
+    probe = OverlapProbe()
+    probe.wrap(pending)
+    probe.wrap(confirmed)
+
+    class RollingBack(Models):
+        def between_batches(self):
+            if self.current is pending and len(self.recorded) >= 5:  # the window's verdict: roll back
+                self.current = confirmed
+                pending.close()
+
+    models = RollingBack(pending)
+    sink = Sink()
+    loop = make_loop(models, queued(images, sources=("cam",), per_source=48), sink)
+    try:
+        loop.serve(until_sources_end=True)
+    finally:
+        pending.close()
+        confirmed.close()
+    assert probe.overlapped > 0
+    assert loop.inference_errors == 0 and loop.taken == len(sink.results) == 48
+    versions = [r["model"]["version"] for r in sink.results]
+    first_confirmed = versions.index("1.0.0")
+    assert first_confirmed >= 5 * MAX_BATCH
+    assert set(versions[:first_confirmed]) == {"2.0.0"} and set(versions[first_confirmed:]) == {"1.0.0"}
+    assert [r["frame_id"] for r in sink.results] == list(range(48))
