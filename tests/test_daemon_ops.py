@@ -85,6 +85,8 @@ def test_ctl_status_config_and_deploy_against_the_daemon(tmp_path, mosquitto):
         rolled = ctl(mosquitto, "rollback", "--json", '{"reason": "test"}')
         assert rolled.returncode == 0, rolled.stdout + rolled.stderr + str(events.json())
         assert results.wait(lambda m: json.loads(m[-1][1])["model"]["version"] == "1.0.0", timeout=60)
+        serving = json.loads(ctl(mosquitto, "status").stdout.strip().splitlines()[-1])["result"]
+        assert 0 < serving["backend_busy_fraction"] <= 1  # the backend thread's share of the last 5 s
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
