@@ -5,7 +5,6 @@ Runs in both lanes when a Lite Python exists (the host lane finds .venv-lite; th
 naming what is missing, otherwise. Every failing mode is checked to leave the bundle byte for byte unchanged.
 """
 
-import hashlib
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ from agent.lifecycle.bundle import load_manifest, verify_bundle, write_manifest
 from converters import cli, mindir, toolrun
 from tests import lite_support
 from tests.lite_support import DEMO_BUNDLE, convert_args, copy_demo, lite_env
+from tests.test_convert import manifest_of, tree
 
 LITE_PYTHON = lite_support.lite_python()
 pytestmark = [
@@ -25,22 +25,6 @@ pytestmark = [
     pytest.mark.skipif(LITE_PYTHON is None, reason=lite_support.NO_LITE_PYTHON),
 ]
 LITE_MAX_MINDIR = 1  # MindSpore Lite 2.0.0, measured: "can only support the maximum mind ir version: 1"
-
-
-def tree(root):
-    result = {}
-    for dirpath, dirs, names in os.walk(root):
-        for name in dirs:
-            result[os.path.relpath(os.path.join(dirpath, name), root)] = "dir"
-        for name in names:
-            with open(os.path.join(dirpath, name), "rb") as handle:
-                result[os.path.relpath(os.path.join(dirpath, name), root)] = hashlib.sha256(handle.read()).hexdigest()
-    return result
-
-
-def manifest_of(root):
-    with open(os.path.join(root, "manifest.json"), encoding="utf-8") as handle:
-        return json.load(handle)
 
 
 @pytest.fixture(scope="module")
