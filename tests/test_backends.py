@@ -935,3 +935,17 @@ def test_mslite_fake_refuses_a_predict_whose_input_array_was_freed(fake_mslite: 
     gc.collect()
     with pytest.raises(RuntimeError, match="freed before predict"):
         model.predict(inputs)
+
+
+def test_pick_backend_follows_the_device_order_against_what_the_bundle_serves() -> None:
+    from agent.pipeline.backends import pick_backend
+
+    everything = {"mslite": "ok", "mindspore": "ok", "opencv": "ok", "acl": "module 'acl' not found"}
+    cpu = ("mslite", ["mindspore", "opencv"], "ms")
+    assert pick_backend(*cpu, served={"ms", "mindir", "onnx"}, status=everything) == "mslite"
+    # a MindSpore 2.7 MindIR is not a Lite artifact: without a .ms the preferred Lite is passed over
+    assert pick_backend(*cpu, served={"mindir", "onnx"}, status=everything) == "mindspore"
+    assert pick_backend(*cpu, served={"ms", "onnx"}, status=dict(everything, mslite="missing")) == "opencv"
+    assert pick_backend(*cpu, served=None, status=everything) == "mslite"  # bundle unknown: runtimes alone
+    # an Ascend box whose bundle holds only .om for another runtime: the preferred one, whose load names the gap
+    assert pick_backend("acl", ["mslite"], "om", served={"om"}, status=everything) == "acl"

@@ -278,3 +278,13 @@ def test_ptq_on_cpu_fails_inside_lite_2_0_and_leaves_the_bundle_unchanged(tmp_pa
     assert status == cli.EXIT_TOOL_FAILED, err
     assert "ParseFromArray failed" in err and "NULL pointer returned" in err and "the bundle is unchanged" in err
     assert tree(root) == before
+
+
+@pytest.mark.skipif(not lite_support.HAS_MSLITE, reason=lite_support.NO_MSLITE)
+def test_demo_with_backend_mslite_converts_and_serves_end_to_end():
+    done = subprocess.run([sys.executable, "-m", "agent", "demo", "--backend", "mslite", "--frames", "4"],
+                          cwd=lite_support.REPO, capture_output=True, text=True, timeout=300, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "converting " in out and "backend mslite loaded" in out
+    assert "4 results published, 4 received over MQTT" in out
