@@ -228,10 +228,10 @@ def _serve(args: argparse.Namespace, work: str) -> int:
     latency = served.stats.percentiles()
     print("\n%d frames served in %.1fs (%.1f fps); %d results published, %d received over MQTT" % (
         served.stats.frames, elapsed, served.stats.frames / max(elapsed, 1e-6), served.published, received))
-    for stage in ("queue", "preprocess", "infer", "postprocess", "total"):
+    for stage in ("queue", "preprocess", "wait_backend", "infer", "postprocess", "publish", "total"):
         if stage in latency:
             p = latency[stage]
-            print("  %-11s p50 %7.2f ms   p90 %7.2f ms   p99 %7.2f ms" % (stage, p["p50"], p["p90"], p["p99"]))
+            print("  %-12s p50 %7.2f ms   p90 %7.2f ms   p99 %7.2f ms" % (stage, p["p50"], p["p90"], p["p99"]))
     if received < daemon.loop.published:
         print("WARNING: %d results were not seen by the console view" % (daemon.loop.published - received))
         return 1
