@@ -149,6 +149,18 @@ def queued(images, sources=("cam-a", "cam-b"), per_source=24):
     return frames
 
 
+def started_loop(images):
+    """A paced, probed model behind a loop serving on its own thread from a small queue (fed by the test)."""
+    probe = OverlapProbe()
+    model = probe.wrap(paced_model(images))
+    frames = queue.Queue(maxsize=8)
+    sink, stop = Sink(), threading.Event()
+    loop = make_loop(Models(model), frames, sink, stop=stop)
+    thread = threading.Thread(target=loop.serve)
+    thread.start()
+    return probe, model, frames, sink, stop, loop, thread
+
+
 def test_each_source_keeps_its_order_while_stages_overlap(images):
     probe = OverlapProbe()
     model = probe.wrap(paced_model(images))
@@ -221,13 +233,7 @@ def test_a_swap_with_batches_in_flight_serves_each_frame_on_one_model(images):
 
 
 def test_shutdown_under_load_serves_every_frame_it_took(images):
-    probe = OverlapProbe()
-    model = probe.wrap(paced_model(images))
-    frames = queue.Queue(maxsize=8)
-    sink, stop = Sink(), threading.Event()
-    loop = make_loop(Models(model), frames, sink, stop=stop)
-    thread = threading.Thread(target=loop.serve)
-    thread.start()
+    probe, model, frames, sink, stop, loop, thread = started_loop(images)
     fed = 0
     try:
         while len(sink.results) < 40:
@@ -279,11 +285,7 @@ def test_a_backend_error_in_one_batch_does_not_lose_the_next_batch(images):
 
 
 def test_pause_with_chunks_in_flight_finishes_what_was_taken_then_serves_nothing(images):
-    probe = OverlapProbe()
-    model = probe.wrap(paced_model(images))
-    frames = queue.Queue(maxsize=8)
-    sink, stop = Sink(), threading.Event()
-    loop = make_loop(Models(model), frames, sink, stop=stop)
+    probe, model, frames, sink, stop, loop, thread = started_loop(images)
     feeding = threading.Event()
     fed = []
 
@@ -300,9 +302,7 @@ def test_pause_with_chunks_in_flight_finishes_what_was_taken_then_serves_nothing
                 time.sleep(0.005)
 
     feeder = threading.Thread(target=feed)
-    thread = threading.Thread(target=loop.serve)
     feeder.start()
-    thread.start()
     try:
         feeding.set()
         while len(sink.results) < 20:
