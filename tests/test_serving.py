@@ -80,6 +80,7 @@ class OverlapProbe:
     def __init__(self):
         self.in_call = 0
         self.overlapped = 0
+        self.inputs = {}  # tier -> ids of the input arrays the backend was given
         self.lock = threading.Lock()
 
     def wrap(self, model):
@@ -93,6 +94,7 @@ class OverlapProbe:
         def probed_run(chunk):
             with self.lock:
                 self.in_call += 1
+                self.inputs.setdefault(chunk.tier, set()).add(id(chunk.buffer.batch))
             try:
                 return run(chunk)
             finally:
@@ -164,6 +166,7 @@ def started_loop(images):
 def test_each_source_keeps_its_order_while_stages_overlap(images):
     probe = OverlapProbe()
     model = probe.wrap(paced_model(images))
+    allocated = {tier: {id(buffer.batch) for buffer in runner.buffers} for tier, runner in model._runners.items()}
     try:
         sink = Sink()
         loop = make_loop(Models(model), queued(images), sink)
@@ -172,6 +175,8 @@ def test_each_source_keeps_its_order_while_stages_overlap(images):
         model.close()
     assert probe.overlapped > 0, "no letterbox ran during a backend call: nothing overlapped"
     assert loop.taken == len(sink.results) == 48
+    for tier, used in probe.inputs.items():  # 24 calls per tier, on the two buffers allocated at load
+        assert used == allocated[tier] and len(used) == 2, tier
     for source in ("cam-a", "cam-b"):
         ids = [r["frame_id"] for r in sink.results if r["source"] == source]
         assert ids == list(range(24)), source
