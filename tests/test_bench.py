@@ -77,7 +77,8 @@ def test_quick_run_writes_the_figures_and_environment(quick_json):
         assert isinstance(value, float) and math.isfinite(value) and value > 0, key
         goal = data["targets"][key]
         assert goal["value"] == value
-        assert goal["met"] == (value <= 1.5 if key.startswith("preprocess") else value >= 3.0)
+        assert goal["met"] == (value <= preprocessing.TARGET_RATIO_TO_RESIZE if key.startswith("preprocess")
+                               else value >= postprocessing.TARGET_SPEEDUP)
     assert "`preprocess.ratio_to_resize`" in stdout and "`postprocess.speedup_vs_naive`" in stdout
 
 
