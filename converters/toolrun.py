@@ -279,11 +279,20 @@ def tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.rstrip("\n").splitlines()[-lines:])
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "signal %d" % number
+
+
 def check_run(tool: ToolInfo, run: ToolRun, output_path: str, timeout_s: float) -> None:
     """Raise ToolFailed unless the run exited 0, printed the success line and wrote a non-empty output."""
     name = os.path.basename(output_path)
     if run.timed_out:
         reason = "did not finish within %.0f s and was killed" % timeout_s
+    elif run.returncode is not None and run.returncode < 0:  # MindSpore Lite 2.0's FULL_QUANT ends in SIGSEGV
+        reason = "was killed by %s (status %d)" % (_signal_name(-run.returncode), run.returncode)
     elif run.returncode != 0:
         reason = "exited with status %s" % run.returncode
     elif tool.success_line not in run.output:
