@@ -636,6 +636,131 @@ def test_a_deploy_the_serving_loop_never_takes_is_withdrawn(harness, base_bundle
     assert_unchanged(h, before)
 
 
+def _recording_backends(monkeypatch):
+    """Every backend created from here on, so a test can check each staged model was closed."""
+    import agent.pipeline.model as model_module
+
+    created = []
+    real_create = model_module.create_backend
+
+    def recording_create(*args, **kwargs):
+        backend = real_create(*args, **kwargs)
+        created.append(backend)
+        return backend
+
+    monkeypatch.setattr(model_module, "create_backend", recording_create)
+    return created
+
+
+def _disk_full_for(monkeypatch, path):
+    """Make the atomic write of ``path`` fail with ENOSPC until the returned ``free()`` is called."""
+    import errno
+
+    import agent._util.atomic as atomic_module
+    import agent.lifecycle.slots as slots_module
+
+    real_write = atomic_module.atomic_write
+    full = [True]
+
+    def failing_write(target, data, durable=True):
+        if full[0] and os.path.abspath(target) == os.path.abspath(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target)
+        return real_write(target, data, durable)
+
+    monkeypatch.setattr(atomic_module, "atomic_write", failing_write)
+    monkeypatch.setattr(slots_module, "atomic_write", failing_write)  # slots bound the name at import
+    return lambda: full.__setitem__(0, False)
+
+
+def test_a_full_disk_at_the_slot_table_fails_the_deploy_closes_the_staged_model_and_changes_nothing(
+        harness, base_bundle, monkeypatch):
+    h = harness()
+    h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    before = snapshot(h)
+    status_before = h.manager.status()
+    created = _recording_backends(monkeypatch)
+    free = _disk_full_for(monkeypatch, h.state_file)
+    with ServingLoop(h.manager) as loop:
+        loop.wait_batches(2)
+        with pytest.raises(CommandError) as info:
+            h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        assert info.value.code == "storage"
+        assert h.state_file in info.value.message and "No space left on device" in info.value.message
+        assert created and all(backend.closed for backend in created)  # the staged model was released
+        assert_unchanged(h, before)
+        assert h.manager.status() == status_before and h.events == []
+        assert h.handover.pending() == 0
+        free()  # the disk is back: the next deploy is not refused as busy
+        result = h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        loop.wait_batches(2)
+    assert result["state"] == "pending" and h.manager.current.manifest.version == "2.0.0"
+    assert load_slots(h.state_file).pending == "b"
+
+
+def test_a_full_disk_at_the_slot_table_fails_a_standby_restore_and_closes_the_reloaded_model(
+        harness, base_bundle, monkeypatch):
+    h = harness(observation_s=0.0)
+    old = h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    with ServingLoop(h.manager) as loop:
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        h.wait_for_event("confirmed")  # 1.0.0 is the standby now
+        serving = h.manager.current
+        assert serving is not old and h.manager.status()["slots"]["a"]["state"] == STANDBY
+        state, status_before = open(h.state_file, "rb").read(), h.manager.status()
+        created = _recording_backends(monkeypatch)
+        free = _disk_full_for(monkeypatch, h.state_file)
+        with pytest.raises(CommandError) as info:
+            h.manager.rollback()
+        assert info.value.code == "storage" and h.state_file in info.value.message
+        assert created and all(backend.closed for backend in created)
+        assert h.manager.current is serving and h.manager.status() == status_before
+        assert open(h.state_file, "rb").read() == state
+        free()
+        result = h.manager.rollback()
+        loop.wait_batches(2)
+    assert result["model"]["version"] == "1.0.0" and h.manager.current.manifest.version == "1.0.0"
+
+
+def test_a_withdrawn_switch_whose_table_cannot_be_written_back_reports_the_timeout_and_serves_the_old(
+        harness, base_bundle, monkeypatch):
+    """The table naming the new slot pending reached the disk, the swap timed out, and writing the old table
+    back fails: memory follows what serves, the timeout stays the reported error, and it names the table."""
+    import agent.lifecycle.model_manager as manager_module
+
+    h = harness()
+    h.manager.start()
+    sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
+    status_before = h.manager.status()
+    created = _recording_backends(monkeypatch)
+    real_save = manager_module.save_slots
+    writes = []
+
+    def save_then_fill_the_disk(path, table):  # the first write (pending) succeeds, the write-back does not
+        writes.append(table.pending)
+        if len(writes) > 1:
+            import errno
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        real_save(path, table)
+
+    monkeypatch.setattr(manager_module, "save_slots", save_then_fill_the_disk)
+    with pytest.raises(CommandError) as info:  # no serving loop runs the queue
+        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress, timeout_s=0.3)
+    assert info.value.code == "switch_timeout" and "still serving the old one" in info.value.message
+    assert h.state_file in info.value.message and "No space left on device" in info.value.message
+    assert writes == ["b", None]
+    assert created and all(backend.closed for backend in created)
+    assert h.manager.current.manifest.version == "1.0.0" and h.manager.status() == status_before
+    # the disk still says 'b pending': a restart treats it as a crash while pending and serves 1.0.0
+    assert load_slots(h.state_file).pending == "b"
+    monkeypatch.setattr(manager_module, "save_slots", real_save)
+    with ServingLoop(h.manager) as loop:  # not refused as busy: memory holds no pending slot
+        result = h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        loop.wait_batches(2)
+    assert result["state"] == "pending" and load_slots(h.state_file).pending == "b"
+
+
 # --- the one handover queue: everything that changes the serving model happens between batches, in order ----
 
 def _in_thread(out, key, fn, *args, **kwargs):

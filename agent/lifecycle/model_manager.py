@@ -308,39 +308,54 @@ class ModelManager:
                 opens_window: bool, timeout_s: Optional[float]) -> None:
         """Persist the new table, submit the swap to the serving loop and wait until it ran.
 
-        The table goes to disk first: from then on a crash comes back on the confirmed slot. If the loop does
-        not take the swap within the timeout, it is withdrawn, the old table written back and ``model`` closed.
+        The table goes to disk first: from then on a crash comes back on the confirmed slot. If it cannot be
+        written, or the loop does not take the swap within the timeout, the table in memory stays (or goes
+        back to) the one that serves, and ``model`` is closed: whatever fails, it holds no device memory.
         """
         timeout = self.switch_timeout_s if timeout_s is None else timeout_s
         taken = []
-        with self._lock:
-            if self._closed:
-                model.close()
-                raise CommandError("shutting_down", "the daemon is stopping")
-            before = self._table
-            assert before is not None
-            after = transition(before)
-            save_slots(self.state_file, after)
-            self._table = after
-            self._swap_queued = opens_window
 
         def swap() -> None:  # serving thread
             self._take(model, slot, opens_window)
             taken.append(True)
 
         try:
-            self.handover.submit(swap, timeout, what="switch to %s" % model.label)
-        except HandoverTimeout:
             with self._lock:
-                save_slots(self.state_file, before)
-                self._table = before
-            raise CommandError("switch_timeout", "the serving loop did not take the new model within %.1f s; "
-                               "still serving the old one" % timeout) from None
+                if self._closed:
+                    raise CommandError("shutting_down", "the daemon is stopping")
+                before = self._table
+                assert before is not None
+                after = transition(before)
+                try:
+                    save_slots(self.state_file, after)
+                except OSError as exc:
+                    raise CommandError("storage", "could not write the slot table %s: %s; still serving the "
+                                       "old model" % (self.state_file, exc)) from exc
+                self._table = after
+                self._swap_queued = opens_window
+            try:
+                self.handover.submit(swap, timeout, what="switch to %s" % model.label)
+            except HandoverTimeout:
+                raise self._withdrawn(before, timeout) from None
         finally:
             with self._lock:
                 self._swap_queued = False
             if not taken:
                 model.close()
+
+    def _withdrawn(self, before: SlotTable, timeout: float) -> CommandError:
+        """The loop did not take the swap: the old table again, in memory always and on disk if it can be."""
+        message = "the serving loop did not take the new model within %.1f s; still serving the old one" % timeout
+        with self._lock:
+            self._table = before
+            try:
+                save_slots(self.state_file, before)
+            except OSError as exc:  # the disk keeps 'pending': a restart undoes it, as after a crash
+                log.error("could not write the slot table %s back after a withdrawn switch: %s",
+                          self.state_file, exc)
+                message += ("; the slot table %s could not be written back (%s), a restart will report the "
+                            "withdrawn model as rolled back" % (self.state_file, exc))
+        return CommandError("switch_timeout", message)
 
     def _take(self, model: LoadedModel, slot: str, opens_window: bool) -> None:
         """Serving thread: the swap itself. The outgoing model is closed only after the reference moved."""
