@@ -21,8 +21,14 @@ from agent.cli.ctl import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from agent.devtools.broker import EmbeddedBroker
 from agent.fleet.link import Message
 from agent.fleet.rollout import (
+    ABORTED,
     ABORTED_ROLLOUT,
     COMPLETED,
+    DEFAULT_REVERT_TIMEOUT_S,
+    OFFLINE,
+    POLL_S,
+    TIMED_OUT,
+    Rollout,
     RolloutError,
     RolloutSpec,
     abort_reason,
@@ -30,7 +36,7 @@ from agent.fleet.rollout import (
     request_id,
 )
 from agent.fleet.status import FleetView, render_table
-from agent.ops.commands import REQUEST_ID_RE
+from agent.ops.commands import FAILED, REQUEST_ID_RE, SUCCEEDED
 from benchmarks.fleet_sim import GOLDEN, SLOW, BundleServer, SimulatedFleet, build_bundles, slot_summary
 from tests.conftest import REPO_ROOT, wait_for
 
@@ -124,6 +130,138 @@ def test_bad_rollout_arguments_are_refused_naming_the_option(field, value, messa
     spec[field] = value
     with pytest.raises(RolloutError, match=message):
         RolloutSpec(**spec).check()
+
+
+# --- clocks: deadlines run on the monotonic clock, the wall clock only stamps (no broker) -------------------
+
+SIM_PREFIX = "sim-fleet"
+SIM_SHA = "b" * 64
+WALL0 = 1.8e9  # the operator's wall clock at simulated time 0
+STEP_AT_S = 2.0  # simulated time of the NTP step: after every deadline below has started
+STEPS = [-3600.0, 86400.0]  # the laptop's clock stepped back an hour / forward a day
+
+
+class LostBroker(Exception):
+    """Test-only: ends a simulated run, as a dropped broker connection ends a real one."""
+
+
+class SimulatedLink:
+    """Test-only stand-in for FleetLink: no broker; ``get`` advances simulated time instead of waiting.
+
+    ``answer(topic, payload)`` returns the messages a command brings back (acks); the wall clock the rollout
+    gets is simulated time plus ``step`` once ``STEP_AT_S`` is reached, or ``offset`` between runs.
+    """
+
+    def __init__(self, statuses, answer=lambda topic, payload: [], step=0.0, start=0.0, offset=0.0,
+                 lose_at=None):
+        self.mono = start
+        self.start = start
+        self.step = step
+        self.offset = offset
+        self.lose_at = lose_at
+        self.answer = answer
+        self.queue = [Message("%s/%s/status" % (SIM_PREFIX, d), json.dumps(b).encode(), True)
+                      for d, b in statuses.items()]
+        self.published = []  # (simulated time, topic)
+        self.marks = {}
+
+    def wall(self):
+        stepped = self.mono - self.start >= STEP_AT_S
+        return WALL0 + self.offset + self.mono + (self.step if stepped else 0.0)
+
+    def subscribe(self, topics):
+        return None
+
+    def publish(self, topic, payload):
+        self.published.append((self.mono, topic))
+        self.queue.extend(self.answer(topic, payload))
+
+    def get(self, timeout):
+        if self.queue:
+            return self.queue.pop(0)
+        self.mono += timeout
+        if self.lose_at is not None and self.mono - self.start >= self.lose_at:
+            raise LostBroker()
+        assert self.mono - self.start < 10 * 86400, "a deadline never came"
+        return None
+
+    def progress(self, line):
+        if line.startswith("waiting up to"):
+            self.marks["wait"] = self.mono
+
+
+def _online(device):
+    return {"state": "online", "groups": ["sim"], "slots": {"serving": "a", "slots": {"a": {
+        "name": "m", "version": "1", "manifest_sha256": "a" * 64, "state": "confirmed"}}}}
+
+
+def _ack(device, payload, state, **fields):
+    body = dict(fields, request_id=payload["request_id"], state=state)
+    return Message("%s/%s/ack/%s" % (SIM_PREFIX, device, payload["request_id"]), json.dumps(body).encode(), False)
+
+
+def _rollout(link, tmp_path, **spec):
+    spec = RolloutSpec(group="sim", bundle="b.tar.gz", sha256=SIM_SHA, prefix=SIM_PREFIX, **spec)
+    return Rollout(spec, spec.default_id(), str(tmp_path), link, progress=link.progress,
+                   clock=link.wall, monotonic=lambda: link.mono)
+
+
+def _sent(link, verb):
+    return [at for at, topic in link.published if topic.endswith("/cmd/" + verb)]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_confirm_timeout_runs_on_the_monotonic_clock_through_a_wall_clock_step(tmp_path, step):
+    link = SimulatedLink({"box-0": _online("box-0")}, step=step)  # the box never answers
+    state = _rollout(link, tmp_path, confirm_timeout_s=100.0).run()
+    assert state.boxes["box-0"]["outcome"] == TIMED_OUT
+    [sent] = _sent(link, "deploy")
+    assert 100.0 < link.mono - sent <= 100.0 + 2 * POLL_S  # as if the clock had not moved
+    assert state.boxes["box-0"]["sent_at"] == WALL0 + sent  # the state file keeps wall time
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_wait_offline_runs_on_the_monotonic_clock_through_a_wall_clock_step(tmp_path, step):
+    link = SimulatedLink({"box-0": {"state": "offline", "groups": ["sim"], "reason": "lost"}}, step=step)
+    state = _rollout(link, tmp_path, wait_offline_s=50.0).run()
+    assert state.boxes["box-0"]["outcome"] == OFFLINE and _sent(link, "deploy") == []
+    assert 50.0 <= link.mono - link.marks["wait"] <= 50.0 + 2 * POLL_S
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_the_revert_wait_runs_on_the_monotonic_clock_through_a_wall_clock_step(tmp_path, step):
+    def answer(topic, payload):  # box-0 fails its deploy, box-1 deploys; neither answers a rollback
+        device, verb = topic.split("/")[1], topic.rsplit("/", 1)[1]
+        if verb != "deploy":
+            return []
+        if device == "box-0":
+            return [_ack(device, payload, FAILED, error={"code": "golden_mismatch", "message": "off"})]
+        return [_ack(device, payload, SUCCEEDED, result={"model": {"name": "m", "version": "2"}})]
+
+    link = SimulatedLink({"box-0": _online("box-0"), "box-1": _online("box-1")}, answer=answer, step=step)
+    state = _rollout(link, tmp_path, canary=0, waves=1, max_failures=0, rollback_on_abort=True).run()
+    assert state.status == ABORTED_ROLLOUT and state.boxes["box-1"]["outcome"] == ABORTED
+    assert state.boxes["box-1"]["revert"]["state"] == "timed_out"
+    [sent] = _sent(link, "rollback")
+    assert sent < STEP_AT_S  # the step came while the wait ran
+    assert DEFAULT_REVERT_TIMEOUT_S <= link.mono - sent <= DEFAULT_REVERT_TIMEOUT_S + 2 * POLL_S
+
+
+@pytest.mark.parametrize("gap_s", [
+    20.0,  # 20 s passed between the runs: charged with the time already run plus the gap
+    -3600.0,  # the wall clock went back past sent_at: nothing is charged, the full timeout runs again
+])
+def test_a_resumed_rollout_charges_the_wall_time_since_sent_once(tmp_path, gap_s):
+    first = SimulatedLink({"box-0": _online("box-0")}, lose_at=40.0)
+    with pytest.raises(LostBroker):
+        _rollout(first, tmp_path, confirm_timeout_s=100.0).run()
+    [sent] = _sent(first, "deploy")
+    # A new process: its monotonic clock has another origin; the wall clock moved on by the gap.
+    second = SimulatedLink({"box-0": _online("box-0")}, start=5000.0, offset=first.mono + gap_s - 5000.0)
+    state = _rollout(second, tmp_path, confirm_timeout_s=100.0).run()
+    assert state.boxes["box-0"]["outcome"] == TIMED_OUT and state.data["runs"] == 2
+    left = 100.0 - max(0.0, first.mono - sent + gap_s)
+    assert left < second.mono - second.start <= left + 1.0 + 2 * POLL_S  # 1.0: the re-run's own start-up
 
 
 def test_cli_refuses_a_bad_sha_before_connecting(capsys):

@@ -22,6 +22,11 @@ Semantics (docs/fleet.md has the long form):
   step. A re-run of the same command re-sends the commands of boxes in flight with the same request ids (the
   box answers from its request record and never deploys twice) and goes on; a finished rollout only reprints
   its report.
+- **Clocks.** Timestamps in the state file and report are wall time (``clock``), for people and for a later
+  run. Deadlines within one run (``--confirm-timeout``, ``--wait-offline``, the revert wait) run on
+  ``monotonic``, so an NTP step on the operator's machine neither stretches nor cuts them. A box sent by an
+  earlier run is charged the wall time since its persisted ``sent_at`` once, when this run first judges it
+  (never less than zero), and is timed on ``monotonic`` from then on.
 """
 
 import hashlib
@@ -207,7 +212,8 @@ class Rollout:
 
     def __init__(self, spec: RolloutSpec, rollout_id: str, state_dir: str, link: FleetLink,
                  progress: Progress = lambda line: None, listen_s: float = 0.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic
+                 ) -> None:
         spec.check()
         self.spec = spec
         self.rollout_id = check_rollout_id(rollout_id)
@@ -215,7 +221,9 @@ class Rollout:
         self.link = link
         self.progress = progress
         self.listen_s = listen_s
-        self.clock = clock
+        self.clock = clock  # wall time: what the state file and report record
+        self.monotonic = monotonic  # deadlines within this run
+        self._sent_mono: Dict[str, float] = {}  # device -> ``monotonic`` reading its deploy counts from
         self.view = FleetView(spec.prefix)
         self._acks: Dict[str, Dict[str, Any]] = {}  # request id -> latest ack seen in this run
         self._subscribed: set = set()
@@ -314,11 +322,12 @@ class Rollout:
         if not devices:
             return
         self._subscribe_acks(devices, "deploy")
-        now = self.clock()
+        now, now_mono = self.clock(), self.monotonic()
         for device in devices:
             box = state.boxes[device]
             if box["phase"] == PLANNED:
                 box["phase"], box["sent_at"] = SENT, now
+                self._sent_mono[device] = now_mono
         state.save()  # recorded before sending: a kill between the two re-sends the same request ids
         payload = {"bundle": self.spec.bundle, "sha256": self.spec.sha256.lower()}
         for device in devices:
@@ -356,8 +365,8 @@ class Rollout:
             return devices
         self.progress("waiting up to %.0f s for %d box(es) offline at the start" % (self.spec.wait_offline_s or 0,
                                                                                    len(waits)))
-        deadline = self.clock() + (self.spec.wait_offline_s or 0.0)
-        while self.clock() < deadline and not all(self._online(d) for d in waits):
+        deadline = self.monotonic() + (self.spec.wait_offline_s or 0.0)
+        while self.monotonic() < deadline and not all(self._online(d) for d in waits):
             self._pump()
         late = [d for d in waits if not self._online(d)]
         for device in late:
@@ -396,12 +405,20 @@ class Rollout:
             rollback = view.last_rollback
             if rollback and rollback != box["baseline_rollback"] and rollback.get("manifest_sha256") == sha:
                 return self._finish(box, ROLLED_BACK, _one_line(str(rollback.get("reason"))))
-        if box["sent_at"] is not None and self.clock() - box["sent_at"] > self.spec.confirm_timeout_s:
+        if box["sent_at"] is not None and self._since_sent(device, box) > self.spec.confirm_timeout_s:
             where = "offline" if view is not None and not view.online else (
                 "pending" if view is not None and view.holds(sha) == "pending" else box["phase"])
             return self._finish(box, TIMED_OUT, "not confirmed within %.0f s (last seen: %s)" % (
                 self.spec.confirm_timeout_s, where))
         return False
+
+    def _since_sent(self, device: str, box: Dict[str, Any]) -> float:
+        """Seconds since the box's deploy went out, on ``monotonic`` (see "Clocks" in the module docstring)."""
+        anchor = self._sent_mono.get(device)
+        if anchor is None:  # sent by an earlier run: only its wall time is known, read once
+            anchor = self.monotonic() - max(0.0, self.clock() - box["sent_at"])
+            self._sent_mono[device] = anchor
+        return self.monotonic() - anchor
 
     def _finish(self, box: Dict[str, Any], outcome: str, error: Optional[str]) -> bool:
         box.update(outcome=outcome, phase=DONE, error=error, finished_at=self.clock())
@@ -474,8 +491,8 @@ class Rollout:
             self.link.publish("%s/%s/cmd/rollback" % (self.spec.prefix, device),
                               {"request_id": rid, "reason": "rollout %s aborted" % self.rollout_id})
         waiting = list(devices)
-        deadline = self.clock() + DEFAULT_REVERT_TIMEOUT_S
-        while waiting and self.clock() < deadline:
+        deadline = self.monotonic() + DEFAULT_REVERT_TIMEOUT_S
+        while waiting and self.monotonic() < deadline:
             self._pump()
             for device in list(waiting):
                 revert = state.boxes[device]["revert"]
