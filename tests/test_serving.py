@@ -365,3 +365,97 @@ def test_a_rollback_decided_between_batches_serves_each_frame_on_one_model(image
     assert first_confirmed >= 5 * MAX_BATCH
     assert set(versions[:first_confirmed]) == {"2.0.0"} and set(versions[first_confirmed:]) == {"1.0.0"}
     assert [r["frame_id"] for r in sink.results] == list(range(48))
+
+
+def fails_on_call(model, method, number, error):
+    """Make the model's ``number``-th call of ``method`` (counted from now) raise ``error``; the others run."""
+    real = getattr(model, method)
+    calls = []
+
+    def once(*args):
+        calls.append(1)
+        if len(calls) == number:
+            raise error
+        return real(*args)
+
+    setattr(model, method, once)
+
+
+def test_a_frame_the_model_cannot_take_fails_its_batch_not_the_loop(images):
+    """A zero-size frame makes planning the batch raise (no tier fits it): that batch fails, the others are served."""
+    model = paced_model(images)
+    frames = queued(images, sources=("cam",), per_source=16)
+    items = [frames.get_nowait() for _ in range(16)]
+    items[5] = replace(items[5], image=np.zeros((0, 0, 3), np.uint8))
+    for item in items:
+        frames.put(item)
+    events, sink, models = [], Sink(), Models(model)
+    loop = make_loop(models, frames, sink, on_event=events.append)
+    try:
+        loop.serve(until_sources_end=True)
+    finally:
+        model.close()
+    assert [r["frame_id"] for r in sink.results] == [0, 1, 2, 3] + list(range(8, 16))  # frames 4-7: one batch
+    assert loop.inference_errors == 1 and loop.failed_frames == 4 and loop.taken == 16
+    assert [e["event"] for e in events] == ["inference_error"] and "positive" in events[0]["error"]
+    assert sorted(models.recorded) == [(4, False)] * 3 + [(4, True)]  # its probation window saw the failure
+
+
+def test_a_batch_the_new_model_cannot_letterbox_fails_alone_after_a_swap(images):
+    """The model changes between batches and letterboxing the prepared batch again, for the new model, raises:
+    that batch fails, the frames before it were served on the old model and those after it on the new one, and
+    each model's observation window is told only of its own batches."""
+    old, new = paced_model(images, version="1.0.0"), paced_model(images, version="2.0.0")
+    old_prepares = []
+    prepare = old.prepare
+
+    def counted(*args):
+        old_prepares.append(1)
+        return prepare(*args)
+
+    old.prepare = counted
+    fails_on_call(new, "prepare", 1, RuntimeError("letterbox failed once"))
+    sink = Sink()
+
+    class Swapping(Models):
+        def between_batches(self):
+            if self.current is old and len(sink.results) >= MAX_BATCH:
+                self.current = new
+
+        def record_batch(self, frames, infer_ms_per_frame, failed):
+            self.recorded.append((self.current.manifest.version, failed))
+
+    events, models = [], Swapping(old)
+    loop = make_loop(models, queued(images, sources=("cam",), per_source=24), sink, on_event=events.append)
+    try:
+        loop.serve(until_sources_end=True)
+    finally:
+        old.close()
+        new.close()
+    versions = [r["model"]["version"] for r in sink.results]
+    on_old = versions.count("1.0.0")
+    assert on_old >= MAX_BATCH and versions == ["1.0.0"] * on_old + ["2.0.0"] * (20 - on_old)
+    assert len(old_prepares) == on_old + 1  # the failed batch's first chunk was letterboxed for the old model first
+    ids = [r["frame_id"] for r in sink.results]
+    assert ids == list(range(on_old)) + list(range(on_old + MAX_BATCH, 24))
+    assert loop.inference_errors == 1 and loop.failed_frames == MAX_BATCH and loop.taken == 24
+    assert [e["event"] for e in events] == ["inference_error"] and "letterbox failed" in events[0]["error"]
+    # Each window sees its own batches: the old model's last batch, decoded after the swap, counts for neither.
+    assert models.recorded == ([("1.0.0", False)] * (on_old // MAX_BATCH - 1) + [("2.0.0", True)]
+                               + [("2.0.0", False)] * ((20 - on_old) // MAX_BATCH))
+
+
+def test_a_failed_decode_of_a_batch_counts_as_a_failed_batch_for_probation(images):
+    """The decode of a batch's last chunk raises: the batch is recorded as failed, once, not as served."""
+    model = paced_model(images)
+    fails_on_call(model, "decode", 2 * MAX_BATCH, ValueError("outputs unreadable once"))  # batch 2's last chunk
+    events, sink, models = [], Sink(), Models(model)
+    loop = make_loop(models, queued(images, sources=("cam",), per_source=16), sink, on_event=events.append)
+    try:
+        loop.serve(until_sources_end=True)
+    finally:
+        model.close()
+    assert [r["frame_id"] for r in sink.results] == [0, 1, 2, 3] + list(range(8, 16))
+    assert loop.inference_errors == 1 and loop.failed_frames == 4
+    assert [e["event"] for e in events] == ["inference_error"] and "unreadable" in events[0]["error"]
+    assert models.recorded == [(4, False), (4, True), (4, False), (4, False)]

@@ -180,17 +180,20 @@ class _Batch:
 
     def __init__(self, frames: List[Frame], model: LoadedModel, taken: float) -> None:
         self.frames = frames
+        self.model = model
         self.taken = taken
         self.results: List[Optional[FrameResult]] = [None] * len(frames)
         self.infer_s = 0.0
         self.failed = False
         self.recorded = False  # told to the model source (probation) once, as served or as failed
-        self.plan(model)
+        # Planned by the serving loop (plan() raises for a frame the model cannot take, and that fails the batch).
+        self.todo: Deque[Tuple[Any, List[int]]] = deque()
+        self.chunks_left = 0
 
     def plan(self, model: LoadedModel) -> None:
         """(Re)plan the chunks for ``model``; the chunks not yet prepared are ``todo``."""
         self.model = model
-        self.todo: Deque[Tuple[Any, List[int]]] = deque(model.chunks([f.image for f in self.frames]))
+        self.todo = deque(model.chunks([f.image for f in self.frames]))
         self.chunks_left = len(self.todo)
 
 
@@ -334,9 +337,19 @@ class ServingLoop:
                 return None
             self.taken += len(frames)
             batch = self._preparing = _Batch(frames, self.models.current, time.monotonic())
+            return self._letterbox(batch, plan_for=batch.model)
+        return self._letterbox(batch)
+
+    def _letterbox(self, batch: _Batch, plan_for: Optional[LoadedModel] = None) -> Optional[_Chunk]:
+        """Letterbox the batch's next chunk, after planning its chunks for ``plan_for`` when given.
+
+        A frame the model cannot take (no tier fits it, the letterbox raises) fails its batch, not the loop.
+        """
         try:
+            if plan_for is not None:
+                batch.plan(plan_for)
             return self._prepare_chunk(batch)
-        except Exception as exc:  # a frame the model cannot take fails its batch, not the loop
+        except Exception as exc:
             self._fail(batch, exc)
             return None
 
@@ -348,9 +361,7 @@ class ServingLoop:
 
     def _replan(self, chunk: _Chunk) -> None:
         """The model changed between batches: letterbox the new batch again, for the model that serves it."""
-        batch = chunk.batch
-        batch.plan(self.models.current)
-        self._ready = self._prepare_chunk(batch)
+        self._ready = self._letterbox(chunk.batch, plan_for=self.models.current)
 
     def _submit(self, chunk: _Chunk) -> None:
         chunk.submitted_at = time.monotonic()
@@ -359,7 +370,7 @@ class ServingLoop:
         self._running = chunk
 
     def _collect(self) -> Optional[_Chunk]:
-        """Wait for the chunk on the backend; account its batch when it was the batch's last backend call."""
+        """Wait for the chunk on the backend and account its call; a failed call fails its batch."""
         chunk = self._running
         if chunk is None:
             return None
@@ -371,19 +382,29 @@ class ServingLoop:
         batch.infer_s += chunk.call.seconds
         if chunk.call.error is not None:
             self._fail(batch, chunk.call.error)
-        elif batch.chunks_left == 0 and not batch.failed:
-            batch.recorded = True
-            self.models.record_batch(len(batch.frames), batch.infer_s * 1e3 / len(batch.frames), failed=False)
         return chunk
+
+    def _record(self, batch: _Batch) -> None:
+        """Tell the model source how the batch went, once: as failed, or as served once its last chunk decoded.
+
+        Not when the model source has moved on from the batch's model meanwhile (a swap or a rollback between
+        its last backend call and its decode): the window it belonged to is closed, and the record would count
+        against the model that replaced it.
+        """
+        if batch.recorded:
+            return
+        batch.recorded = True
+        if batch.model is not self.models.current:
+            return
+        per_frame_ms = 0.0 if batch.failed else batch.infer_s * 1e3 / len(batch.frames)
+        self.models.record_batch(len(batch.frames), per_frame_ms, failed=batch.failed)
 
     def _fail(self, batch: _Batch, error: BaseException) -> None:
         """A failing model is reported and counted; the batch's other chunks are dropped, serving goes on."""
         if batch.failed:
             return
         batch.failed = True
-        if not batch.recorded:
-            batch.recorded = True
-            self.models.record_batch(len(batch.frames), 0.0, failed=True)
+        self._record(batch)
         batch.todo.clear()
         if self._ready is not None and self._ready.batch is batch:
             self._ready = None
@@ -416,6 +437,7 @@ class ServingLoop:
             result.timings_ms.update(timings)
             batch.results[index] = result
         if batch.chunks_left == 0:
+            self._record(batch)
             self._publish(batch)
 
     def _publish(self, batch: _Batch) -> None:
