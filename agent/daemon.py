@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from agent.config.daemon_config import DaemonConfig, load_daemon_config
 from agent.config.device_config import DeviceConfig, load_device_config
@@ -144,10 +144,27 @@ class Daemon:
                  self.device.name)
 
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.request_stop("SIGTERM", EXIT_OK))
-        signal.signal(signal.SIGINT, lambda *_: self.request_stop("SIGINT", EXIT_OK))
+        """Signals are relayed to a thread of their own: a handler only puts a callable on a SimpleQueue.
+
+        Python runs handlers on the main thread, which is the serving loop. Doing the work in the handler
+        (``stop_event.set()``, ``queue.Queue.put``) would take locks that the interrupted loop may hold at that
+        instant, a deadlock; ``SimpleQueue.put`` is reentrant and documented safe there.
+        """
+        actions: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+
+        def relay() -> None:
+            while True:
+                action = actions.get()
+                try:
+                    action()
+                except Exception:  # a failed reload must not end signal handling
+                    log.exception("signal handling failed")
+
+        threading.Thread(target=relay, name="signals", daemon=True).start()
+        signal.signal(signal.SIGTERM, lambda *_: actions.put(lambda: self.request_stop("SIGTERM", EXIT_OK)))
+        signal.signal(signal.SIGINT, lambda *_: actions.put(lambda: self.request_stop("SIGINT", EXIT_OK)))
         if hasattr(signal, "SIGHUP"):
-            signal.signal(signal.SIGHUP, lambda *_: self._reload_requested())
+            signal.signal(signal.SIGHUP, lambda *_: actions.put(self._reload_requested))
 
     def request_stop(self, reason: str, exit_code: int = EXIT_OK) -> None:
         if not self.stop_event.is_set():
@@ -265,7 +282,7 @@ class Daemon:
         live = replace(self.config, thresholds=new.thresholds, batching=new.batching, publish=new.publish,
                        sources=new.sources)
         self.notifier.reloading()
-        self.handover.post(lambda: self._apply_config(live), what="SIGHUP reload")  # a signal handler cannot wait
+        self.handover.post(lambda: self._apply_config(live), what="SIGHUP reload")  # systemd's reload does not wait
         log.info("SIGHUP: config reloaded (live sections applied; others need a restart)")
 
 

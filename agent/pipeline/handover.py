@@ -38,7 +38,7 @@ class BetweenBatches:
     """Work queued for the serving thread; see the module docstring for the ordering and timeout rules."""
 
     def __init__(self) -> None:
-        self._items: "queue.Queue[_Item]" = queue.Queue()
+        self._items: "queue.SimpleQueue[_Item]" = queue.SimpleQueue()
 
     def submit(self, fn: Callable[[], Any], timeout: float, what: str = "change") -> Any:
         """Queue ``fn``, wait until the serving loop ran it, return its result or raise its exception.
@@ -58,7 +58,7 @@ class BetweenBatches:
         return self._outcome(item)
 
     def post(self, fn: Callable[[], Any], what: str = "change") -> None:
-        """Queue ``fn`` without waiting (for callers that must not block, such as a signal handler)."""
+        """Queue ``fn`` without waiting (for callers that must not block, such as the SIGHUP reload)."""
         self._items.put(_Item(fn, what))
 
     def run_pending(self) -> int:
