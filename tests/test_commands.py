@@ -382,6 +382,24 @@ def test_a_damaged_record_is_moved_aside_reported_and_commands_still_run(tmp_pat
         system.close()
 
 
+def test_a_full_disk_while_closing_interrupted_commands_is_an_alert_not_an_exit(tmp_path, monkeypatch):
+    """Start-up after a stop mid-command with the disk full: the daemon must start (no crash loop)."""
+    path = str(tmp_path / "requests.sqlite")
+    first = _RequestRecord(path, size=100)
+    first.save({"request_id": "mid-deploy", "verb": "deploy", "state": "in_progress", "ts": 0})
+    first.close()
+
+    def disk_full(self, ack):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(_RequestRecord, "save", disk_full)
+    record = _RequestRecord(path, size=100)
+    assert [a["kind"] for a in record.alerts] == ["record_not_written"]
+    assert "1 interrupted command(s)" in record.alerts[0]["message"] and "disk is full" in record.alerts[0]["message"]
+    assert record.get("mid-deploy")["state"] == "in_progress"  # still open, closed at a later start
+    record.close()
+
+
 def test_a_record_that_cannot_be_moved_aside_lives_in_memory(tmp_path, mosquitto, probe_factory, monkeypatch):
     path = tmp_path / "requests.sqlite"
     path.write_bytes(os.urandom(100))

@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO_ROOT, WAIT_S
 
 from agent._util import quarantine
+from agent._util import sqlite as sqlite_util
 from agent.ops.outbox import MEMORY_MAX_BYTES, Outbox, message_size
 
 TOPIC = "atlas-edge/cam-01/results/front"  # 31 bytes
@@ -198,6 +199,27 @@ def test_a_file_that_cannot_be_moved_aside_degrades_to_memory(tmp_path, monkeypa
     alerts = box.take_alerts()
     assert [a["kind"] for a in alerts] == ["outbox_in_memory"] and "memory" in alerts[0]["message"]
     assert box.put(TOPIC, payload(1)) is not None and len(box) == 1
+
+
+@pytest.mark.parametrize("error", ["database or disk is full", "database is locked", "disk I/O error"])
+def test_a_healthy_file_that_cannot_be_opened_now_is_kept_not_moved_aside(tmp_path, monkeypatch, error):
+    """A full disk or a lock says nothing about the file: its unsent results stay for a later start."""
+    path = tmp_path / "o.sqlite"
+    first = Outbox(str(path), max_bytes=10_000)
+    first.put(TOPIC, payload(1))
+    first.close()
+
+    def refuse(*args, **kwargs):
+        raise sqlite3.OperationalError(error)
+
+    monkeypatch.setattr(sqlite_util, "open_wal", refuse)
+    box = Outbox(str(path), max_bytes=10_000)
+    assert box.in_memory
+    assert [a["kind"] for a in box.take_alerts()] == ["outbox_in_memory"]
+    assert sorted(p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name) == []
+    monkeypatch.undo()
+    again = Outbox(str(path), max_bytes=10_000)  # space or the lock is back: nothing was lost
+    assert not again.in_memory and len(again) == 1 and again.take_alerts() == []
 
 
 def test_an_unusable_place_degrades_to_memory(tmp_path):

@@ -110,9 +110,11 @@ def open_recovering(path: str, tables: Dict[str, Iterable[str]], prepare: Callab
     """Open a state database the box must never crash over: check it, else move it aside, else use memory.
 
     ``prepare(conn)`` creates the schema and reads what the owner needs (it must close ``conn`` when it raises).
-    A file that fails :func:`check_read_only` or ``prepare`` is moved aside (evidence, unchanged) and a new one
-    is made, with a ``state_file_damaged`` alert saying ``lost``; when it cannot be moved or no file can be
-    made, an in-memory database is used, with a ``memory_kind`` alert. Never raises for the file's state.
+    A file that is damaged (:func:`is_damage`: fails :func:`check_read_only` or ``prepare`` for its content) is
+    moved aside (evidence, unchanged) and a new one is made, with a ``state_file_damaged`` alert saying ``lost``;
+    when it cannot be moved or no file can be made, or the open failed for a reason outside the file (a full
+    disk, a lock), an in-memory database is used, with a ``memory_kind`` alert, and the file is left for a
+    later start. Never raises for the file's state.
     """
     alerts: List[Dict[str, Any]] = []
     try:
@@ -122,6 +124,10 @@ def open_recovering(path: str, tables: Dict[str, Iterable[str]], prepare: Callab
         return Opened(conn, False, alerts)
     except (OSError, sqlite3.Error) as exc:
         reason = "%s: %s" % (type(exc).__name__, exc)
+        damaged = is_damage(exc)
+    if not damaged:  # a full disk, a lock, an I/O error: the file may be fine, so it is kept for a later start
+        return _in_memory(path, prepare, what, memory_kind, reason, alerts,
+                          "it could not be opened (%s) and was left as it is" % reason)
     aside = move_aside(path, reason) if os.path.exists(path) else None
     if aside is not None:
         alerts.append(state_alert("state_file_damaged", "%s %s was unusable (%s) and was moved to %s; %s; "
@@ -133,10 +139,22 @@ def open_recovering(path: str, tables: Dict[str, Iterable[str]], prepare: Callab
             return Opened(conn, False, alerts)
         except (OSError, sqlite3.Error) as exc:
             reason = "%s: %s" % (type(exc).__name__, exc)
-    logger.error("%s %s: unusable (%s); kept in memory until the file is fixed and the agent restarted", what,
-                 path, reason)
-    alerts.append(state_alert(memory_kind, "%s %s is unusable (%s); it is kept in memory only, lost at restart, "
-                              "until the file is fixed and the agent restarted" % (what, path, reason),
+    return _in_memory(path, prepare, what, memory_kind, reason, alerts, "it is unusable (%s)" % reason)
+
+
+def is_damage(exc: BaseException) -> bool:
+    """True for what the file itself is to blame for: not a database, malformed, failed integrity, wrong schema.
+
+    ``sqlite3.OperationalError`` (full disk, locked, I/O error, cannot open) and ``OSError`` say nothing about
+    the file's content; moving such a file aside would throw away unsent results that a later start can read.
+    """
+    return isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError)
+
+
+def _in_memory(path: str, prepare: Callable[[sqlite3.Connection], Any], what: str, memory_kind: str,
+               reason: str, alerts: List[Dict[str, Any]], why: str) -> Opened:
+    logger.error("%s %s: %s; kept in memory until the agent restarts", what, path, why)
+    alerts.append(state_alert(memory_kind, "%s %s: %s; it is kept in memory only, lost at restart" % (what, path, why),
                               file=path, reason=reason))
     conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
     prepare(conn)

@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from agent._util.compat import Protocol
+from agent._util.quarantine import state_alert
 from agent._util.ratelog import LogLimiter
 from agent._util.sqlite import open_recovering, transaction
 from agent.config.schema import ConfigError
@@ -142,12 +143,22 @@ class _RequestRecord:
             raise
 
     def _close_interrupted(self) -> None:
+        """Close what the last stop interrupted; bookkeeping only, so a full disk here is an alert, not an exit."""
         open_rows = self._conn.execute("SELECT request_id, verb, ack FROM requests WHERE state NOT IN (?, ?)",
                                        FINAL_STATES).fetchall()
-        for request_id, verb, _ in open_rows:
-            ack = {"request_id": request_id, "verb": verb, "state": FAILED, "ts": time.time(),
-                   "error": error_body("interrupted", "the agent stopped before this command finished")}
-            self.save(ack)
+        try:
+            for request_id, verb, _ in open_rows:
+                ack = {"request_id": request_id, "verb": verb, "state": FAILED, "ts": time.time(),
+                       "error": error_body("interrupted", "the agent stopped before this command finished")}
+                self.save(ack)
+        except sqlite3.Error as exc:
+            reason = "%s: %s" % (type(exc).__name__, exc)
+            logger.error("commands: could not close %d interrupted command(s) in %s: %s", len(open_rows),
+                         self.path, reason)
+            self.alerts.append(state_alert("record_not_written", "command record %s: %d interrupted command(s) "
+                                           "could not be closed (%s); they stay open in the record"
+                                           % (self.path, len(open_rows), reason), file=self.path, reason=reason))
+            return
         if open_rows:
             logger.warning("commands: %d command(s) were interrupted by the last stop: %s", len(open_rows),
                            ", ".join(r[0] for r in open_rows))
