@@ -88,6 +88,12 @@ def test_a_good_bundle_verifies_and_pins_the_manifest_hash(tmp_path):
     assert sorted(bundle.manifest.files) == ["golden/case0.npy", "golden/case0.out.npy"]
 
 
+def test_the_manifest_is_an_ordinary_readable_file_like_the_artifacts(tmp_path):
+    """A bundle is copied and served by other users: the atomic write must not leave its manifest at 0600."""
+    make_bundle(tmp_path / "b")
+    assert stat.S_IMODE(os.stat(str(tmp_path / "b" / MANIFEST)).st_mode) == 0o644
+
+
 def test_schema_errors_name_every_bad_field(tmp_path):
     root = tmp_path / "b"
     data = make_bundle(root)

@@ -9,14 +9,21 @@ import tempfile
 from typing import Union
 
 
-def atomic_write(path: str, data: Union[str, bytes], durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically; ``durable`` adds the two fsyncs (skip them for scratch files)."""
+# What open(path, "w") gives under the usual umask 022. mkstemp makes 0600, and the rename keeps it: a bundle's
+# manifest would then be unreadable to the user that serves or copies the bundle, unlike its artifacts.
+DEFAULT_MODE = 0o644
+
+
+def atomic_write(path: str, data: Union[str, bytes], durable: bool = True, mode: int = DEFAULT_MODE) -> None:
+    """Replace ``path`` with ``data`` atomically, as a file of ``mode``; ``durable`` adds the two fsyncs (skip
+    them for scratch files)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     payload = data.encode("utf-8") if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".")
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), mode)
             handle.write(payload)
             handle.flush()
             if durable:

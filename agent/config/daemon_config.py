@@ -185,11 +185,19 @@ def merge_config(config: DaemonConfig, changes: Mapping[str, Any]) -> DaemonConf
               for k in changes if k not in LIVE_SECTIONS]
     if errors:
         raise ConfigError(errors)
-    merged: Dict[str, Any] = to_dict(config)
+    return parse_daemon_config(merge_sections(to_dict(config), changes))
+
+
+def merge_sections(base: Mapping[str, Any], changes: Mapping[str, Any]) -> Dict[str, Any]:
+    """``changes`` over ``base``: keys within a mapping section, whole values (the ``sources`` list) otherwise.
+
+    The one merge rule for set-config, SIGHUP and the overrides file, so all three mean the same change.
+    """
+    out: Dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in base.items()}
     for key, value in changes.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
         else:
-            merged[key] = value
-    return parse_daemon_config(merged)
+            out[key] = value
+    return out
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent._util.atomic import atomic_write
-from agent._util.quarantine import move_aside
-from agent.config.daemon_config import DaemonConfig, load_daemon_config, merge_config
+from agent._util.quarantine import move_aside, state_alert
+from agent.config.daemon_config import DaemonConfig, load_daemon_config, merge_config, merge_sections
 from agent.config.schema import ConfigError, parse, setting
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class Overrides:
         """Merge a validated ``set-config`` change over the sections in effect and write the file atomically
         (durable before it returns). Returns the previous ``applied`` for :meth:`restore`."""
         previous = dict(self.applied)
-        self._write(combine(self.applied, changes))
+        self._write(merge_sections(self.applied, changes))
         return previous
 
     def restore(self, previous: Mapping[str, Any]) -> None:
@@ -125,41 +125,25 @@ class Overrides:
         """What start-up found, as ``telemetry/alert`` messages (the shape the outbox and command record use)."""
         found = []
         if self.damaged:
-            found.append({"kind": "state_file_damaged", "restart": False,
-                          "message": "overrides %s were unusable (%s)%s; remote set-config changes are lost, the "
-                                     "config file alone is in effect" % (
-                                         self.path, self.damaged,
-                                         " and were moved to %s" % self.moved_to if self.moved_to else ""),
-                          "figures": {"file": self.path, "moved_to": self.moved_to, "reason": self.damaged,
-                                      "lost": "remote set-config changes"}})
+            found.append(state_alert(
+                "state_file_damaged", "overrides %s were unusable (%s)%s; remote set-config changes are lost, the "
+                "config file alone is in effect" % (self.path, self.damaged,
+                                                    " and were moved to %s" % self.moved_to if self.moved_to else ""),
+                file=self.path, moved_to=self.moved_to, reason=self.damaged, lost="remote set-config changes"))
         if self.unreadable:
-            found.append({"kind": "state_file_unreadable", "restart": False,
-                          "message": "overrides %s cannot be read (%s); remote set-config changes are not in "
-                                     "effect" % (self.path, self.unreadable),
-                          "figures": {"file": self.path, "reason": self.unreadable}})
+            found.append(state_alert(
+                "state_file_unreadable", "overrides %s cannot be read (%s); remote set-config changes are not in "
+                "effect" % (self.path, self.unreadable), file=self.path, reason=self.unreadable))
         for item in self.ignored:
-            found.append({"kind": "override_ignored", "restart": False,
-                          "message": "override of %s in %s ignored: it does not validate against the config "
-                                     "file" % (item["section"], self.path),
-                          "figures": {"file": self.path, "section": item["section"], "errors": item["errors"]}})
+            found.append(state_alert(
+                "override_ignored", "override of %s in %s ignored: it does not validate against the config file"
+                % (item["section"], self.path), file=self.path, section=item["section"], errors=item["errors"]))
         return found
 
     def report(self) -> Dict[str, Any]:
         """For ``status`` and ``validate``: the file, the values it sets, what was ignored or moved aside."""
         return {"file": self.path, "values": self.values(), "ignored": list(self.ignored),
                 "damaged": self.damaged, "moved_to": self.moved_to, "unreadable": self.unreadable}
-
-
-def combine(base: Mapping[str, Any], changes: Mapping[str, Any]) -> Dict[str, Any]:
-    """``changes`` over ``base`` at the depth :func:`merge_config` merges: keys within a mapping section,
-    whole values (the ``sources`` list) otherwise."""
-    out: Dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in base.items()}
-    for key, value in changes.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = {**out[key], **value}
-        else:
-            out[key] = value
-    return out
 
 
 def overrides_path(config: DaemonConfig) -> str:
