@@ -8,7 +8,6 @@ import os
 import tempfile
 from typing import Union
 
-
 # What open(path, "w") gives under the usual umask 022. mkstemp makes 0600, and the rename keeps it: a bundle's
 # manifest would then be unreadable to the user that serves or copies the bundle, unlike its artifacts.
 DEFAULT_MODE = 0o644
