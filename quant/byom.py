@@ -469,13 +469,16 @@ def load_images(directory: Optional[str], count: int) -> Tuple[List[np.ndarray],
 def fixed_onnx(info: ModelInfo, tier: Tier, path: str) -> None:
     """Write the model with its input fixed at (1, 3, h, w): the input's dims are set and shapes re-inferred.
 
-    A fixed-shape model already at ``tier`` keeps its graph; every model loses the default-valued attributes the
-    converters refuse (:func:`drop_default_pool_dilations`), and a classifier its final softmax
-    (:func:`drop_final_softmax`).
+    A fixed-shape model already at ``tier`` keeps its graph apart from what the converters refuse: every model
+    loses the default-valued attributes (:func:`drop_default_pool_dilations`) and gets a YOLOv8 DFL's expectation
+    as a MatMul (:func:`dfl_conv_as_matmul`), and a classifier loses its final softmax (:func:`drop_final_softmax`).
     """
     onnx = _import_onnx()
     model = onnx.load(info.path)
     drop_default_pool_dilations(model)
+    if dfl_conv_as_matmul(model):
+        log.info("%s: the DFL's 1x1 Conv is computed as a MatMul (MindSpore Lite's converter refuses the Conv)",
+                 info.path)
     if drop_final_softmax(model):
         log.info("%s ends in a softmax: the artifact outputs its logits (the agent applies the softmax)", info.path)
     if not info.dynamic:
@@ -547,6 +550,80 @@ def drop_default_pool_dilations(model: Any) -> int:
                 node.attribute.remove(attribute)
                 removed += 1
     return removed
+
+
+CHANNELS_LAST = [0, 2, 3, 1]  # NCHW -> NHWC: the 1x1 Conv's channel axis last, where MatMul contracts
+CHANNELS_FIRST = [0, 3, 1, 2]  # and back
+
+
+def dfl_conv_as_matmul(model: Any) -> int:
+    """Compute each DFL expectation Conv (1x1, one output channel, no bias, weights ``arange(reg_max)``) as
+    ``Transpose -> MatMul -> Transpose``; returns how many were rewritten.
+
+    Ultralytics' YOLOv8 head decodes each box side as the expectation of a softmax over ``reg_max`` bins with
+    such a Conv on a Transpose's output. MindSpore Lite 2.0.0's converter cannot infer that Conv's shape ("Unexpected
+    input format 0" -> ``InferShape failed, name: /model.22/dfl/conv/Conv``, measured): its layout pass expects a
+    Conv's input in the layout it assigns itself. A MatMul has no layout, and the sum over the bins is the same
+    one (outputs equal to the Conv's within float rounding, tests/test_byom.py). Adjacent Transposes are merged.
+    """
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    replaced, rewritten = set(), 0
+    for conv in [n for n in graph.node if n.op_type == "Conv" and n.domain in ("", "ai.onnx")]:
+        if len(conv.input) != 2 or conv.input[1] not in weights or not _is_pointwise(conv):
+            continue
+        weight = numpy_helper.to_array(weights[conv.input[1]])
+        if weight.shape[0] != 1 or weight.shape[2:] != (1, 1) or \
+                not np.array_equal(weight.ravel(), np.arange(weight.shape[1])):
+            continue
+        name = conv.name or conv.output[0]
+        bins = graph.initializer.add()
+        bins.CopyFrom(numpy_helper.from_array(weight.reshape(1, -1).T.copy(), name + "/bins"))
+        source, perm = _absorb_transpose(graph, conv.input[0], CHANNELS_LAST)
+        nodes = [helper.make_node("Transpose", [source], [name + "/channels_last"], name=name + "/channels_last",
+                                  perm=perm),
+                 helper.make_node("MatMul", [name + "/channels_last", bins.name], [name + "/expectation"],
+                                  name=name + "/expectation"),
+                 helper.make_node("Transpose", [name + "/expectation"], [conv.output[0]],
+                                  name=name + "/channels_first", perm=CHANNELS_FIRST)]
+        at = list(graph.node).index(conv)
+        graph.node.remove(conv)
+        for offset, node in enumerate(nodes):
+            graph.node.insert(at + offset, node)
+        replaced.add(conv.input[1])
+        rewritten += 1
+    used = {name for node in graph.node for name in node.input}
+    for tensor in [t for t in graph.initializer if t.name in replaced and t.name not in used]:
+        graph.initializer.remove(tensor)
+    return rewritten
+
+
+def _is_pointwise(conv: Any) -> bool:
+    """A Conv with a 1x1 kernel, unit strides and dilations, no padding and one group: a per-pixel dot product."""
+    attrs = {a.name: a for a in conv.attribute}
+    ones = all(all(v == 1 for v in attrs[k].ints) for k in ("kernel_shape", "strides", "dilations") if k in attrs)
+    pads = all(v == 0 for v in attrs["pads"].ints) if "pads" in attrs else True
+    auto_pad = attrs["auto_pad"].s in (b"", b"NOTSET", b"VALID") if "auto_pad" in attrs else True
+    group = attrs["group"].i == 1 if "group" in attrs else True
+    return ones and pads and auto_pad and group
+
+
+def _absorb_transpose(graph: Any, tensor: str, perm: List[int]) -> Tuple[str, List[int]]:
+    """``Transpose(tensor, perm)`` as ``(source, perm)``: when ``tensor`` is itself a Transpose's output that nothing
+    else reads, that Transpose is removed and the two permutations composed (x.transpose(p).transpose(q) is
+    x.transpose([p[i] for i in q]))."""
+    producer = next((n for n in graph.node if tensor in n.output), None)
+    readers = [n for n in graph.node if tensor in n.input]
+    if producer is None or producer.op_type != "Transpose" or len(readers) != 1 or \
+            any(o.name == tensor for o in graph.output):
+        return tensor, perm
+    inner = next((list(a.ints) for a in producer.attribute if a.name == "perm"), None)
+    if inner is None or len(inner) != len(perm):
+        return tensor, perm
+    graph.node.remove(producer)
+    return producer.input[0], [inner[i] for i in perm]
 
 
 def fold_shape_constants(model: Any) -> Any:

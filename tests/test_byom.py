@@ -102,6 +102,8 @@ def test_ultralytics_yolov8_serves_what_ultralytics_predicts(yolov8_bundle):
         assert manifest.labels == ["circle", "square", "triangle"]  # from metadata_props names, no --labels
         pools = [n for n in onnx.load(bundle.path("model_256x256.onnx")).graph.node if n.op_type == "MaxPool"]
         assert pools and not any(a.name == "dilations" for n in pools for a in n.attribute)  # converter_lite refuses
+        assert not [n for n in onnx.load(bundle.path("model_256x256.onnx")).graph.node
+                    if n.op_type == "Conv" and "dfl" in n.name]  # as a MatMul: converter_lite cannot infer it
         assert manifest.input.tiers == [(256, 256)]
         assert manifest.source.producer.startswith("Ultralytics")
         assert manifest.source.images.startswith("generated")
@@ -144,10 +146,69 @@ def test_ultralytics_dynamic_export_is_fixed_per_tier_and_matches_at_each(tmp_pa
         model.close()
 
 
-# What converter_lite 2.0.0 says about the Conv of Ultralytics' DFL (distribution focal loss) box decoding, a 1x1
-# convolution over a reshaped, transposed, softmaxed tensor: its shape pass fails there. Only this known failure
-# is expected; any other conversion or parity failure fails the test.
-LITE_DFL_FAILURE = "InferShape failed, name: /model.22/dfl/conv/Conv"
+DFL_OPENCV_ATOL = 1e-5  # the MatMul sums the same 16 products as the Conv; only float rounding may differ
+
+
+def test_dfl_conv_becomes_a_matmul_that_computes_the_same_outputs():
+    """MindSpore Lite 2.0.0's converter cannot infer the shape of Ultralytics' DFL Conv (a 1x1 Conv with weights
+    arange(16) on a transposed softmax); the bundle computes it as a MatMul, and OpenCV gets the same outputs."""
+    from quant.byom import dfl_conv_as_matmul
+
+    original = onnx.load(fixture("yolov8t.onnx"))
+    rewritten = onnx.load(fixture("yolov8t.onnx"))
+    assert dfl_conv_as_matmul(rewritten) == 1
+    onnx.checker.check_model(rewritten)
+    assert not [n for n in rewritten.graph.node if n.op_type == "Conv" and "dfl" in n.name]
+    assert len(rewritten.graph.node) == len(original.graph.node) + 1  # Conv -> MatMul; its Transpose absorbed
+    assert dfl_conv_as_matmul(rewritten) == 0  # nothing left to rewrite: the backbone's Convs are not DFLs
+    nets = [cv2.dnn.readNetFromONNX(m.SerializeToString()) for m in (original, rewritten)]
+    worst = 0.0
+    for frame in images():
+        blob = cv2.dnn.blobFromImage(frame, 1 / 255.0, (256, 256), swapRB=True)
+        outputs = []
+        for net in nets:
+            net.setInput(blob)
+            outputs.append(net.forward())
+        assert outputs[0].shape == outputs[1].shape == (1, 7, 1344)
+        worst = max(worst, float(np.abs(outputs[0] - outputs[1]).max()))
+    assert worst <= DFL_OPENCV_ATOL, "rewritten DFL off by %.3g" % worst
+    print("DFL as MatMul, max |opencv output diff|:", worst)
+
+
+def test_dfl_conv_after_a_softmax_keeps_its_values_and_the_tensors_others_read():
+    """Older Ultralytics heads softmax after the Transpose, so the Conv reads no Transpose to absorb; a Transpose
+    another node also reads stays. Both graphs are evaluated by onnx's reference implementation."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    from quant.byom import dfl_conv_as_matmul
+
+    bins = numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(1, 16, 1, 1), "bins")
+    conv = {"kernel_shape": [1, 1], "strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1}
+    graph = helper.make_graph([
+        helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Softmax", ["t"], ["s"], axis=1),
+        helper.make_node("Conv", ["s", "bins"], ["y"], name="after_softmax", **conv),
+        helper.make_node("Transpose", ["x"], ["u"], perm=[0, 2, 1, 3]),
+        helper.make_node("Conv", ["u", "bins"], ["z"], name="shared_transpose", **conv),
+    ], "dfl", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 16, 8])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in
+         (("y", [1, 1, 4, 8]), ("z", [1, 1, 4, 8]), ("u", [1, 16, 4, 8]))], [bins])
+    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)])
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(original)
+    assert dfl_conv_as_matmul(rewritten) == 2
+    onnx.checker.check_model(rewritten)
+    assert [n.op_type for n in rewritten.graph.node].count("Conv") == 0
+    assert "bins" not in {t.name for t in rewritten.graph.initializer}  # the MatMuls have their own (16, 1)
+    x = np.random.default_rng(0).normal(size=(1, 4, 16, 8)).astype(np.float32)
+    expected = ReferenceEvaluator(original).run(None, {"x": x})
+    got = ReferenceEvaluator(rewritten).run(None, {"x": x})
+    for e, g in zip(expected, got):
+        assert e.shape == g.shape
+        np.testing.assert_allclose(g, e, rtol=0, atol=DFL_OPENCV_ATOL)
+
+
 LITE_SERVE = """
 import json, sys, cv2
 from agent.config.device_config import load_device_config
@@ -174,10 +235,7 @@ def convert_and_serve_on_mslite(source_bundle, tmp_path, thresholds, peers):
     done = subprocess.run([sys.executable, "-m", "converters.cli", "--bundle", bundle, "--device", "cpu-dev",
                            "--to", "ms"], cwd=ROOT, env=lite_support.lite_env(python), capture_output=True,
                           text=True, timeout=lite_support.CONVERT_TIMEOUT_S, check=False)
-    output = done.stdout + done.stderr
-    if done.returncode != 0 and LITE_DFL_FAILURE in output:
-        pytest.xfail("MindSpore Lite 2.0.0's converter cannot infer the shape of Ultralytics' DFL Conv (measured)")
-    assert done.returncode == 0, output[-3000:]
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert any(a.format == "ms" for a in verify_bundle(bundle).manifest.artifacts)
     served = subprocess.run([python, "-c", LITE_SERVE, bundle, json.dumps(thresholds)]
                             + [fixture(p["image"]) for p in peers], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
