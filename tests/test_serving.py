@@ -9,6 +9,7 @@ batch that costs only its own frames.
 
 import os
 import queue
+import sqlite3
 import threading
 import time
 from dataclasses import replace
@@ -459,3 +460,32 @@ def test_a_failed_decode_of_a_batch_counts_as_a_failed_batch_for_probation(image
     assert loop.inference_errors == 1 and loop.failed_frames == 4
     assert [e["event"] for e in events] == ["inference_error"] and "unreadable" in events[0]["error"]
     assert models.recorded == [(4, False), (4, True), (4, False), (4, False)]
+
+
+class FlakySink(Sink):
+    """A sink whose state database refuses one result (a fault other than a full disk raises through it)."""
+
+    def __init__(self, fail_frame_id):
+        super().__init__()
+        self.fail_frame_id = fail_frame_id
+
+    def publish_result(self, source, payload):
+        if payload["frame_id"] == self.fail_frame_id:
+            raise sqlite3.OperationalError("disk I/O error")
+        super().publish_result(source, payload)
+
+
+def test_a_sink_that_raises_costs_that_result_counted_not_the_loop(images):
+    model = paced_model(images)
+    sink, models = FlakySink(fail_frame_id=5), Models(model)
+    seen = []
+    loop = make_loop(models, queued(images, sources=("cam",), per_source=12), sink)
+    loop.on_result = lambda frame, payload: seen.append(payload["frame_id"])
+    try:
+        loop.serve(until_sources_end=True)
+    finally:
+        model.close()
+    assert [r["frame_id"] for r in sink.results] == [i for i in range(12) if i != 5]
+    assert seen == list(range(12))  # the callback still sees every frame, the lost one included
+    assert loop.publish_errors == 1 and loop.published == 11 and loop.telemetry()["publish_errors"] == 1
+    assert loop.inference_errors == 0

@@ -27,6 +27,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from agent._util.compat import Protocol
+from agent._util.ratelog import LogLimiter
 from agent.config.daemon_config import PublishConfig
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.handover import BetweenBatches
@@ -243,6 +244,8 @@ class ServingLoop:
         self.taken = 0  # frames taken from the queue; every one ends published, rate-limited or failed
         self.published = 0
         self.inference_errors = 0
+        self.publish_errors = 0  # results the sink or the result callback raised on: counted, serving goes on
+        self._publish_log = LogLimiter(log)
         self.failed_frames = 0
         self.paused = False
         self.dropped_on_resume = 0
@@ -452,15 +455,27 @@ class ServingLoop:
             payload = result_payload(frame, result, identity, manifest.labels, timings,
                                      seq=self.numbering.next(frame.source))
             if self._rate_allows(frame.source):
-                self.sink.publish_result(frame.source, payload)
-                self.published += 1
+                if self._hand_over(frame, self.sink.publish_result, frame.source, payload):
+                    self.published += 1
             timings["publish"] = (time.monotonic() - started) * 1e3  # in the statistics, not in the payload
             self.stats.add(timings)
             self.latest = (frame, payload)
             if self.on_result is not None:
-                self.on_result(frame, payload)
+                self._hand_over(frame, self.on_result, frame, payload)
         self.stats.frame_done(len(batch.frames))
         self.progress.frame_done(len(batch.frames))
+
+    def _hand_over(self, frame: Frame, deliver: Callable[..., Any], *args: Any) -> bool:
+        """Give one result away; a sink that raises (a state database fault, a callback's bug) costs that result,
+        counted and logged with its cause, never the loop and the frames behind it."""
+        try:
+            deliver(*args)
+            return True
+        except Exception as exc:
+            self.publish_errors += 1
+            self._publish_log.log(logging.ERROR, "publish", "result of %s frame %s not handed over: %s: %s",
+                                  frame.source, frame.frame_id, type(exc).__name__, exc)
+            return False
 
     def _rate_allows(self, source: str) -> bool:
         limit = self.publish.max_rate_hz
@@ -491,6 +506,7 @@ class ServingLoop:
             "backend_busy_fraction": None if busy is None else round(busy, 3),
             "queue_depth": self.frames.qsize(),
             "inference_errors": self.inference_errors,
+            "publish_errors": self.publish_errors,
             "dropped_on_resume": self.dropped_on_resume,
             "sources": self.sources.counters(),
         }
