@@ -832,21 +832,11 @@ def test_a_config_change_a_swap_and_a_rollback_at_once_apply_in_order_between_ba
 
 
 def test_a_callers_timeout_withdraws_the_swap_and_releases_the_staged_model(harness, base_bundle, monkeypatch):
-    import agent.pipeline.model as model_module
-
-    created = []
-    real_create = model_module.create_backend
-
-    def recording_create(*args, **kwargs):
-        backend = real_create(*args, **kwargs)
-        created.append(backend)
-        return backend
-
     h = harness()
     h.manager.start()
     sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
     before = snapshot(h)
-    monkeypatch.setattr(model_module, "create_backend", recording_create)
+    created = _recording_backends(monkeypatch)
     with pytest.raises(CommandError) as info:  # no serving loop runs the queue
         h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress, timeout_s=0.3)
     assert info.value.code == "switch_timeout" and "within 0.3 s; still serving" in info.value.message
