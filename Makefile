@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 MINDSPORE_GS := mindspore-gs==1.3.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo test lint imports pycompat mosquitto demo-bundle bench bench-quick install-service clean lite test-lite
+.PHONY: venv demo test lint imports pycompat mosquitto rabbitmq demo-bundle bench bench-quick install-service clean lite test-lite
 
 # The Lite lane: a Python 3.7 venv with mindspore-lite 2.0.0 (PyPI's only wheel of it is for CPython 3.7), the
 # box package and the test runner. The box's oldest Python is 3.7 (CANN on the Atlas 200 DK), so the whole
@@ -43,6 +43,12 @@ mosquitto:
 	@command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq mosquitto)
 
+# The cluster lane's broker (tests/test_cluster.py): RabbitMQ with its MQTT plugin, from Debian. The tests start
+# their own nodes from /usr/lib/rabbitmq/bin, never the system service (the package's postinst may not start it).
+rabbitmq:
+	@[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends rabbitmq-server)
+
 demo: venv mosquitto
 	$(BIN)/atlas-edge demo --frames 24
 
@@ -59,7 +65,7 @@ pycompat: venv
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 # With a Python 3.7 the Lite venv is built first, so the host lane's conversion tests find it too.
-test: venv mosquitto lint imports pycompat $(if $(PYTHON37),lite)
+test: venv mosquitto rabbitmq lint imports pycompat $(if $(PYTHON37),lite)
 	$(BIN)/pytest -m "not slow" -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc
 	@if [ -n "$(PYTHON37)" ]; then $(MAKE) --no-print-directory test-lite; \
@@ -67,7 +73,7 @@ test: venv mosquitto lint imports pycompat $(if $(PYTHON37),lite)
 
 # The whole suite on the box's oldest Python with the real mindspore_lite; host-only tests skip themselves
 # (no MindSpore there) and tests/conftest.py does not collect quant/'s.
-test-lite: lite mosquitto
+test-lite: lite mosquitto rabbitmq
 	$(LITE_PY) -m pytest -m "not slow" -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest (Lite lane) collected no tests" >&2; exit 1; fi; exit $$rc
 

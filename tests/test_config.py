@@ -136,6 +136,26 @@ def test_validate_cli_prints_fields_and_exit_codes(tmp_path):
     assert _cli("validate", str(broken)).returncode != 0
 
 
+def test_validate_refuses_names_some_broker_reads_as_separators_or_wildcards(tmp_path):
+    """RabbitMQ turns '.' into a topic level: cam.04 would publish on atlas-edge/cam/04/... and miss its commands."""
+    config = tmp_path / "daemon.yaml"
+    config.write_text("device_id: cam.04\nmodel: {bundle: b}\n")
+    result = _cli("validate", str(config))
+    assert result.returncode == 1
+    assert "device_id: must not contain '.': RabbitMQ's topic-level separator" in result.stderr, result.stderr
+    assert errors_of(dict(GOOD, device_id="cam*1")) == {
+        "device_id": "must not contain '*': RabbitMQ's one-word wildcard (AMQP topic bindings) (got 'cam*1')"}
+    found = errors_of({"device_id": "cam-1", "model": {"bundle": "b"}, "sources": [{"name": "a.b", "uri": "x"}],
+                       "mqtt": {"prefix": "site/a.b", "groups": ["ok", "site.b", "x+y"]}})
+    assert found == {
+        "sources[0].name": "must not contain '.': RabbitMQ's topic-level separator (AMQP routing keys) (got 'a.b')",
+        "mqtt.prefix": "must not contain '.': RabbitMQ's topic-level separator (AMQP routing keys) (got 'site/a.b')",
+        "mqtt.groups[1]": "must not contain '.': RabbitMQ's topic-level separator (AMQP routing keys) (got 'site.b')",
+        "mqtt.groups[2]": "must not contain '+': an MQTT wildcard (got 'x+y')"}
+    assert parse_daemon_config(dict(GOOD, mqtt={"prefix": "plant/atlas-edge", "groups": ["line-1"]}))
+    assert "'$'" in errors_of(dict(GOOD, mqtt={"prefix": "$SYS/x"}))["mqtt.prefix"]
+
+
 # --- overrides: remote set-config changes in the state directory --------------------------------------------
 
 def write_config(tmp_path, **extra):

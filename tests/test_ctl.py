@@ -113,7 +113,9 @@ def test_no_answer_times_out(mosquitto, box):
     (["--json", "[1, 2]"], "--json must be a JSON object"),
     (["--broker", "http://x:1"], "--broker must look like"),
     (["--request-id", "a/b"], "--request-id must be"),
-    (["--group", "a+b"], "--group 'a+b' is not a valid topic part"),
+    (["--group", "a+b"], "--group must not contain '+': an MQTT wildcard"),
+    (["--group", "site.b"], "--group must not contain '.': RabbitMQ's topic-level separator"),
+    (["--broker", "mqtt://x:99999"], "--broker must look like"),
 ])
 def test_bad_arguments_exit_two_before_connecting(argv, message):
     code, acks, err = run_ctl(argv + [DEVICE, "status"])
@@ -121,8 +123,22 @@ def test_bad_arguments_exit_two_before_connecting(argv, message):
 
 
 def test_unreachable_broker_exits_four():
-    code, acks, err = run_ctl(["--broker", "mqtt://127.0.0.1:%d" % free_port(), DEVICE, "status"])
+    dead = ["127.0.0.1:%d" % free_port() for _ in range(2)]
+    code, acks, err = run_ctl(["--broker", "mqtt://" + dead[0], "--broker", "mqtt://" + dead[1], DEVICE, "status"])
     assert code == ctl.EXIT_BROKER and "cannot connect" in err
+    assert dead[0] in err and dead[1] in err  # each broker tried, each named
+
+
+def test_brokers_are_tried_in_turn(mosquitto, box):
+    dead = "mqtt://127.0.0.1:%d" % free_port()
+    code, acks, err = run_ctl(["--broker", dead, "--broker", mosquitto.url, DEVICE, "status"])
+    assert code == ctl.EXIT_OK, err
+    assert acks[-1]["state"] == "succeeded"
+
+
+def test_a_device_id_with_a_dot_is_refused_naming_the_character():
+    code, acks, err = run_ctl(["cam.04", "status"])
+    assert code == ctl.EXIT_USAGE and "DEVICE must not contain '.'" in err and acks == []
 
 
 def test_module_entry_point(mosquitto, box):

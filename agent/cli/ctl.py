@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 from urllib.parse import urlsplit
 
 from agent.config.daemon_config import DEFAULT_PREFIX
+from agent.config.names import name_problem
 from agent.config.schema import ConfigError
 from agent.config.secrets import resolve_secret
 from agent.ops.commands import FINAL_STATES, REQUEST_ID_RE, SUCCEEDED, VERBS
@@ -35,6 +36,7 @@ EXIT_BROKER = 4
 DEFAULT_BROKER = "mqtt://localhost:1883"
 DEFAULT_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
+CONNECT_ATTEMPT_S = 5.0  # TCP (+TLS) bound per broker, so that a dead node of a cluster costs little
 PORTS = {"mqtt": 1883, "mqtts": 8883}
 
 
@@ -52,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     """The connection options every operator command shares (ctl, fleet)."""
-    parser.add_argument("--broker", default=DEFAULT_BROKER, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
+    parser.add_argument("--broker", action="append", default=None, metavar="URL",
+                        help="mqtt://HOST:PORT or mqtts://HOST:PORT (default %s); give it once per node of a "
+                             "cluster and they are tried in turn" % DEFAULT_BROKER)
     parser.add_argument("--username", default=None, help="MQTT username (an operator account)")
     parser.add_argument("--password", default=None,
                         help="password, or env:VAR / cred:NAME to keep it off the command line")
@@ -62,10 +66,23 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def broker_address(url: str) -> Tuple[str, int, bool]:
-    parts = urlsplit(url if "://" in url else "mqtt://" + url)
-    if parts.scheme not in PORTS or not parts.hostname:
+    try:
+        parts = urlsplit(url if "://" in url else "mqtt://" + url)
+        port = parts.port
+    except ValueError:  # a port out of range or not a number
+        parts, port = None, None
+    if parts is None or parts.scheme not in PORTS or not parts.hostname:
         raise ValueError("--broker must look like mqtt://HOST:PORT or mqtts://HOST:PORT (got %r)" % url)
-    return parts.hostname, parts.port or PORTS[parts.scheme], parts.scheme == "mqtts"
+    return parts.hostname, port or PORTS[parts.scheme], parts.scheme == "mqtts"
+
+
+def broker_addresses(args: argparse.Namespace) -> List[Tuple[str, int, bool]]:
+    """Every ``--broker`` given, in order (the default one when none is); ValueError names a bad one."""
+    return [broker_address(url) for url in (args.broker or [DEFAULT_BROKER])]
+
+
+def broker_label(args: argparse.Namespace) -> str:
+    return ", ".join(args.broker or [DEFAULT_BROKER])
 
 
 def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
@@ -80,9 +97,9 @@ def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
     if not REQUEST_ID_RE.match(request_id):
         raise ValueError("--request-id must be 1-64 characters of A-Z a-z 0-9 _ . : -")
     for label, value in (("DEVICE", args.device), ("--group", args.group), ("--prefix", args.prefix)):
-        if value is not None and (not value or any(c in value for c in "+#") or
-                                  (label != "--prefix" and "/" in value)):
-            raise ValueError("%s %r is not a valid topic part" % (label, value))
+        problem = None if value is None else name_problem(value, levels=label == "--prefix")
+        if problem:
+            raise ValueError("%s %s" % (label, problem))
     if args.group:
         topic = "%s/group/%s/cmd/%s" % (args.prefix, args.group, args.verb)
     else:
@@ -95,27 +112,32 @@ def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
 def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Send the command in ``args`` and follow its acks; returns the exit code."""
     try:
-        host, port, use_tls = broker_address(args.broker)
+        addresses = broker_addresses(args)
         request_id, topic, ack_topic, payload = _command(args)
         password = resolve_secret(args.password)
     except (ValueError, ConfigError) as exc:
         print("atlas-edge ctl: %s" % exc, file=err)
         return EXIT_USAGE
     events: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
-    try:
-        client = make_client(args, "atlas-edge-ctl", use_tls, password)
-    except ValueError as exc:
-        print("atlas-edge ctl: %s" % exc, file=err)
-        return EXIT_USAGE
-    # Callbacks only enqueue; this thread does the rest.
-    client.on_connect = lambda c, u, flags, rc, props: events.put(("connect", rc))
-    client.on_subscribe = lambda c, u, mid, codes, props: events.put(("subscribe", list(codes)))
-    client.on_message = lambda c, u, message: events.put(("ack", message.payload))
-    client.on_disconnect = lambda c, u, flags, rc, props: events.put(("disconnect", rc))
-    try:
-        client.connect(host, port, keepalive=30)
-    except (OSError, ValueError) as exc:
-        print("atlas-edge ctl: cannot connect to %s:%d: %s" % (host, port, exc), file=err)
+    failures = []
+    for host, port, use_tls in addresses:  # in turn: the first broker that takes the connection
+        try:
+            client = make_client(args, "atlas-edge-ctl", use_tls, password)
+        except ValueError as exc:
+            print("atlas-edge ctl: %s" % exc, file=err)
+            return EXIT_USAGE
+        # Callbacks only enqueue; this thread does the rest.
+        client.on_connect = lambda c, u, flags, rc, props: events.put(("connect", rc))
+        client.on_subscribe = lambda c, u, mid, codes, props: events.put(("subscribe", list(codes)))
+        client.on_message = lambda c, u, message: events.put(("ack", message.payload))
+        client.on_disconnect = lambda c, u, flags, rc, props: events.put(("disconnect", rc))
+        try:
+            client.connect(host, port, keepalive=30)
+            break
+        except (OSError, ValueError) as exc:
+            failures.append("%s:%d: %s" % (host, port, exc))
+    else:
+        print("atlas-edge ctl: cannot connect to %s" % "; ".join(failures), file=err)
         return EXIT_BROKER
     client.loop_start()
     try:
@@ -136,6 +158,7 @@ def make_client(args: argparse.Namespace, name: str, use_tls: bool, password: Op
     client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2,
                          client_id="%s-%s" % (name, uuid.uuid4().hex[:8]), clean_session=True,
                          reconnect_on_failure=False)
+    client.connect_timeout = CONNECT_ATTEMPT_S
     if args.username is not None:
         client.username_pw_set(args.username, password)
     if use_tls or args.tls_ca:
@@ -168,7 +191,7 @@ def _converse(client: Any, events: "queue.Queue[Tuple[str, Any]]", args: argpars
     setup_deadline = time.monotonic() + CONNECT_TIMEOUT_S
     reason = _expect(events, "connect", setup_deadline)
     if reason is None or reason.is_failure:
-        print("atlas-edge ctl: broker %s refused or dropped the connection: %s" % (args.broker, reason),
+        print("atlas-edge ctl: broker %s refused or dropped the connection: %s" % (broker_label(args), reason),
               file=err)
         return EXIT_BROKER
     client.subscribe(ack_topic, qos=1)

@@ -17,7 +17,7 @@ from agent.cli.ctl import (
     EXIT_OK,
     EXIT_USAGE,
     add_broker_arguments,
-    broker_address,
+    broker_addresses,
     make_client,
 )
 from agent.config.schema import ConfigError
@@ -80,9 +80,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _link(args: argparse.Namespace, name: str) -> FleetLink:
-    host, port, use_tls = broker_address(args.broker)
-    client = make_client(args, name, use_tls, resolve_secret(args.password))
-    return FleetLink(client, host, port, args.broker).connect()
+    """A link to the first ``--broker`` that takes the connection (a cluster's nodes, in turn)."""
+    addresses, password = broker_addresses(args), resolve_secret(args.password)
+    failures = []
+    for host, port, use_tls in addresses:
+        client = make_client(args, name, use_tls, password)
+        try:
+            return FleetLink(client, host, port, "%s:%d" % (host, port)).connect()
+        except LinkError as exc:
+            failures.append(str(exc))
+    raise LinkError("; ".join(failures))
 
 
 def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:

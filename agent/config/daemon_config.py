@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent.config.device_config import BACKEND_FORMATS
+from agent.config.names import name_problem
 from agent.config.schema import ConfigError, FieldError, parse, setting, to_dict
 
 DEFAULT_PREFIX = "atlas-edge"
@@ -27,10 +28,27 @@ class TlsConfig:
     insecure: bool = setting(False, doc="skip hostname verification (test brokers only)")
 
 
+def parse_host_port(text: str, default_port: int) -> Tuple[str, int]:
+    """``host:port`` (or ``[v6]:port``, or a bare host on ``default_port``); ValueError says what is wrong."""
+    host, sep, port = text.rpartition(":") if not text.endswith("]") else ("", "", "")
+    if not sep or (":" in host and not host.startswith("[")):  # a bare host, or a bare IPv6 address
+        host, port = text, str(default_port)
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or any(c.isspace() for c in host):
+        raise ValueError("expected HOST:PORT, got %r" % text)
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError("port must be 1-65535 in %r" % text)
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class MqttConfig:
-    host: str = setting("localhost", doc="broker host")
-    port: int = setting(1883, ge=1, le=65535, doc="broker port")
+    host: str = setting("localhost", doc="broker host (when hosts is empty)")
+    port: int = setting(1883, ge=1, le=65535, doc="broker port (when hosts is empty)")
+    hosts: List[str] = setting(factory=list, doc="brokers as HOST:PORT, tried in turn (a cluster's nodes); "
+                               "when set, host and port are not used")
+    connect_timeout_s: float = setting(5.0, gt=0, le=60, doc="bound on one connect attempt (TCP, TLS, CONNACK) "
+                                       "before the next broker is tried")
     prefix: str = setting(DEFAULT_PREFIX, doc="topic prefix: <prefix>/<device>/...")
     client_id: Optional[str] = setting(None, doc="MQTT client id; default atlas-edge-<device_id>")
     username: Optional[str] = setting(None, doc="MQTT username")
@@ -49,10 +67,25 @@ class MqttConfig:
         problems = []
         if self.reconnect_max_s < self.reconnect_min_s:
             problems.append(("reconnect_max_s", "must be >= reconnect_min_s"))
-        for name in (self.prefix, *self.groups):
-            if not name or any(c in name for c in "+#") or name.startswith("/") or name.endswith("/"):
-                problems.append(("prefix" if name == self.prefix else "groups", "bad topic part %r" % name))
+        problem = name_problem(self.prefix, levels=True)
+        if problem:
+            problems.append(("prefix", problem))
+        for index, group in enumerate(self.groups):
+            problem = name_problem(group)
+            if problem:
+                problems.append(("groups[%d]" % index, problem))
+        for index, address in enumerate(self.hosts):
+            try:
+                parse_host_port(address, self.port)
+            except ValueError as exc:
+                problems.append(("hosts[%d]" % index, str(exc)))
         return problems
+
+    def brokers(self) -> List[Tuple[str, int]]:
+        """The brokers to try, in order: ``hosts`` when given, else ``host``:``port``."""
+        if not self.hosts:
+            return [(self.host, self.port)]
+        return [parse_host_port(address, self.port) for address in self.hosts]
 
 
 @dataclass(frozen=True)
@@ -65,8 +98,8 @@ class SourceConfig:
     reopen_max_s: float = setting(30.0, gt=0, doc="longest reopen delay")
 
     def check(self) -> List[Tuple[str, str]]:
-        bad = [c for c in "/+#" if c in self.name]
-        return [("name", "must not contain %s" % "".join(bad))] if bad or not self.name else []
+        problem = name_problem(self.name)
+        return [("name", problem)] if problem else []
 
 
 @dataclass(frozen=True)
@@ -139,8 +172,9 @@ class DaemonConfig:
 
     def check(self) -> List[Tuple[str, str]]:
         problems = []
-        if not self.device_id or any(c in self.device_id for c in "/+#"):
-            problems.append(("device_id", "must be non-empty without '/', '+' or '#'"))
+        problem = name_problem(self.device_id)
+        if problem:
+            problems.append(("device_id", problem))
         if self.mqtt.username is not None and self.mqtt.username != self.device_id:
             # The broker ACL (systemd/mosquitto-acl.example) grants a box its topics by username.
             problems.append(("mqtt.username", "must equal device_id %r for the per-device ACL" % self.device_id))

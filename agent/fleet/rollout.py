@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from agent._util.atomic import atomic_write
+from agent.config.names import name_problem
 from agent.fleet.link import FleetLink, Message
 from agent.fleet.status import FleetView, collect
 from agent.ops.commands import FAILED, REQUEST_ID_MAX, REQUEST_ID_RE, SUCCEEDED
@@ -86,8 +87,9 @@ class RolloutSpec:
 
     def check(self) -> None:
         problems = []
-        if not self.group or any(c in self.group for c in "/+#"):
-            problems.append("--group %r is not a valid topic part" % self.group)
+        problem = name_problem(self.group)
+        if problem:
+            problems.append("--group %s" % problem)
         if not self.bundle:
             problems.append("--bundle must not be empty")
         if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256.lower()):

@@ -2,9 +2,14 @@
 
 Each connection is a fresh paho client created with ``reconnect_on_failure=False``: paho runs the network loop
 (``loop_start``) for that one connection and its thread ends when the connection does; the supervisor then
-waits ``reconnect_min_s`` doubling up to ``reconnect_max_s`` and makes a new client. Nothing is marked
-connected until a CONNACK with a success reason code has been seen (a refused connect is logged and retried,
-never treated as connected). Callbacks of an older client (an older *generation*) are ignored.
+makes a new client. Nothing is marked connected until a CONNACK with a success reason code has been seen (a
+refused connect is logged and retried, never treated as connected). Callbacks of an older client (an older
+*generation*) are ignored.
+
+Brokers (``mqtt.hosts``, a cluster's nodes; else ``host``:``port``) are tried in turn: after a lost connection
+the same broker first, then each next one at once, every attempt bounded by ``connect_timeout_s`` (TCP, TLS and
+the CONNACK). Only when a whole round failed does the supervisor wait, ``reconnect_min_s`` doubling up to
+``reconnect_max_s``: a stopped node costs a box one refused connect, not a backoff.
 
 paho callbacks only record and enqueue, inside a catch-and-log wrapper: an exception on paho's thread is
 logged with its traceback and never kills the network loop.
@@ -32,7 +37,6 @@ logger = logging.getLogger(__name__)
 MAX_INFLIGHT = 20  # paho's (and mosquitto's) default in-flight window for QoS>0
 SESSION_POLL_S = 0.25  # how often the supervisor looks at the stop flag while a connection is up
 CLOSE_TIMEOUT_S = 3.0  # wait for paho to confirm a disconnect before abandoning its (daemon) thread
-CONNECT_TIMEOUT_S = 10.0  # TCP + TLS handshake bound for one attempt
 
 Payload = Union[Dict[str, Any], bytes]
 MessageHandler = Callable[[str, bytes], None]
@@ -122,6 +126,14 @@ class ConnectionSupervisor:
         self._events: "queue.Queue[Tuple[str, int, str]]" = queue.Queue()
         self.stopping = threading.Event()
         self._ever_connected = False
+        self._brokers = config.brokers()
+        self._broker_index = 0
+        self.broker: Optional[str] = None  # "host:port" of the last broker that accepted this box
+
+    @property
+    def _address(self) -> str:
+        """The broker being tried or used, for logs."""
+        return "%s:%d" % self._brokers[self._broker_index]
 
     def client_of(self, generation: int) -> Optional[mqtt.Client]:
         """The live client if it is still ``generation`` (call with :attr:`state_lock` held)."""
@@ -137,7 +149,7 @@ class ConnectionSupervisor:
             # Only when debugging: paho 2.x logs a spurious error after every clean disconnect.
             client.enable_logger(logging.getLogger(__name__ + ".paho"))
         client.max_inflight_messages_set(MAX_INFLIGHT)
-        client.connect_timeout = CONNECT_TIMEOUT_S
+        client.connect_timeout = self.config.connect_timeout_s
         if self.config.username is not None:
             client.username_pw_set(self.config.username, self._password)
         if self._tls_context is not None:
@@ -159,8 +171,7 @@ class ConnectionSupervisor:
     def _on_connect(self, client: mqtt.Client, generation: int, flags: Any, reason_code: Any,
                     properties: Any) -> None:
         if reason_code.is_failure:
-            logger.error("MQTT broker %s:%d refused the connection: %s", self.config.host, self.config.port,
-                         reason_code)
+            logger.error("MQTT broker %s refused the connection: %s", self._address, reason_code)
             self._events.put(("refused", generation, str(reason_code)))
             return
         client.subscribe([(topic, 1) for topic in self._subscriptions()])
@@ -193,37 +204,54 @@ class ConnectionSupervisor:
     # -- the supervisor thread ------------------------------------------------------------------------------
 
     def run(self) -> None:
-        """The supervisor thread's body: connect, follow the session, back off, until :attr:`stopping`."""
+        """The supervisor thread's body: connect, follow the session, fail over, back off, until :attr:`stopping`."""
         delay = self.config.reconnect_min_s
+        failed = 0  # attempts in a row that never reached CONNACK: a whole round of them means back off
         while not self.stopping.is_set():
-            self._inflight.new_connection()
-            self.generation += 1  # from here on, callbacks of the previous client are ignored
-            generation = self.generation
-            client = self._new_client(generation, time.time())
-            try:
-                client.connect(self.config.host, self.config.port, self.config.keepalive_s)
-            except (OSError, ValueError) as exc:  # refused, unreachable, DNS, TLS handshake
-                self._inflight.count("connect_failures")
-                logger.warning("MQTT connect to %s:%d failed (%s); retrying in %.1f s", self.config.host,
-                               self.config.port, exc, delay)
-                if self.stopping.wait(delay):
-                    break
-                delay = min(delay * 2, self.config.reconnect_max_s)
-                continue
-            client.loop_start()
-            was_connected, ended = self._run_session(client, generation)
-            self._close_session(client, generation, ended)
-            if was_connected:
-                delay = self.config.reconnect_min_s
-            if self.stopping.is_set() or self.stopping.wait(delay):
+            if self._attempt():
+                delay, failed = self.config.reconnect_min_s, 0
+                wait = delay  # a lost connection: the same broker again after the shortest delay
+            else:
+                failed += 1
+                self._broker_index = (self._broker_index + 1) % len(self._brokers)
+                wait = 0.0 if failed % len(self._brokers) else delay
+                if wait:
+                    delay = min(delay * 2, self.config.reconnect_max_s)
+            if self.stopping.is_set() or (wait and self.stopping.wait(wait)):
                 break
-            if not was_connected:
-                delay = min(delay * 2, self.config.reconnect_max_s)
+
+    def _attempt(self) -> bool:
+        """One connection to the current broker, followed until it ends; True when it reached CONNACK."""
+        self._inflight.new_connection()
+        self.generation += 1  # from here on, callbacks of the previous client are ignored
+        generation = self.generation
+        host, port = self._brokers[self._broker_index]
+        client = self._new_client(generation, time.time())
+        try:
+            client.connect(host, port, self.config.keepalive_s)
+        except (OSError, ValueError) as exc:  # refused, unreachable, DNS, TLS handshake, connect timeout
+            self._inflight.count("connect_failures")
+            logger.warning("MQTT connect to %s failed (%s)", self._address, exc)
+            return False
+        client.loop_start()
+        was_connected, ended = self._run_session(client, generation)
+        self._close_session(client, generation, ended)
+        return was_connected
 
     def _run_session(self, client: mqtt.Client, generation: int) -> Tuple[bool, bool]:
-        """Follow one connection until it ends or stop() asks; returns (was_connected, ended)."""
+        """Follow one connection until it ends or stop() asks; returns (was_connected, ended).
+
+        A broker that took the TCP connection but sent no CONNACK within ``connect_timeout_s`` (a node still
+        booting, a hung one) is given up, so that the next one is tried.
+        """
         was_connected = False
+        connack_deadline = time.monotonic() + self.config.connect_timeout_s
         while not self.stopping.is_set():
+            if not was_connected and time.monotonic() > connack_deadline:
+                self._inflight.count("connect_failures")
+                logger.warning("MQTT broker %s sent no CONNACK within %.1f s", self._address,
+                               self.config.connect_timeout_s)
+                return False, False
             try:
                 kind, event_generation, detail = self._events.get(timeout=SESSION_POLL_S)
             except queue.Empty:
@@ -237,8 +265,7 @@ class ConnectionSupervisor:
                 self._inflight.count("refused")
             elif kind == "disconnected":
                 if was_connected:
-                    logger.warning("MQTT connection to %s:%d lost (%s)", self.config.host, self.config.port,
-                                   detail)
+                    logger.warning("MQTT connection to %s lost (%s)", self._address, detail)
                 return was_connected, True
         return was_connected, False
 
@@ -249,7 +276,8 @@ class ConnectionSupervisor:
         if self._ever_connected:
             self._inflight.count("reconnects")
         self._ever_connected = True
-        logger.info("MQTT connected to %s:%d as %s", self.config.host, self.config.port, self.client_id)
+        self.broker = self._address
+        logger.info("MQTT connected to %s as %s", self.broker, self.client_id)
         self._on_session_start()
 
     def _close_session(self, client: mqtt.Client, generation: int, ended: bool) -> None:

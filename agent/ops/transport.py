@@ -36,6 +36,7 @@ from paho.mqtt.enums import MQTTErrorCode
 
 from agent._util.ratelog import LogLimiter
 from agent.config.daemon_config import MqttConfig
+from agent.config.names import name_problem
 from agent.config.schema import ConfigError, FieldError
 from agent.ops.connection import CLOSE_TIMEOUT_S, ConnectionSupervisor, MessageHandler, Payload, encode_payload
 from agent.ops.inflight import InFlight
@@ -74,8 +75,9 @@ class MqttTransport:
         on_connected: Optional[Callable[[], None]] = None,
         on_alert: Optional[AlertHook] = None,
     ) -> None:
-        if not device_id or any(c in device_id for c in "/+#"):
-            raise ConfigError([FieldError("device_id", "must be non-empty without '/', '+' or '#'")])
+        problem = name_problem(device_id)
+        if problem:
+            raise ConfigError([FieldError("device_id", problem)])
         if not replay_rate_hz > 0:
             raise ConfigError([FieldError("outbox.replay_rate_hz", "must be > 0 (got %r)"
                                           % (replay_rate_hz,))])
@@ -163,7 +165,7 @@ class MqttTransport:
     def _status_payload(self, state: str, **extra: Any) -> bytes:
         message = dict(self._status_fields)
         message.update(extra)
-        message.update(state=state, device=self.device_id, ts=time.time())
+        message.update(state=state, device=self.device_id, ts=time.time(), broker=self._link.broker)
         return encode_payload(message)
 
     def _publish_status(self, state: str, **extra: Any) -> str:
@@ -313,4 +315,5 @@ class MqttTransport:
         result["disk_pressure"] = outbox.disk_pressure
         result["outbox_in_memory"] = outbox.in_memory
         result["connected"] = self._link.connected
+        result["broker"] = self._link.broker  # which of mqtt.hosts the box is (or was last) on
         return result
