@@ -82,6 +82,14 @@ class FleetLink:
         self.client.publish(topic, json.dumps(message).encode("utf-8"), qos=1, retain=False)
         self.sent += 1
 
+    def clear_retained(self, topic: str) -> None:
+        """Delete ``topic``'s retained message (an empty retained payload), waiting until the broker has it."""
+        info = self.client.publish(topic, b"", qos=1, retain=True)
+        info.wait_for_publish(CONNECT_TIMEOUT_S)
+        if not info.is_published():
+            raise LinkError("%s did not acknowledge clearing %s" % (self.where, topic))
+        self.sent += 1
+
     def get(self, timeout: float) -> Optional[Message]:
         """The next message, or None after ``timeout``; LinkError if the connection dropped."""
         if self._backlog:

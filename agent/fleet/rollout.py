@@ -2,148 +2,86 @@
 
 Semantics (docs/fleet.md has the long form):
 
-- **Plan.** The targets are the boxes whose retained status names the group. Boxes offline at the start are
-  reported ``offline`` and skipped, never counted as failures (with ``--wait-offline S`` they make a last wave
-  instead, sent to each box that comes back within S seconds of that wave's start); boxes already serving the
-  bundle confirmed are ``already``. The rest, sorted by device id, make the canary (``--canary N``) and then
-  the waves.
-- **A box's outcome.** ``confirmed`` when its retained status shows the bundle confirmed and serving (past its
-  observation window); ``failed`` when the deploy command fails (bad bundle, golden mismatch, busy...);
-  ``rolled_back`` when the box rolled the new model back itself (latency, errors, restart); ``timed_out`` when
-  none of these happened within ``--confirm-timeout`` of sending. A box offline mid-rollout stays in flight
-  until then (AWS IoT Jobs' in-progress timeout).
-- **Abort.** After every outcome: more than ``--max-failures`` failures, or a failure rate (failures over
-  executed boxes) above ``--max-failure-rate`` once ``--min-executed`` boxes have executed, aborts. No box is
-  sent anything after that. Boxes of the current wave already sent are followed to their outcome, except with
-  ``--rollback-on-abort``: then they are followed until their deploy ends, and every moved box (deployed and
-  not rolled back by itself) gets a ``rollback`` back to its previous model.
-- **Idempotent and resumable.** Request ids derive from the rollout id and the device id; the rollout id
-  derives from prefix, group, bundle and sha256. Progress is written (atomically) to a state file after every
-  step. A re-run of the same command re-sends the commands of boxes in flight with the same request ids (the
-  box answers from its request record and never deploys twice) and goes on; a finished rollout only reprints
-  its report.
-- **Clocks.** Timestamps in the state file and report are wall time (``clock``), for people and for a later
-  run. Deadlines within one run (``--confirm-timeout``, ``--wait-offline``, the revert wait) run on
-  ``monotonic``, so an NTP step on the operator's machine neither stretches nor cuts them. A box sent by an
-  earlier run is charged the wall time since its persisted ``sent_at`` once, when this run first judges it
-  (never less than zero), and is timed on ``monotonic`` from then on.
+- **Targets.** Every box whose retained status names the group, gathered until the set has stopped growing
+  for a settle window (a stalled link pauses the burst, it does not end it), checked against ``--expect N`` or
+  an inventory of device ids. Every box heard is in the report: boxes of other groups are ``not_targeted``,
+  inventory boxes never heard are ``unseen``, boxes that announce themselves during the rollout are taken in
+  as a last wave. A rollout that did not reach every box ends ``partial``, never ``completed``.
+- **A box's outcome** is bound to its identity: only an ack on the box's own ack topic, carrying the request
+  id this rollout gave that box, counts for it. Anything else arriving there (another box's request id, an
+  ack that does not parse) is recorded against the box that sent it. Statuses and acks are parsed
+  (``messages.py``); a malformed one makes that box ``malformed``. Two different final answers to one request
+  id mean two boxes share the device id: ``duplicate``.
+- **Delivery.** A deploy sent while a box was offline (clean sessions lose it) is sent again, same request id,
+  when the box comes back; ``busy`` and ``interrupted`` are retried with backoff under a new request id, up to
+  ``--retries``; a success naming another manifest fails the box at once. Silence for ``--step-timeout``
+  (progress acks restart it) or no confirmation ``--confirm-timeout`` after the deploy ends is ``timed_out``.
+- **Abort.** A failed canary stops the rollout unless ``--continue-after-canary-failure``; after every outcome
+  the thresholds (overall, rate, per failure type) are checked. Nothing is sent after an abort. With
+  ``--rollback-on-abort`` (kept in the state file from the plan on) every box that was sent a deploy is
+  followed until it settles, and each one seen on the new model, late or timed out ones included, gets a
+  ``rollback``; a re-run after a kill finishes that.
+- **Idempotent and resumable.** Request ids derive from the rollout id, the device id and the attempt; the
+  state is journaled (``journal.py``) before anything is sent; a re-run goes on where the last run stopped.
+- **Clocks.** Wall time (``clock``) stamps the state file and report; deadlines run on ``monotonic``. A box sent
+  by an earlier run is charged the wall time since its ``sent_at`` once, never less than zero.
 """
 
-import hashlib
 import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections import deque
+from dataclasses import asdict
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
-from agent._util.atomic import atomic_write
-from agent.config.names import name_problem
+from agent.fleet.journal import STATE_SCHEMA, RolloutLock, RolloutState
 from agent.fleet.link import FleetLink, Message
-from agent.fleet.status import FleetView, collect
-from agent.ops.commands import FAILED, REQUEST_ID_MAX, REQUEST_ID_RE, SUCCEEDED
+from agent.fleet.messages import Ack, Malformed, deploy_model, parse_ack
+from agent.fleet.plan import (
+    ABORTED,
+    ABORTED_ROLLOUT,
+    ALREADY,
+    CANCELLED,
+    CANCELLED_ROLLOUT,
+    COMPLETED,
+    CONFIRMED,
+    DUPLICATE,
+    FAILED_OUTCOME,
+    FAILURES,
+    FINISHED,
+    MALFORMED,
+    NOT_STARTED,
+    NOT_TARGETED,
+    OFFLINE,
+    PARTIAL,
+    PAUSED,
+    RETRY_BASE_S,
+    RETRYABLE,
+    ROLLED_BACK,
+    RUNNING,
+    TIMED_OUT,
+    UNSEEN,
+    RolloutError,
+    RolloutSpec,
+    abort_reason,
+    check_rollout_id,
+    deploy_verb,
+    plan_waves,
+    request_id,
+)
+from agent.fleet.revert import Reverter
+from agent.fleet.status import SETTLE_S, FleetView, collect
+from agent.ops.commands import FINAL_STATES, SUCCEEDED
 
 log = logging.getLogger(__name__)
 
-STATE_SCHEMA = 1
-ROLLOUT_ID_MAX = 24  # leaves room in a 64-character request id for the device and the verb
 POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
-DEFAULT_CONFIRM_TIMEOUT_S = 900.0  # a deploy plus a box's default 60 s observation window, with a wide margin
-DEFAULT_REVERT_TIMEOUT_S = 120.0  # a rollback is a reference swap or one reload: a slow box still answers
-
-# Outcomes. EXECUTED ones count towards the failure rate; FAILURES are the failed ones among them.
-CONFIRMED, FAILED_OUTCOME, ROLLED_BACK, TIMED_OUT = "confirmed", "failed", "rolled_back", "timed_out"
-ABORTED, OFFLINE, ALREADY, NOT_STARTED = "aborted", "offline", "already", "not_started"
-EXECUTED = (CONFIRMED, FAILED_OUTCOME, ROLLED_BACK, TIMED_OUT)
-FAILURES = (FAILED_OUTCOME, ROLLED_BACK, TIMED_OUT)
-# Rollout states in the state file and report.
-RUNNING, COMPLETED, ABORTED_ROLLOUT = "running", "completed", "aborted"
-# Phases of a box in flight.
-PLANNED, SENT, DEPLOYED, DONE = "planned", "sent", "deployed", "done"
 ALREADY_SERVING = "already_serving"  # the box's error code for a deploy of what it serves
-
-
-class RolloutError(Exception):
-    """Bad arguments, or a state file that does not belong to this command; nothing was sent."""
-
-
-@dataclass(frozen=True)
-class RolloutSpec:
-    """What a rollout was asked to do: a re-run must ask the same (the state file keeps it)."""
-
-    group: str
-    bundle: str
-    sha256: str
-    prefix: str = "atlas-edge"
-    canary: int = 1
-    waves: int = 3
-    wave_size: Optional[int] = None
-    max_failures: Optional[int] = None
-    max_failure_rate: Optional[float] = None
-    min_executed: int = 1
-    confirm_timeout_s: float = DEFAULT_CONFIRM_TIMEOUT_S
-    rollback_on_abort: bool = False
-    wait_offline_s: Optional[float] = None
-
-    def check(self) -> None:
-        problems = []
-        problem = name_problem(self.group)
-        if problem:
-            problems.append("--group %s" % problem)
-        if not self.bundle:
-            problems.append("--bundle must not be empty")
-        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256.lower()):
-            problems.append("--sha256 must be 64 hex digits (the manifest's, as 'bundle verify' prints)")
-        if self.canary < 0 or self.waves < 1 or (self.wave_size is not None and self.wave_size < 1):
-            problems.append("--canary must be >= 0, --waves and --wave-size >= 1")
-        if self.max_failures is not None and self.max_failures < 0:
-            problems.append("--max-failures must be >= 0")
-        if self.max_failure_rate is not None and not 0 <= self.max_failure_rate < 1:
-            problems.append("--max-failure-rate must be in [0, 1)")
-        if self.min_executed < 1 or self.confirm_timeout_s <= 0:
-            problems.append("--min-executed must be >= 1 and --confirm-timeout > 0")
-        if self.wait_offline_s is not None and self.wait_offline_s <= 0:
-            problems.append("--wait-offline must be > 0")
-        if problems:
-            raise RolloutError("; ".join(problems))
-
-    def default_id(self) -> str:
-        """Same command, same id: what makes a plain re-run resume instead of starting over."""
-        key = "\n".join((self.prefix, self.group, self.bundle, self.sha256.lower()))
-        return "ro-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
-
-
-def check_rollout_id(rollout_id: str) -> str:
-    if not rollout_id or len(rollout_id) > ROLLOUT_ID_MAX or not REQUEST_ID_RE.match(rollout_id):
-        raise RolloutError("--rollout-id must be 1-%d characters of A-Z a-z 0-9 _ . : -" % ROLLOUT_ID_MAX)
-    return rollout_id
-
-
-def request_id(rollout_id: str, device: str, verb: str) -> str:
-    """``<rollout>.<device>.<verb>``; a device id that does not fit a request id is replaced by its hash."""
-    candidate = "%s.%s.%s" % (rollout_id, device, verb)
-    if len(candidate) <= REQUEST_ID_MAX and REQUEST_ID_RE.match(candidate):
-        return candidate
-    return "%s.h%s.%s" % (rollout_id, hashlib.sha256(device.encode("utf-8")).hexdigest()[:16], verb)
-
-
-def plan_waves(devices: List[str], canary: int, waves: int, wave_size: Optional[int]) -> List[List[str]]:
-    """Canary first (if any), then ``waves`` near-equal waves, or waves of ``wave_size``."""
-    head, rest = devices[:canary], devices[canary:]
-    planned = [head] if head else []
-    if not rest:
-        return planned
-    if wave_size is None:
-        count = min(waves, len(rest))
-        size, extra = divmod(len(rest), count)
-        start = 0
-        for index in range(count):
-            end = start + size + (1 if index < extra else 0)
-            planned.append(rest[start:end])
-            start = end
-    else:
-        planned += [rest[i:i + wave_size] for i in range(0, len(rest), wave_size)]
-    return planned
+PLANNED, SENT, DEPLOYED, DONE = "planned", "sent", "deployed", "done"
+ANOMALIES_KEPT = 5
+EXPECT_WAIT_S = 30.0  # how much longer the boxes are listened for while fewer than --expect were heard
+Progress = Callable[[str], None]
 
 
 def default_state_dir() -> str:
@@ -151,62 +89,13 @@ def default_state_dir() -> str:
     return os.path.join(base, "atlas-edge", "rollouts")
 
 
-class RolloutState:
-    """The state file: the spec, the plan, and every box's phase, outcome and timings (JSON, atomic writes)."""
-
-    def __init__(self, path: str, data: Dict[str, Any]) -> None:
-        self.path = path
-        self.data = data
-
-    @classmethod
-    def load(cls, path: str) -> Optional["RolloutState"]:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            raise RolloutError("state file %s is unreadable (%s); move it away to start over" % (path, exc)
-                               ) from None
-        if not isinstance(data, dict) or data.get("schema") != STATE_SCHEMA:
-            raise RolloutError("state file %s has an unknown schema; move it away to start over" % path)
-        return cls(path, data)
-
-    def save(self) -> None:
-        self.data["updated"] = time.time()
-        atomic_write(self.path, json.dumps(self.data, indent=1, sort_keys=True) + "\n")
-
-    @property
-    def boxes(self) -> Dict[str, Dict[str, Any]]:
-        return self.data["boxes"]
-
-    @property
-    def status(self) -> str:
-        return str(self.data["status"])
-
-    def executed_and_failures(self) -> Tuple[int, int]:
-        outcomes = [b.get("outcome") for b in self.boxes.values()]
-        return sum(1 for o in outcomes if o in EXECUTED), sum(1 for o in outcomes if o in FAILURES)
-
-
 def _one_line(text: str) -> str:
     """Box errors may span lines (a bundle's per-field errors): one line for the progress display and report."""
-    return " ".join(text.split())
+    return " ".join(str(text).split())
 
 
-def abort_reason(spec: RolloutSpec, executed: int, failures: int) -> Optional[str]:
-    """Why the rollout must stop now, or None (AWS IoT Jobs' abort criteria, failures over executed boxes)."""
-    if spec.max_failures is not None and failures > spec.max_failures:
-        return "%d failure(s), more than --max-failures %d" % (failures, spec.max_failures)
-    if spec.max_failure_rate is not None and executed >= spec.min_executed and executed:
-        rate = failures / executed
-        if rate > spec.max_failure_rate:
-            return "failure rate %.3f (%d of %d executed) above --max-failure-rate %.3f" % (
-                rate, failures, executed, spec.max_failure_rate)
-    return None
-
-
-Progress = Callable[[str], None]
+def _identity(entry: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: entry.get(k) for k in ("name", "version", "manifest_sha256")}
 
 
 class Rollout:
@@ -214,55 +103,58 @@ class Rollout:
 
     def __init__(self, spec: RolloutSpec, rollout_id: str, state_dir: str, link: FleetLink,
                  progress: Progress = lambda line: None, listen_s: float = 0.0,
-                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
+                 settle_s: float = SETTLE_S, expect: Optional[int] = None,
+                 inventory: Optional[List[str]] = None, resume: bool = False) -> None:
         spec.check()
         self.spec = spec
+        self.sha = spec.sha256.lower()
         self.rollout_id = check_rollout_id(rollout_id)
+        self.state_dir = state_dir
         self.path = os.path.join(state_dir, "%s.json" % rollout_id)
         self.link = link
         self.progress = progress
         self.listen_s = listen_s
+        self.settle_s = settle_s
+        self.expect = expect
+        self.inventory = inventory
+        self.resume = resume
         self.clock = clock  # wall time: what the state file and report record
         self.monotonic = monotonic  # deadlines within this run
-        self._sent_mono: Dict[str, float] = {}  # device -> ``monotonic`` reading its deploy counts from
         self.view = FleetView(spec.prefix)
-        self._acks: Dict[str, Dict[str, Any]] = {}  # request id -> latest ack seen in this run
-        self._subscribed: set = set()
+        self.acks: Dict[Tuple[str, str], Ack] = {}  # (device, request id) -> latest ack that counts
+        self._anchor: Dict[str, float] = {}  # device -> monotonic reading its current step counts from
+        self._retry_at: Dict[str, float] = {}  # device -> monotonic time its retry is due
+        self._online: Dict[str, bool] = {}
+        self._resend: Set[str] = set()
+        self._subscribed: Set[str] = set()
+        self._sends: Deque[float] = deque()  # monotonic times of recent deploys, for --max-per-minute
+        self.state: Optional[RolloutState] = None
 
     # --- the whole run -----------------------------------------------------------------------------------
 
     def run(self) -> RolloutState:
-        state = RolloutState.load(self.path)
-        if state is not None:
-            self._check_same(state)
-        collect(self.link, self.view, self.listen_s, status_only=True)  # retained status of every box
-        if state is None:
-            state = self._plan()
-        elif state.status != RUNNING and not self._reverts_left(state):
-            self.progress("rollout %s already %s; reprinting its report" % (self.rollout_id, state.status))
+        try:
+            os.makedirs(self.state_dir, exist_ok=True)
+        except OSError as exc:
+            raise RolloutError("cannot use --state-dir %s: %s" % (self.state_dir, exc.strerror or exc)) from None
+        with RolloutLock(self.path[:-len(".json")] + ".lock"):
+            state = RolloutState.load(self.path)
+            if state is not None:
+                self._check_same(state)
+            self._gather()
+            self.state = state = state or self._plan()
+            if state.status in FINISHED and state.data.get("revert") != "wanted":
+                self.progress("rollout %s already %s; reprinting its report" % (self.rollout_id, state.status))
+                return state
+            state.top(runs=state.data.get("runs", 0) + 1)
+            state.compact()
+            try:
+                self._drive(state)
+            finally:
+                state.save()
+            state.compact()
             return state
-        state.data["runs"] = state.data.get("runs", 0) + 1
-        state.save()
-        waves = state.data["waves"]
-        for index, wave in enumerate(waves):
-            if state.status != RUNNING:
-                break
-            todo = [d for d in wave if state.boxes[d]["phase"] != DONE]
-            if todo:
-                self.progress("wave %d/%d%s: %d box(es)" % (
-                    index + 1, len(waves), " (canary)" if index == 0 and self.spec.canary else "", len(todo)))
-                self._run_wave(state, index, todo)
-        if state.status == RUNNING:
-            state.data["status"] = COMPLETED
-        for box in state.boxes.values():
-            if box["phase"] == PLANNED and box["outcome"] is None:
-                box["outcome"], box["phase"] = NOT_STARTED, DONE
-        state.data["finished"] = self.clock()
-        state.save()
-        if state.status == ABORTED_ROLLOUT and self.spec.rollback_on_abort:
-            self._revert(state)
-        return state
 
     def _check_same(self, state: RolloutState) -> None:
         recorded = state.data["spec"]
@@ -272,31 +164,55 @@ class Rollout:
                                "started, or give a new --rollout-id" % (
                                    self.rollout_id, ", ".join(differs), state.path))
 
+    def _gather(self) -> None:
+        """Every retained status, until the set settles; longer (up to --listen) while fewer than expected."""
+        collect(self.link, self.view, self.listen_s, status_only=True, settle_s=self.settle_s,
+                monotonic=self.monotonic)
+        deadline = self.monotonic() + EXPECT_WAIT_S
+        while self.expect is not None and len(self.view.in_group(self.spec.group)) < self.expect and \
+                self.monotonic() < deadline:
+            message = self.link.get(POLL_S)
+            if message is not None:
+                self.view.apply(message)
+        for box in self.view.boxes.values():
+            self._online[box.device] = box.online
+
     def _plan(self) -> RolloutState:
-        sha = self.spec.sha256.lower()
         boxes: Dict[str, Dict[str, Any]] = {}
         movable: List[str] = []
         waiting: List[str] = []
-        for view in self.view.in_group(self.spec.group):
+        for view in self.view.in_group(None):
             serving = view.serving
-            box = {"wave": None, "phase": PLANNED, "outcome": None, "error": None,
-                   "old": {k: serving.get(k) for k in ("name", "version", "manifest_sha256")} if serving else None,
-                   "new": None, "baseline_rollback": view.last_rollback,
+            box = {"wave": None, "phase": DONE, "outcome": None, "error": None, "attempt": 0,
+                   "old": _identity(serving) if serving else None, "new": None,
+                   "baseline_rollback": view.last_rollback, "anomalies": [],
                    "request_id": request_id(self.rollout_id, view.device, "deploy"),
                    "sent_at": None, "deployed_at": None, "finished_at": None, "revert": None}
-            if not view.online:
+            boxes[view.device] = box
+            if self.spec.group not in view.groups:
+                box.update(outcome=NOT_TARGETED)
+            elif view.malformed:
+                box.update(outcome=MALFORMED, error=view.malformed)
+            elif not view.online:
                 box["error"] = "offline at the start (%s)" % (view.reason or view.state)
                 if self.spec.wait_offline_s is None:
-                    box.update(outcome=OFFLINE, phase=DONE)
+                    box.update(outcome=OFFLINE)
                 else:
-                    box["waits"] = True  # a last wave, if it comes back in time
+                    box.update(waits=True, phase=PLANNED)
                     waiting.append(view.device)
-            elif view.serves_confirmed(sha):
-                box.update(outcome=ALREADY, phase=DONE, new=box["old"])
+            elif view.serves_confirmed(self.sha):
+                box.update(outcome=ALREADY, new=box["old"])
             else:
+                box["phase"] = PLANNED
                 movable.append(view.device)
-            boxes[view.device] = box
-        if not boxes:
+        for device in self.inventory or []:
+            if device not in boxes:
+                boxes[device] = {"wave": None, "phase": DONE, "outcome": UNSEEN, "attempt": 0, "old": None,
+                                 "new": None, "baseline_rollback": None, "anomalies": [], "request_id": None,
+                                 "error": "in the inventory, no status heard", "sent_at": None,
+                                 "deployed_at": None, "finished_at": None, "revert": None}
+        targeted = [d for d, b in boxes.items() if b["outcome"] not in (NOT_TARGETED, UNSEEN)]
+        if not targeted and not self.inventory:
             raise RolloutError("no box has announced itself in group %r under prefix %r" % (
                 self.spec.group, self.spec.prefix))
         waves = plan_waves(movable, self.spec.canary, self.spec.waves, self.spec.wave_size)
@@ -305,17 +221,73 @@ class Rollout:
         for index, wave in enumerate(waves):
             for device in wave:
                 boxes[device]["wave"] = index
+        seen = sum(1 for d in targeted)
+        shortfall = None
+        if self.expect is not None and seen < self.expect:
+            shortfall = "expected %d box(es) in group %s, heard %d" % (self.expect, self.spec.group, seen)
         state = RolloutState(self.path, {
             "schema": STATE_SCHEMA, "rollout_id": self.rollout_id, "spec": asdict(self.spec),
             "status": RUNNING, "abort": None, "started": self.clock(), "finished": None, "runs": 0,
-            "waves": waves, "boxes": boxes})
-        skipped = [d for d, b in boxes.items() if b["outcome"] == OFFLINE or b.get("waits")]
-        self.progress("rollout %s: %d box(es) in group %s; %d in %d wave(s), %d already there, %d offline%s" % (
-            self.rollout_id, len(boxes), self.spec.group, len(movable), len(waves),
-            sum(1 for b in boxes.values() if b["outcome"] == ALREADY), len(skipped),
-            " (%s)" % ", ".join(skipped[:10]) if skipped else ""))
-        state.save()
+            "waves": waves, "boxes": boxes, "shortfall": shortfall, "revert": None, "approved": False})
+        skipped = [d for d, b in boxes.items() if b["outcome"] in (OFFLINE, MALFORMED, UNSEEN) or b.get("waits")]
+        self.progress("rollout %s: %d box(es) in group %s; %d in %d wave(s), %d already there, %d not reachable "
+                      "now%s%s" % (self.rollout_id, len(targeted), self.spec.group, len(movable), len(waves),
+                                   sum(1 for b in boxes.values() if b["outcome"] == ALREADY), len(skipped),
+                                   " (%s)" % ", ".join(skipped[:10]) if skipped else "",
+                                   "; " + shortfall if shortfall else ""))
+        state.compact()  # the spec (--rollback-on-abort included) is on disk before anything is sent
         return state
+
+    def _drive(self, state: RolloutState) -> None:
+        if state.status == PAUSED:
+            if not self.resume:
+                self.progress("rollout %s is paused after its canary: 'fleet resume' goes on" % self.rollout_id)
+                return
+            state.top(status=RUNNING, approved=True)
+            self.progress("rollout %s resumed" % self.rollout_id)
+        index = 0
+        while state.status == RUNNING and index < len(state.data["waves"]):
+            waves = state.data["waves"]
+            todo = [d for d in waves[index] if state.boxes[d]["phase"] != DONE]
+            if todo:
+                canary = index == 0 and self.spec.canary > 0
+                self.progress("wave %d/%d%s: %d box(es)" % (index + 1, len(waves), " (canary)" if canary else "",
+                                                            len(todo)))
+                self._run_wave(state, index, todo)
+            if state.status == RUNNING and index == 0 and self.spec.canary > 0:
+                self._after_canary(state, waves[0])
+            index += 1
+        if state.status == PAUSED:
+            return
+        for device, box in state.boxes.items():
+            if box["phase"] == PLANNED:
+                state.set(device, outcome=NOT_STARTED, phase=DONE)
+        if state.status == RUNNING:
+            incomplete = state.data.get("shortfall") or any(
+                b["outcome"] not in (CONFIRMED, ALREADY, NOT_TARGETED) for b in state.boxes.values())
+            state.top(status=PARTIAL if incomplete else COMPLETED)
+        if state.data.get("finished") is None:
+            state.top(finished=self.clock())
+        state.save()
+        if state.data.get("revert") == "wanted":
+            Reverter(self, state).run()
+            state.top(revert="done")
+
+    def _after_canary(self, state: RolloutState, canary: List[str]) -> None:
+        failed = [d for d in canary if state.boxes[d]["outcome"] in FAILURES]
+        if failed and not self.spec.continue_after_canary_failure:
+            self._abort(state, 0, "the canary failed (%s); --continue-after-canary-failure goes on regardless" %
+                        ", ".join("%s %s" % (d, state.boxes[d]["outcome"]) for d in failed))
+        elif self.spec.pause_after_canary and not state.data.get("approved"):
+            state.top(status=PAUSED)
+            state.save()
+            self.progress("canary done; paused: 'fleet resume' sends the next waves, 'fleet cancel' stops here")
+
+    def _abort(self, state: RolloutState, index: int, reason: str) -> None:
+        state.top(status=ABORTED_ROLLOUT, abort={"reason": reason, "wave": index, "at": self.clock()},
+                  revert="wanted" if self.spec.rollback_on_abort else None)
+        state.save()  # on disk before the line: a kill right after it still reverts on the re-run
+        self.progress("ABORT in wave %d: %s; no further box is sent a deploy" % (index + 1, reason))
 
     # --- one wave ----------------------------------------------------------------------------------------
 
@@ -323,42 +295,59 @@ class Rollout:
         devices = self._back_online(state, devices)
         if not devices:
             return
-        self._subscribe_acks(devices, "deploy")
-        now, now_mono = self.clock(), self.monotonic()
-        for device in devices:
-            box = state.boxes[device]
-            if box["phase"] == PLANNED:
-                box["phase"], box["sent_at"] = SENT, now
-                self._sent_mono[device] = now_mono
+        self._subscribe_acks(devices)
+        now = self.clock()
+        fresh = [d for d in devices if state.boxes[d]["phase"] == PLANNED]
+        for device in fresh:
+            state.set(device, phase=SENT, sent_at=now)
         state.save()  # recorded before sending: a kill between the two re-sends the same request ids
-        payload = {"bundle": self.spec.bundle, "sha256": self.spec.sha256.lower()}
-        for device in devices:
-            box = state.boxes[device]
-            if box["phase"] in (SENT, DEPLOYED):  # DEPLOYED on a re-run: the replayed ack says so again
-                self.link.publish("%s/%s/cmd/deploy" % (self.spec.prefix, device),
-                                  dict(payload, request_id=box["request_id"]))
+        for device in devices:  # a box sent by an earlier run is charged from its recorded sent_at
+            if state.boxes[device]["phase"] in (SENT, DEPLOYED) and state.status == RUNNING:
+                self._send_deploy(state, device, restart_clock=device in fresh)
         in_flight = [d for d in devices if state.boxes[d]["phase"] != DONE]
         while in_flight:
-            self._pump()
+            self._pump(state)
+            if state.status != RUNNING and (state.data.get("revert") == "wanted" or state.status != ABORTED_ROLLOUT):
+                outcome = ABORTED if state.status == ABORTED_ROLLOUT else CANCELLED
+                for device in in_flight:  # followed by the revert (if wanted), not judged
+                    state.set(device, outcome=outcome, phase=DONE, finished_at=self.clock(),
+                              error="in flight when the rollout was %s" % state.status)
+                state.save()
+                return
             for device in list(in_flight):
                 if self._judge(state, device):
                     in_flight.remove(device)
                     self._report_box(state, device, len(in_flight))
-                    reason = abort_reason(self.spec, *state.executed_and_failures())
+                    reason = abort_reason(self.spec, state.outcomes())
                     if reason is not None and state.status == RUNNING:
-                        state.data["status"] = ABORTED_ROLLOUT
-                        state.data["abort"] = {"reason": reason, "wave": index, "at": self.clock()}
-                        self.progress("ABORT in wave %d: %s; no further box is touched" % (index + 1, reason))
-                    state.save()
-            if state.status == ABORTED_ROLLOUT and self.spec.rollback_on_abort:
-                # Moved boxes go back now: follow the rest only until their deploy has ended.
-                if all(state.boxes[d]["phase"] in (DEPLOYED, DONE) for d in in_flight):
-                    for device in in_flight:
-                        box = state.boxes[device]
-                        box.update(outcome=ABORTED, phase=DONE, finished_at=self.clock(),
-                                   error="deployed, not yet judged when the rollout aborted")
-                    state.save()
-                    return
+                        self._abort(state, index, reason)
+                elif device in self._resend and state.status == RUNNING:
+                    self._resend.discard(device)
+                    self.progress("  %-24s back online: deploy sent again" % device)
+                    self._send_deploy(state, device)
+                elif self._retry_at.get(device, float("inf")) <= self.monotonic() and state.status == RUNNING:
+                    del self._retry_at[device]
+                    self._send_deploy(state, device)
+            state.save()
+
+    def _send_deploy(self, state: RolloutState, device: str, restart_clock: bool = True) -> None:
+        self._pace()
+        box = state.boxes[device]
+        self.link.publish("%s/%s/cmd/deploy" % (self.spec.prefix, device),
+                          {"request_id": box["request_id"], "bundle": self.spec.bundle, "sha256": self.sha})
+        if restart_clock:
+            self._anchor[device] = self.monotonic()
+        self._sends.append(self.monotonic())
+
+    def _pace(self) -> None:
+        """--max-per-minute: wait (reading messages) until fewer than N deploys went out in the last minute."""
+        limit = self.spec.max_per_minute
+        while limit is not None:
+            while self._sends and self.monotonic() - self._sends[0] >= 60.0:
+                self._sends.popleft()
+            if len(self._sends) < limit:
+                return
+            self._pump(self.state)
 
     def _back_online(self, state: RolloutState, devices: List[str]) -> List[str]:
         """The boxes of a wave that may be sent now: waiting boxes only once online (until --wait-offline)."""
@@ -368,62 +357,98 @@ class Rollout:
         self.progress("waiting up to %.0f s for %d box(es) offline at the start" % (self.spec.wait_offline_s or 0,
                                                                                    len(waits)))
         deadline = self.monotonic() + (self.spec.wait_offline_s or 0.0)
-        while self.monotonic() < deadline and not all(self._online(d) for d in waits):
-            self._pump()
-        late = [d for d in waits if not self._online(d)]
+        while self.monotonic() < deadline and not all(self._is_online(d) for d in waits):
+            self._pump(state)
+        late = [d for d in waits if not self._is_online(d)]
         for device in late:
-            state.boxes[device].update(outcome=OFFLINE, phase=DONE, finished_at=self.clock(),
-                                       error="offline at the start and not back within %.0f s" %
-                                       (self.spec.wait_offline_s or 0.0))
+            state.set(device, outcome=OFFLINE, phase=DONE, finished_at=self.clock(),
+                      error="offline at the start and not back within %.0f s" % (self.spec.wait_offline_s or 0.0))
             self.progress("  %-24s offline (not back in time)" % device)
-        if late:
-            state.save()
+        state.save()
         return [d for d in devices if d not in late]
 
-    def _online(self, device: str) -> bool:
+    def _is_online(self, device: str) -> bool:
         view = self.view.boxes.get(device)
         return view is not None and view.online
 
     def _judge(self, state: RolloutState, device: str) -> bool:
         """Advance one box from what its acks and status say; True once it has an outcome."""
         box = state.boxes[device]
-        sha = self.spec.sha256.lower()
-        ack = self._acks.get(box["request_id"])
-        if ack is not None and box["phase"] == SENT:
-            if ack.get("state") == SUCCEEDED:
-                box["phase"], box["deployed_at"] = DEPLOYED, self.clock()
-                model = (ack.get("result") or {}).get("model") or {}
-                box["new"] = {k: model.get(k) for k in ("name", "version", "manifest_sha256")}
-            elif ack.get("state") == FAILED:
-                error = ack.get("error") or {}
-                if error.get("code") != ALREADY_SERVING:  # a retry after the box confirmed: judged below
-                    return self._finish(box, FAILED_OUTCOME, _one_line("%s: %s" % (
-                        error.get("code"), error.get("message"))))
+        if box["phase"] == DONE:
+            return True
+        ack = self.acks.get((device, box["request_id"]))
+        if ack is not None and box["phase"] == SENT and ack.state in FINAL_STATES:
+            done = self._judge_ack(state, device, ack)
+            if done is not None:
+                return done
         view = self.view.boxes.get(device)
+        if view is not None and view.malformed:
+            return self._finish(state, device, MALFORMED, view.malformed)
         if view is not None and box["phase"] in (SENT, DEPLOYED):
-            if view.serves_confirmed(sha):
-                box["new"] = box["new"] or {k: view.serving.get(k) for k in ("name", "version", "manifest_sha256")}
-                return self._finish(box, CONFIRMED, None)
+            serving = view.serving
+            if view.serves_confirmed(self.sha):
+                return self._finish(state, device, CONFIRMED, None, new=box["new"] or _identity(serving))
             rollback = view.last_rollback
-            if rollback and rollback != box["baseline_rollback"] and rollback.get("manifest_sha256") == sha:
-                return self._finish(box, ROLLED_BACK, _one_line(str(rollback.get("reason"))))
-        if box["sent_at"] is not None and self._since_sent(device, box) > self.spec.confirm_timeout_s:
-            where = "offline" if view is not None and not view.online else (
-                "pending" if view is not None and view.holds(sha) == "pending" else box["phase"])
-            return self._finish(box, TIMED_OUT, "not confirmed within %.0f s (last seen: %s)" % (
-                self.spec.confirm_timeout_s, where))
-        return False
+            if rollback and rollback != box["baseline_rollback"] and rollback.get("manifest_sha256") == self.sha:
+                return self._finish(state, device, ROLLED_BACK, _one_line(rollback.get("reason")))
+            old = (box["old"] or {}).get("manifest_sha256")
+            if box["phase"] == DEPLOYED and view.online and serving.get("manifest_sha256") not in (self.sha, old):
+                return self._finish(state, device, FAILED_OUTCOME, "wrong_bundle: its status serves manifest %s, "
+                                    "not %s" % (serving.get("manifest_sha256"), self.sha))
+        return self._timed_out(state, device, view)
 
-    def _since_sent(self, device: str, box: Dict[str, Any]) -> float:
-        """Seconds since the box's deploy went out, on ``monotonic`` (see "Clocks" in the module docstring)."""
-        anchor = self._sent_mono.get(device)
+    def _judge_ack(self, state: RolloutState, device: str, ack: Ack) -> Optional[bool]:
+        """A final deploy ack: deployed (None: judge on), failed, retried, or malformed."""
+        box = state.boxes[device]
+        if ack.state == SUCCEEDED:
+            try:
+                model = deploy_model(ack)
+            except Malformed as exc:
+                return self._finish(state, device, MALFORMED, "deploy ack: %s" % exc)
+            if model.manifest_sha256 not in (None, self.sha):
+                return self._finish(state, device, FAILED_OUTCOME, "wrong_bundle: its ack names manifest %s, not "
+                                    "%s" % (model.manifest_sha256, self.sha))
+            state.set(device, phase=DEPLOYED, deployed_at=self.clock(), new=asdict(model))
+            self._anchor[device] = self.monotonic()
+            return None
+        error = ack.error
+        code = error.code if error is not None else "?"
+        if code == ALREADY_SERVING:  # a retry after the box confirmed: judged by its status
+            return None
+        if code in RETRYABLE and box.get("attempt", 0) < self.spec.retries:
+            attempt = box.get("attempt", 0) + 1
+            backoff = RETRY_BASE_S * 2 ** (attempt - 1)
+            state.set(device, attempt=attempt, request_id=request_id(self.rollout_id, device, deploy_verb(attempt)),
+                      error="%s; retry %d in %.0f s" % (code, attempt, backoff))
+            self._subscribe_acks([device])
+            self._retry_at[device] = self.monotonic() + backoff
+            self._anchor[device] = self.monotonic() + backoff
+            self.progress("  %-24s %s: retry %d/%d in %.0f s" % (device, code, attempt, self.spec.retries,
+                                                                backoff))
+            return False
+        return self._finish(state, device, FAILED_OUTCOME, _one_line("%s: %s" % (
+            code, error.message if error is not None else "")))
+
+    def _timed_out(self, state: RolloutState, device: str, view: Any) -> bool:
+        box = state.boxes[device]
+        if box["sent_at"] is None:
+            return False
+        anchor = self._anchor.get(device)
         if anchor is None:  # sent by an earlier run: only its wall time is known, read once
-            anchor = self.monotonic() - max(0.0, self.clock() - box["sent_at"])
-            self._sent_mono[device] = anchor
-        return self.monotonic() - anchor
+            since = box["deployed_at"] if box["phase"] == DEPLOYED and box["deployed_at"] else box["sent_at"]
+            anchor = self.monotonic() - max(0.0, self.clock() - since)
+            self._anchor[device] = anchor
+        limit = self.spec.confirm_timeout_s if box["phase"] == DEPLOYED else self.spec.step_timeout
+        if self.monotonic() - anchor <= limit:
+            return False
+        where = "offline" if view is not None and not view.online else (
+            "pending" if view is not None and view.holds(self.sha) == "pending" else box["phase"])
+        step = "confirmed" if box["phase"] == DEPLOYED else "heard from"
+        return self._finish(state, device, TIMED_OUT, "not %s within %.0f s (last seen: %s)" % (step, limit, where))
 
-    def _finish(self, box: Dict[str, Any], outcome: str, error: Optional[str]) -> bool:
-        box.update(outcome=outcome, phase=DONE, error=error, finished_at=self.clock())
+    def _finish(self, state: RolloutState, device: str, outcome: str, error: Optional[str], **extra: Any) -> bool:
+        state.set(device, outcome=outcome, phase=DONE, error=error, finished_at=self.clock(), **extra)
+        self._retry_at.pop(device, None)
         return True
 
     def _report_box(self, state: RolloutState, device: str, left: int) -> None:
@@ -436,109 +461,118 @@ class Rollout:
 
     # --- messages ----------------------------------------------------------------------------------------
 
-    def _subscribe_acks(self, devices: List[str], verb: str) -> None:
+    def _subscribe_acks(self, devices: List[str]) -> None:
+        """Each box's own ack topics (``<prefix>/<device>/ack/#``): what arrives there is that box's word."""
         topics = []
         for device in devices:
-            topic = "%s/%s/ack/%s" % (self.spec.prefix, device, request_id(self.rollout_id, device, verb))
+            topic = "%s/%s/ack/#" % (self.spec.prefix, device)
             if topic not in self._subscribed:
                 topics.append(topic)
                 self._subscribed.add(topic)
         if topics:
             self.link.subscribe(topics)  # before publishing: an ack cannot be missed
 
-    def _pump(self) -> None:
-        """Read what arrived (at least one poll interval), folding status and acks in."""
+    def _pump(self, state: Optional[RolloutState]) -> None:
+        """Read what arrived (at least one poll interval), folding status and acks in; then a cancel request."""
         message = self.link.get(POLL_S)
         while message is not None:
-            self._apply(message)
+            self._apply(state, message)
             message = self.link.get(0.0)
+        if state is not None:
+            self._check_cancel(state)
 
-    def _apply(self, message: Message) -> None:
-        if "/ack/" in message.topic:
-            body = message.json()
-            if isinstance(body, dict) and isinstance(body.get("request_id"), str):
-                previous = self._acks.get(body["request_id"])
-                # a replayed 'in_progress' must not hide a final ack already seen
-                if previous is None or previous.get("state") not in (SUCCEEDED, FAILED):
-                    self._acks[body["request_id"]] = body
+    def _apply(self, state: Optional[RolloutState], message: Message) -> None:
+        parts = message.topic.split("/")
+        head = len(self.spec.prefix.split("/"))
+        if len(parts) == head + 3 and parts[head + 1] == "ack" and state is not None:
+            self._on_ack(state, parts[head], parts[head + 2], message)
             return
-        self.view.apply(message)
-
-    # --- rollback on abort -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _moved(box: Dict[str, Any]) -> bool:
-        """Deployed and still on the new model: confirmed, or pending when the rollout aborted."""
-        return box["outcome"] in (CONFIRMED, ABORTED) and box["deployed_at"] is not None
-
-    def _reverts_left(self, state: RolloutState) -> bool:
-        return state.status == ABORTED_ROLLOUT and self.spec.rollback_on_abort and any(
-            self._moved(b) and (b["revert"] or {}).get("state") not in (SUCCEEDED, FAILED)
-            for b in state.boxes.values())
-
-    def _revert(self, state: RolloutState) -> None:
-        devices = [d for d, b in sorted(state.boxes.items()) if self._moved(b) and
-                   (b["revert"] or {}).get("state") not in (SUCCEEDED, FAILED)]
-        if not devices:
+        device = self.view.apply(message)
+        if device is None or state is None:
             return
-        self.progress("rolling back %d moved box(es) to their previous model" % len(devices))
-        self._subscribe_acks(devices, "rollback")
-        for device in devices:
-            rid = request_id(self.rollout_id, device, "rollback")
-            state.boxes[device]["revert"] = {"request_id": rid, "state": "sent", "sent_at": self.clock(),
-                                             "to": None, "error": None}
-        state.save()
-        for device in devices:
-            rid = state.boxes[device]["revert"]["request_id"]
-            self.link.publish("%s/%s/cmd/rollback" % (self.spec.prefix, device),
-                              {"request_id": rid, "reason": "rollout %s aborted" % self.rollout_id})
-        waiting = list(devices)
-        deadline = self.monotonic() + DEFAULT_REVERT_TIMEOUT_S
-        while waiting and self.monotonic() < deadline:
-            self._pump()
-            for device in list(waiting):
-                revert = state.boxes[device]["revert"]
-                ack = self._acks.get(revert["request_id"])
-                if ack is None or ack.get("state") not in (SUCCEEDED, FAILED):
-                    continue
-                waiting.remove(device)
-                revert["state"] = ack["state"]
-                revert["finished_at"] = self.clock()
-                if ack["state"] == SUCCEEDED:
-                    revert["to"] = (ack.get("result") or {}).get("model")
-                else:
-                    error = ack.get("error") or {}
-                    revert["error"] = "%s: %s" % (error.get("code"), error.get("message"))
-                self.progress("  %-24s reverted: %s%s" % (device, ack["state"],
-                                                           " " + revert["error"] if revert["error"] else ""))
-                state.save()
-        for device in waiting:
-            state.boxes[device]["revert"].update(state="timed_out",
-                                                 error="no final ack within %.0f s" % DEFAULT_REVERT_TIMEOUT_S)
-        state.save()
+        view = self.view.boxes.get(device)
+        online = view is not None and view.online
+        was = self._online.get(device)
+        self._online[device] = online
+        box = state.boxes.get(device)
+        if box is None:
+            if view is not None and self.spec.group in view.groups:
+                self._take_in(state, device)
+        elif online and was is False and box["phase"] == SENT and device not in self._retry_at:
+            self._resend.add(device)
 
+    def _take_in(self, state: RolloutState, device: str) -> None:
+        """A box of the group that announced itself after the plan: a last wave (or reported, if too late)."""
+        box = {"wave": None, "phase": DONE, "outcome": NOT_STARTED, "error": "announced itself after the plan",
+               "attempt": 0, "old": None, "new": None, "baseline_rollback": None, "anomalies": [],
+               "request_id": request_id(self.rollout_id, device, "deploy"), "sent_at": None, "deployed_at": None,
+               "finished_at": None, "revert": None}
+        view = self.view.boxes[device]
+        if state.status == RUNNING and view.online and not view.malformed:
+            waves = state.data["waves"]
+            late = state.data.get("late_wave")
+            if late is None or late != len(waves) - 1 or any(state.boxes[d]["phase"] != PLANNED for d in waves[late]):
+                waves = waves + [[]]
+                late = len(waves) - 1
+            waves[late] = waves[late] + [device]
+            box.update(wave=late, phase=PLANNED, outcome=None, error=None,
+                       old=_identity(view.serving) if view.serving else None, baseline_rollback=view.last_rollback)
+            state.top(waves=waves, late_wave=late)
+            self.progress("  %-24s announced itself after the plan: taken into wave %d" % (device, late + 1))
+        state.set(device, **box)
 
-def report(state: RolloutState) -> Dict[str, Any]:
-    """The final JSON report: counts, the abort, and per box old/new version, outcome, timings, revert."""
-    data = state.data
-    executed, failures = state.executed_and_failures()
-    counts: Dict[str, int] = {}
-    boxes = []
-    for device in sorted(state.boxes):
-        box = state.boxes[device]
-        counts[box["outcome"] or "in_flight"] = counts.get(box["outcome"] or "in_flight", 0) + 1
-        sent = box["sent_at"]
-        boxes.append({
-            "device": device, "wave": box["wave"], "outcome": box["outcome"], "error": box["error"],
-            "old_version": (box["old"] or {}).get("version"), "new_version": (box["new"] or {}).get("version"),
-            "request_id": box["request_id"] if sent is not None else None,
-            "deploy_s": round(box["deployed_at"] - sent, 3) if sent and box["deployed_at"] else None,
-            "confirm_s": round(box["finished_at"] - sent, 3) if sent and box["outcome"] == CONFIRMED else None,
-            "reverted": (box["revert"] or {}).get("state") == SUCCEEDED if box["revert"] else None,
-            "revert": box["revert"]})
-    return {"rollout_id": data["rollout_id"], "spec": data["spec"], "status": data["status"],
-            "abort": data["abort"], "started": data["started"], "finished": data["finished"],
-            "wall_s": round(data["finished"] - data["started"], 3) if data["finished"] else None,
-            "runs": data.get("runs", 1), "waves": data["waves"], "counts": counts, "executed": executed,
-            "failures": failures, "failure_rate": round(failures / executed, 4) if executed else 0.0,
-            "boxes": boxes}
+    def _on_ack(self, state: RolloutState, device: str, topic_rid: str, message: Message) -> None:
+        box = state.boxes.get(device)
+        if box is None:
+            return
+        own = topic_rid == box.get("request_id") or topic_rid == (box.get("revert") or {}).get("request_id")
+        try:
+            ack = parse_ack(message.json())
+        except Malformed as exc:
+            if own and box["phase"] in (SENT, DEPLOYED):
+                self._finish(state, device, MALFORMED, "ack %s: %s" % (topic_rid, exc))
+            else:
+                self._anomaly(state, device, "malformed ack on %s: %s" % (message.topic, exc))
+            return
+        if ack.request_id != topic_rid or not own:
+            if ack.request_id.startswith(self.rollout_id + ".") and not own:
+                self._anomaly(state, device, "published an ack for request %s, not its own" % ack.request_id)
+            elif ack.request_id != topic_rid:
+                self._anomaly(state, device, "ack on %s names request %s" % (message.topic, ack.request_id))
+            return
+        key = (device, topic_rid)
+        previous = self.acks.get(key)
+        if previous is not None and previous.state in FINAL_STATES:
+            if ack.state in FINAL_STATES and ack.state != previous.state:
+                self._duplicate(state, device, "two different final answers to %s (%s, then %s): two boxes "
+                                "answer as %s" % (topic_rid, previous.state, ack.state, device))
+            return  # a replayed 'in_progress' must not hide a final ack already seen
+        self.acks[key] = ack
+        if device in self._anchor and ack.state not in FINAL_STATES and box["phase"] == SENT:
+            self._anchor[device] = self.monotonic()  # progress restarts the step timeout
+
+    def _duplicate(self, state: RolloutState, device: str, why: str) -> None:
+        self._anomaly(state, device, why)
+        if state.boxes[device]["outcome"] != DUPLICATE:
+            self.progress("  %-24s DUPLICATE device id: %s" % (device, why))
+            self._finish(state, device, DUPLICATE, why)
+
+    def _anomaly(self, state: RolloutState, device: str, what: str) -> None:
+        kept = (state.boxes[device].get("anomalies") or []) + [_one_line(what)[:300]]
+        state.set(device, anomalies=kept[-ANOMALIES_KEPT:])
+
+    def _check_cancel(self, state: RolloutState) -> None:
+        path = self.path[:-len(".json")] + ".cancel"
+        if state.status not in (RUNNING, PAUSED) or not os.path.exists(path):
+            return
+        try:
+            with open(path, encoding="utf-8") as handle:
+                request = json.load(handle)
+            revert = bool(request.get("revert")) if isinstance(request, dict) else False
+        except (OSError, ValueError):
+            revert = False
+        state.top(status=CANCELLED_ROLLOUT, cancel={"at": self.clock(), "revert": revert},
+                  revert="wanted" if revert else None)
+        state.save()
+        self.progress("CANCELLED by 'fleet cancel'%s; no further box is sent a deploy" % (
+            ": moved boxes go back" if revert else ""))

@@ -7,15 +7,21 @@ itself, without asking any of them. Telemetry (fps) and alerts are not retained:
 heard while listening.
 """
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from agent.fleet.link import FleetLink, Message
+from agent.fleet.messages import Malformed, parse_status
 
 ONLINE = "online"
+MALFORMED = "malformed"  # the box's status does not have the documented shape: shown with the reason
 DEFAULT_LISTEN_S = 2.0  # long enough for the retained burst of a few thousand boxes and some telemetry
-QUIET_S = 0.3  # the retained burst is over once the broker has been quiet this long after the SUBACK
+# The retained burst is over once no new box has appeared for this long after the SUBACK. A link that
+# stalls (a congested uplink, a bridge catching up) pauses the burst for a moment: a window of a fraction of
+# a second took the pause for the end and left every box behind it out of the rollout.
+SETTLE_S = 2.0
 ALERTS_KEPT = 5  # most recent alerts shown per box
 
 
@@ -39,6 +45,7 @@ class BoxView:
     fps: Optional[float] = None
     alerts: List[Dict[str, Any]] = field(default_factory=list)
     reason: Optional[str] = None
+    malformed: Optional[str] = None  # why its last status was refused; its last good slot table is kept
 
     @property
     def online(self) -> bool:
@@ -93,15 +100,15 @@ class FleetView:
             return None
         body = message.json()
         if kind == ["status"]:
-            if body is None:  # a cleared retained status: the box was decommissioned
+            if not message.payload:  # a cleared retained status: the box was decommissioned
                 self.boxes.pop(device, None)
                 return device
-            if isinstance(body, dict):
-                self._status(device, body)
-                return device
+            self._status(device, body)
+            return device
         elif kind == ["telemetry"] and isinstance(body, dict):
             box = self.boxes.setdefault(device, BoxView(device))
-            box.fps = body.get("fps")
+            fps = body.get("fps")
+            box.fps = fps if isinstance(fps, (int, float)) and math.isfinite(fps) else None
             box.last_seen = _latest(box.last_seen, body.get("ts"))
             return device
         elif kind == ["telemetry", "alert"] and isinstance(body, dict):
@@ -111,8 +118,15 @@ class FleetView:
             return device
         return None
 
-    def _status(self, device: str, body: Dict[str, Any]) -> None:
+    def _status(self, device: str, body: Any) -> None:
         box = self.boxes.setdefault(device, BoxView(device))
+        self.updates += 1
+        try:
+            parse_status(body)
+        except Malformed as exc:
+            box.state, box.malformed, box.reason = MALFORMED, str(exc), "malformed status: %s" % exc
+            return
+        box.malformed = None
         box.state = str(body.get("state", "unknown"))
         groups = body.get("groups")
         if isinstance(groups, list):
@@ -125,7 +139,6 @@ class FleetView:
         box.reason = body.get("reason")
         box.status_ts = body.get("ts") if isinstance(body.get("ts"), (int, float)) else None
         box.last_seen = _latest(box.last_seen, box.status_ts)
-        self.updates += 1
 
     def in_group(self, group: Optional[str]) -> List[BoxView]:
         """Boxes of ``group`` (all boxes when None), sorted by device id."""
@@ -133,33 +146,34 @@ class FleetView:
 
 
 def _latest(current: Optional[float], new: Any) -> Optional[float]:
-    if not isinstance(new, (int, float)):
+    if isinstance(new, bool) or not isinstance(new, (int, float)) or not math.isfinite(new):
         return current
     return new if current is None else max(current, float(new))
 
 
-def collect(link: FleetLink, view: FleetView, listen_s: float, status_only: bool = False) -> FleetView:
-    """Subscribe to the fleet topics and fold messages in for ``listen_s`` (or until quiet after the burst).
+def collect(link: FleetLink, view: FleetView, listen_s: float, status_only: bool = False,
+            settle_s: float = SETTLE_S, monotonic: Callable[[], float] = time.monotonic) -> FleetView:
+    """Subscribe to the fleet topics and fold messages in for ``listen_s``, and at least until the set settles.
 
-    With ``listen_s`` 0 the retained burst alone is read: it ends once the broker has been quiet for
-    :data:`QUIET_S`, so a small fleet does not wait for nothing. ``status_only`` leaves telemetry and alerts
-    out (a rollout needs only the retained status, and a large fleet's telemetry is most of its traffic).
+    The set of boxes has settled once no new box has appeared for ``settle_s`` (:data:`SETTLE_S`): a small
+    fleet does not wait for the whole ``listen_s``, and a link that pauses in the middle of the retained burst
+    does not cut it short. ``status_only`` leaves telemetry and alerts out (a rollout needs only the retained
+    status, and a large fleet's telemetry is most of its traffic).
     """
     topics = status_topics(view.prefix)
     link.subscribe(topics[:1] if status_only else topics)
-    deadline = time.monotonic() + listen_s
+    start = monotonic()
+    grew, known = start, len(view.boxes)
     while True:
-        now = time.monotonic()
-        quiet = listen_s <= 0
-        wait = QUIET_S if quiet else deadline - now
-        if not quiet and wait <= 0:
+        now = monotonic()
+        if len(view.boxes) != known:
+            grew, known = now, len(view.boxes)
+        wait = max(start + listen_s, grew + settle_s) - now
+        if wait <= 0:
             return view
         message = link.get(wait)
-        if message is None:
-            if quiet:
-                return view
-            continue
-        view.apply(message)
+        if message is not None:
+            view.apply(message)
 
 
 def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:

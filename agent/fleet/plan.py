@@ -1,0 +1,171 @@
+"""What a rollout was asked to do and the rules it decides by: the spec, the waves, request ids, abort rules.
+
+Pure functions and a frozen spec, no I/O: the engine (``rollout.py``) applies them, the state file
+(``journal.py``) keeps the spec so that a re-run must ask the same.
+"""
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from agent.config.names import name_problem
+from agent.ops.commands import REQUEST_ID_MAX, REQUEST_ID_RE
+
+ROLLOUT_ID_MAX = 24  # leaves room in a 64-character request id for the device and the verb
+DEFAULT_CONFIRM_TIMEOUT_S = 900.0  # a deploy plus a box's default 60 s observation window, with a wide margin
+DEFAULT_REVERT_TIMEOUT_S = 120.0  # a rollback is a reference swap or one reload: a slow box still answers
+DEFAULT_RETRIES = 2  # a transient 'busy' or 'interrupted' is sent again this many times
+RETRY_BASE_S = 2.0  # backoff before retry n: RETRY_BASE_S * 2**(n-1)
+RETRYABLE = ("busy", "interrupted")  # error codes that say "not now", not "never"
+
+# Outcomes. EXECUTED ones count towards the failure rate; FAILURES are the failed ones among them.
+CONFIRMED, FAILED_OUTCOME, ROLLED_BACK, TIMED_OUT = "confirmed", "failed", "rolled_back", "timed_out"
+MALFORMED, DUPLICATE = "malformed", "duplicate"
+ABORTED, CANCELLED, OFFLINE, ALREADY, NOT_STARTED = "aborted", "cancelled", "offline", "already", "not_started"
+NOT_TARGETED, UNSEEN = "not_targeted", "unseen"
+FAILURES = (FAILED_OUTCOME, ROLLED_BACK, TIMED_OUT, MALFORMED, DUPLICATE)
+EXECUTED = (CONFIRMED,) + FAILURES
+# Rollout states in the state file and report.
+RUNNING, PAUSED, COMPLETED, PARTIAL, ABORTED_ROLLOUT = "running", "paused", "completed", "partial", "aborted"
+CANCELLED_ROLLOUT = "cancelled"
+FINISHED = (COMPLETED, PARTIAL, ABORTED_ROLLOUT, CANCELLED_ROLLOUT)
+
+
+class RolloutError(Exception):
+    """Bad arguments, or a state file that does not belong to this command; nothing was sent."""
+
+
+def _bad_number(value: Optional[float]) -> bool:
+    return value is not None and not math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What a rollout was asked to do: a re-run must ask the same (the state file keeps it)."""
+
+    group: str
+    bundle: str
+    sha256: str
+    prefix: str = "atlas-edge"
+    canary: int = 1
+    waves: int = 3
+    wave_size: Optional[int] = None
+    max_failures: Optional[int] = None
+    max_failure_rate: Optional[float] = None
+    min_executed: int = 1
+    confirm_timeout_s: float = DEFAULT_CONFIRM_TIMEOUT_S
+    rollback_on_abort: bool = False
+    wait_offline_s: Optional[float] = None
+    step_timeout_s: Optional[float] = None  # silence allowed before a deploy ends; progress restarts it
+    retries: int = DEFAULT_RETRIES
+    max_per_minute: Optional[int] = None
+    max_per_type: Dict[str, int] = field(default_factory=dict)  # outcome -> most boxes allowed to end so
+    continue_after_canary_failure: bool = False
+    pause_after_canary: bool = False
+    revert_timeout_s: float = DEFAULT_REVERT_TIMEOUT_S
+
+    def check(self) -> None:
+        problems = []
+        problem = name_problem(self.group)
+        if problem:
+            problems.append("--group %s" % problem)
+        problems += prefix_problems(self.prefix)
+        if not self.bundle:
+            problems.append("--bundle must not be empty")
+        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256.lower()):
+            problems.append("--sha256 must be 64 hex digits (the manifest's, as 'bundle verify' prints)")
+        if self.canary < 0 or self.waves < 1 or (self.wave_size is not None and self.wave_size < 1):
+            problems.append("--canary must be >= 0, --waves and --wave-size >= 1")
+        if self.max_failures is not None and self.max_failures < 0:
+            problems.append("--max-failures must be >= 0")
+        numbers = {"--max-failure-rate": self.max_failure_rate, "--confirm-timeout": self.confirm_timeout_s,
+                   "--wait-offline": self.wait_offline_s, "--step-timeout": self.step_timeout_s,
+                   "--revert-timeout": self.revert_timeout_s}
+        problems += ["%s must be a finite number" % name for name, v in numbers.items() if _bad_number(v)]
+        if self.max_failure_rate is not None and not 0 <= self.max_failure_rate < 1:
+            problems.append("--max-failure-rate must be in [0, 1)")
+        if self.min_executed < 1 or not self.confirm_timeout_s > 0:
+            problems.append("--min-executed must be >= 1 and --confirm-timeout > 0")
+        for name, value in (("--wait-offline", self.wait_offline_s), ("--step-timeout", self.step_timeout_s),
+                            ("--revert-timeout", self.revert_timeout_s)):
+            if value is not None and not value > 0:
+                problems.append("%s must be > 0" % name)
+        if self.retries < 0 or (self.max_per_minute is not None and self.max_per_minute < 1):
+            problems.append("--retries must be >= 0 and --max-per-minute >= 1")
+        for outcome, limit in self.max_per_type.items():
+            if outcome not in FAILURES or limit < 0:
+                problems.append("--max-per-type %s=%s: the type is one of %s and the limit >= 0" % (
+                    outcome, limit, ", ".join(FAILURES)))
+        if problems:
+            raise RolloutError("; ".join(problems))
+
+    @property
+    def step_timeout(self) -> float:
+        return self.step_timeout_s if self.step_timeout_s is not None else self.confirm_timeout_s
+
+    def default_id(self) -> str:
+        """Same command, same id: what makes a plain re-run resume instead of starting over."""
+        key = "\n".join((self.prefix, self.group, self.bundle, self.sha256.lower()))
+        return "ro-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+
+
+def prefix_problems(prefix: str) -> List[str]:
+    """A topic prefix is one or more levels without wildcards (``x/#`` would subscribe to anything)."""
+    problem = name_problem(prefix, levels=True)
+    return ["--prefix %s" % problem] if problem else []
+
+
+def check_rollout_id(rollout_id: str) -> str:
+    if not rollout_id or len(rollout_id) > ROLLOUT_ID_MAX or not REQUEST_ID_RE.match(rollout_id):
+        raise RolloutError("--rollout-id must be 1-%d characters of A-Z a-z 0-9 _ . : -" % ROLLOUT_ID_MAX)
+    return rollout_id
+
+
+def request_id(rollout_id: str, device: str, verb: str) -> str:
+    """``<rollout>.<device>.<verb>``; a device id that does not fit a request id is replaced by its hash."""
+    candidate = "%s.%s.%s" % (rollout_id, device, verb)
+    if len(candidate) <= REQUEST_ID_MAX and REQUEST_ID_RE.match(candidate):
+        return candidate
+    return "%s.h%s.%s" % (rollout_id, hashlib.sha256(device.encode("utf-8")).hexdigest()[:16], verb)
+
+
+def deploy_verb(attempt: int) -> str:
+    """The request id's verb part for a deploy: a retry is a new request (the box's record answers the old)."""
+    return "deploy" if attempt == 0 else "deploy-r%d" % attempt
+
+
+def plan_waves(devices: List[str], canary: int, waves: int, wave_size: Optional[int]) -> List[List[str]]:
+    """Canary first (if any), then ``waves`` near-equal waves, or waves of ``wave_size``."""
+    head, rest = devices[:canary], devices[canary:]
+    planned = [head] if head else []
+    if not rest:
+        return planned
+    if wave_size is None:
+        count = min(waves, len(rest))
+        size, extra = divmod(len(rest), count)
+        start = 0
+        for index in range(count):
+            end = start + size + (1 if index < extra else 0)
+            planned.append(rest[start:end])
+            start = end
+    else:
+        planned += [rest[i:i + wave_size] for i in range(0, len(rest), wave_size)]
+    return planned
+
+
+def abort_reason(spec: RolloutSpec, outcomes: Dict[str, int]) -> Optional[str]:
+    """Why the rollout must stop now, or None (AWS IoT Jobs' abort criteria, per failure type and overall)."""
+    executed = sum(n for o, n in outcomes.items() if o in EXECUTED)
+    failures = sum(n for o, n in outcomes.items() if o in FAILURES)
+    for outcome, limit in sorted(spec.max_per_type.items()):
+        if outcomes.get(outcome, 0) > limit:
+            return "%d box(es) %s, more than --max-per-type %s=%d" % (outcomes[outcome], outcome, outcome, limit)
+    if spec.max_failures is not None and failures > spec.max_failures:
+        return "%d failure(s), more than --max-failures %d" % (failures, spec.max_failures)
+    if spec.max_failure_rate is not None and executed >= spec.min_executed and executed:
+        rate = failures / executed
+        if rate > spec.max_failure_rate:
+            return "failure rate %.3f (%d of %d executed) above --max-failure-rate %.3f" % (
+                rate, failures, executed, spec.max_failure_rate)
+    return None

@@ -1,0 +1,59 @@
+"""The final report of a rollout: every box the fleet knows, with its outcome, and the counts; the exit code."""
+
+from typing import Any, Dict, List
+
+from agent.fleet.journal import RolloutState
+from agent.fleet.plan import (
+    ABORTED_ROLLOUT,
+    CANCELLED_ROLLOUT,
+    COMPLETED,
+    CONFIRMED,
+    PARTIAL,
+    PAUSED,
+)
+from agent.ops.commands import SUCCEEDED
+
+# Exit codes of 'fleet rollout' (and 'fleet resume'), one per way a rollout can end (docs/fleet.md).
+EXIT_COMPLETED = 0  # every box of the group confirmed (or already there)
+EXIT_ABORTED = 1  # a threshold or the canary stopped it
+EXIT_PARTIAL = 5  # it ran to its end, but some box failed, was offline, unseen or otherwise not reached
+EXIT_PAUSED = 6  # paused after its canary, waiting for 'fleet resume'
+EXIT_CANCELLED = 7  # stopped by 'fleet cancel'
+EXIT_BY_STATUS = {COMPLETED: EXIT_COMPLETED, ABORTED_ROLLOUT: EXIT_ABORTED, PARTIAL: EXIT_PARTIAL,
+                  PAUSED: EXIT_PAUSED, CANCELLED_ROLLOUT: EXIT_CANCELLED}
+
+
+def exit_code(status: str) -> int:
+    return EXIT_BY_STATUS.get(status, EXIT_PARTIAL)
+
+
+def report(state: RolloutState) -> Dict[str, Any]:
+    """The JSON report: counts, the abort, and per box old/new version, outcome, timings, revert, anomalies."""
+    data = state.data
+    executed, failures = state.executed_and_failures()
+    counts: Dict[str, int] = {}
+    boxes: List[Dict[str, Any]] = []
+    for device in sorted(state.boxes):
+        box = state.boxes[device]
+        outcome = box["outcome"] or "in_flight"
+        counts[outcome] = counts.get(outcome, 0) + 1
+        sent = box["sent_at"]
+        revert = box["revert"]
+        boxes.append({
+            "device": device, "wave": box["wave"], "outcome": box["outcome"], "error": box["error"],
+            "old_version": (box.get("old") or {}).get("version"),
+            "new_version": (box.get("new") or {}).get("version"),
+            "request_id": box["request_id"] if sent is not None else None, "attempts": box.get("attempt", 0) + 1
+            if sent is not None else 0,
+            "deploy_s": round(box["deployed_at"] - sent, 3) if sent and box.get("deployed_at") else None,
+            "confirm_s": round(box["finished_at"] - sent, 3) if sent and box["outcome"] == CONFIRMED else None,
+            "reverted": revert.get("state") == SUCCEEDED if revert and revert.get("request_id") else None,
+            "revert": revert, "anomalies": box.get("anomalies") or []})
+    not_reached = [b["device"] for b in boxes if b["outcome"] not in (CONFIRMED, "already", "not_targeted")]
+    return {"rollout_id": data["rollout_id"], "spec": data["spec"], "status": data["status"],
+            "abort": data["abort"], "cancel": data.get("cancel"), "started": data["started"],
+            "finished": data["finished"], "shortfall": data.get("shortfall"),
+            "wall_s": round(data["finished"] - data["started"], 3) if data["finished"] else None,
+            "runs": data.get("runs", 1), "waves": data["waves"], "counts": counts, "executed": executed,
+            "failures": failures, "failure_rate": round(failures / executed, 4) if executed else 0.0,
+            "not_reached": not_reached, "state_bytes_written": state.bytes_written, "boxes": boxes}

@@ -1,0 +1,441 @@
+"""Protocol-only simulated boxes: many per process, one thread, one select loop; paho and the stdlib only.
+
+These boxes know nothing of ``agent``: they speak the box protocol as docs/mqtt.md and docs/fleet.md write
+it (a retained ``status`` with the slot table, its last will, ``cmd/deploy`` and ``cmd/rollback`` answered on
+``ack/<request_id>`` as ``accepted`` -> ``in_progress`` -> ``succeeded`` | ``failed``, a request record that
+answers a repeated request id without running it twice). So a test of the operator tools against them shows
+what the tools do with what any box could send, not with what this project's daemon happens to send.
+
+Each box may carry one fault (:data:`FAULTS`): the misbehaviours an operator meets in a real fleet. The
+``BoxFleet`` runs every box's paho client in one thread with a select loop (no thread per box), so a
+thousand boxes cost a few MiB and a test of twenty stays cheap on a shared machine. Everything a box does
+happens on that thread; other threads act through :meth:`BoxFleet.call`.
+"""
+
+import heapq
+import json
+import os
+import queue
+import select
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import paho.mqtt.client as mqtt
+
+OLD = {"name": "shapes", "version": "1.0.0", "manifest_sha256": "1" * 64}
+FAULTS = (
+    "hang",              # accepts a deploy, says it started, then nothing
+    "lwt_old",           # its connection dies mid-deploy (last will); back after away_s on the old model
+    "lwt_new",           # the same, but back on the new model (the deploy had finished)
+    "wrong_sha",         # its deploy 'succeeds' with another manifest than the one pinned
+    "bad_slots",         # its retained status has slots.slots as a list
+    "bad_rollback",      # its retained status has last_rollback as a string
+    "bad_result",        # its success ack carries "result": "ok"
+    "forge",             # on its own ack topic, it publishes a failed ack with another box's request id
+    "clone",             # a second box with the same device id (a cloned SD card): it fails every deploy
+    "late",              # confirms only after late_s (past the operator's timeout)
+    "dup_acks",          # sends every final ack twice
+    "busy_once",         # the first deploy is answered failed 'busy' (another command was running)
+    "interrupted_once",  # the first deploy is answered failed 'interrupted' (it restarted meanwhile)
+    "roll_back",         # deploys, then rolls the new model back itself in its window (latency)
+)
+TICK_S = 0.05
+
+
+def _empty() -> Dict[str, Any]:
+    return {"state": "empty", "name": None, "version": None, "manifest_sha256": None, "since": None}
+
+
+class SimBox:
+    """One box: its slot table, its request record, its one fault; driven by the fleet's loop thread."""
+
+    def __init__(self, fleet: "BoxFleet", device: str, groups: List[str], fault: Optional[str] = None,
+                 params: Optional[Dict[str, Any]] = None, password: Optional[str] = None,
+                 client_suffix: str = "") -> None:
+        if fault is not None and fault not in FAULTS:
+            raise ValueError("unknown fault %r (one of %s)" % (fault, ", ".join(FAULTS)))
+        self.fleet = fleet
+        self.device = device
+        self.groups = groups
+        self.fault = fault
+        self.params = params or {}
+        self.password = password
+        self.client_id = "sim-%s%s" % (device, client_suffix)
+        self.slots: Dict[str, Any] = {"serving": "a", "slots": {"a": dict(OLD, state="confirmed", since="t0"),
+                                                               "b": _empty()}}
+        self.record: Dict[str, Dict[str, Any]] = {}  # request id -> final ack
+        self.deploys = 0  # deploy commands run (not answered from the record)
+        self.rollbacks = 0
+        self.commands: List[Tuple[str, Dict[str, Any]]] = []  # (verb, payload) as received
+        self.client: Optional[Any] = None
+        self.connected = False
+        self._busy = False
+        self._faulted_once = False
+        self._pending_token = 0  # bumps when a pending model is resolved: cancels its confirm timer
+
+    # --- connection --------------------------------------------------------------------------------------
+
+    def topic(self, *parts: str) -> str:
+        return "/".join((self.fleet.prefix, self.device) + parts)
+
+    def status_body(self, state: str = "online") -> Dict[str, Any]:
+        slots = json.loads(json.dumps(self.slots))
+        if self.fault == "bad_slots":
+            slots["slots"] = list(slots["slots"].values())
+        elif self.fault == "bad_rollback":
+            slots["last_rollback"] = "rolled back at some point"
+        serving = self.slots["slots"][self.slots["serving"]]
+        return {"state": state, "device": "sim", "model": "%s %s" % (serving["name"], serving["version"]),
+                "backend": "sim", "ts": time.time(), "groups": list(self.groups), "slots": slots}
+
+    def connect(self) -> None:
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=True,
+                             reconnect_on_failure=False)
+        if self.password is not None:
+            client.username_pw_set(self.device, self.password)
+        will = {"state": "offline", "device": self.device, "reason": "connection lost", "groups": self.groups}
+        client.will_set(self.topic("status"), json.dumps(will), qos=1, retain=True)
+        client.on_connect = self._on_connect
+        client.on_message = self._on_message
+        client.on_disconnect = lambda c, u, f, rc, p: self._lost(c)
+        client.connect(self.fleet.host, self.fleet.port, keepalive=60)
+        self.client = client
+        self.fleet.watch(client)
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        if reason.is_failure:
+            return
+        self.connected = True
+        client.subscribe([(self.topic("cmd", "#"), 1)])
+        self.publish_status()
+
+    def _lost(self, client: Any) -> None:
+        if client is self.client:
+            self.connected = False
+
+    def drop(self) -> None:
+        """Lose the connection without a DISCONNECT: the broker publishes the last will (offline)."""
+        client, self.client, self.connected = self.client, None, False
+        if client is not None:
+            self.fleet.unwatch(client)
+            sock = client.socket()
+            if sock is not None:
+                sock.close()
+
+    def stop(self) -> None:
+        """A clean stop: status offline ('stopped'), then DISCONNECT (no will)."""
+        if self.client is not None and self.connected:
+            self.send(self.topic("status"), {"state": "offline", "device": self.device, "reason": "stopped",
+                                             "groups": self.groups}, retain=True)
+            self.client.disconnect()
+        self.drop()
+
+    def away(self, seconds: float, then: Optional[Callable[[], None]] = None) -> None:
+        """Connection dies now; back after ``seconds`` (``then`` runs just before it reconnects)."""
+        self.drop()
+
+        def back() -> None:
+            if then is not None:
+                then()
+            self.connect()
+
+        self.fleet.later(seconds, back)
+
+    def send(self, topic: str, body: Any, retain: bool = False) -> None:
+        if self.client is not None:
+            self.client.publish(topic, json.dumps(body), qos=1, retain=retain)
+
+    def publish_status(self) -> None:
+        self.send(self.topic("status"), self.status_body(), retain=True)
+
+    def ack(self, request_id: str, verb: str, state: str, **fields: Any) -> None:
+        body = dict(fields, request_id=request_id, verb=verb, state=state, ts=time.time())
+        if state in ("succeeded", "failed"):
+            self.record[request_id] = body
+        self.send(self.topic("ack", request_id), body)
+        if state in ("succeeded", "failed") and self.fault == "dup_acks":
+            self.send(self.topic("ack", request_id), body)
+
+    # --- commands ----------------------------------------------------------------------------------------
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        verb = message.topic.rsplit("/", 1)[-1]
+        try:
+            body = json.loads(message.payload.decode("utf-8"))
+            rid = body["request_id"]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return
+        self.commands.append((verb, body))
+        if rid in self.record:  # a retry: answered from the record, never run twice
+            self.send(self.topic("ack", rid), self.record[rid])
+            return
+        if verb == "deploy":
+            self._deploy(rid, body)
+        elif verb == "rollback":
+            self._rollback(rid)
+        else:
+            self.ack(rid, verb, "failed", error={"code": "invalid", "message": "the simulation knows deploy and "
+                                                 "rollback only"})
+
+    def _deploy(self, rid: str, body: Dict[str, Any]) -> None:
+        if self._busy:
+            self.ack(rid, "deploy", "failed", error={"code": "busy", "message": "another deploy is running"})
+            return
+        once = {"busy_once": "busy", "interrupted_once": "interrupted"}.get(self.fault or "")
+        if once and not self._faulted_once:
+            self._faulted_once = True
+            self.ack(rid, "deploy", "accepted")
+            self.ack(rid, "deploy", "failed", error={"code": once, "message": "simulated %s" % once})
+            return
+        if self.fault == "clone":
+            self.ack(rid, "deploy", "failed", error={"code": "invalid", "message": "this clone cannot load it"})
+            return
+        self.ack(rid, "deploy", "accepted")
+        self.ack(rid, "deploy", "in_progress", message="fetching %s" % body.get("bundle"))
+        if self.fault == "forge":
+            victim = self.params["victim_rid"]
+            self.send(self.topic("ack", rid), {"request_id": victim, "verb": "deploy", "state": "failed",
+                                               "ts": time.time(), "error": {"code": "invalid", "message": "forged"}})
+        if self.fault == "hang":
+            return
+        self.deploys += 1
+        self._busy = True
+        bundle = self.fleet.bundles.get(str(body.get("bundle")))
+        if bundle is None or bundle["manifest_sha256"] != body.get("sha256"):
+            self._busy = False
+            code, why = ("fetch", "no such bundle") if bundle is None else ("sha256_mismatch", "other manifest")
+            self.ack(rid, "deploy", "failed", error={"code": code, "message": "%s: %s" % (why, body.get("bundle"))})
+            return
+        model = dict(bundle)
+        if self.fault == "wrong_sha":
+            model["manifest_sha256"] = "e" * 64
+        if self.fault in ("lwt_old", "lwt_new"):
+            self.fleet.later(self.fleet.deploy_s / 2, lambda: self._die_mid_deploy(rid, model))
+            return
+        self.fleet.later(self.fleet.deploy_s, lambda: self._deployed(rid, model))
+
+    def _die_mid_deploy(self, rid: str, model: Dict[str, Any]) -> None:
+        self._busy = False
+        if self.fault == "lwt_new":
+            self._install(model)
+            self.record[rid] = {"request_id": rid, "verb": "deploy", "state": "succeeded", "ts": time.time(),
+                                "result": {"slot": self._pending_slot(), "state": "pending", "model": model}}
+            self.away(self.params.get("away_s", 2.0), then=lambda: self._confirm_now(model))
+        else:
+            self.record[rid] = {"request_id": rid, "verb": "deploy", "state": "failed", "ts": time.time(),
+                                "error": {"code": "interrupted", "message": "the agent stopped before this "
+                                          "command finished"}}
+            self.away(self.params.get("away_s", 2.0))
+
+    def _pending_slot(self) -> str:
+        return "b" if self.slots["serving"] == "a" else "a"
+
+    def _install(self, model: Dict[str, Any]) -> None:
+        slot = self._pending_slot()
+        self.slots["slots"][slot] = dict(model, state="pending", since="t1")
+        self.slots["serving"] = slot
+        self._pending_token += 1
+
+    def _confirm_now(self, model: Dict[str, Any]) -> None:
+        serving = self.slots["serving"]
+        other = "a" if serving == "b" else "b"
+        self.slots["slots"][serving]["state"] = "confirmed"
+        if self.slots["slots"][other]["state"] != "empty":
+            self.slots["slots"][other]["state"] = "standby"
+        self._pending_token += 1
+
+    def _deployed(self, rid: str, model: Dict[str, Any]) -> None:
+        self._busy = False
+        self._install(model)
+        result: Any = {"slot": self.slots["serving"], "state": "pending", "model": model}
+        self.ack(rid, "deploy", "succeeded", result="ok" if self.fault == "bad_result" else result)
+        self.publish_status()
+        token = self._pending_token
+        observe = self.params.get("late_s", 0.0) if self.fault == "late" else self.fleet.observation_s
+
+        def judged() -> None:
+            if token != self._pending_token:
+                return  # rolled back (or replaced) before its window ended
+            if self.fault == "roll_back":
+                self._reject("latency p95 over the limit in the observation window")
+            else:
+                self._confirm_now(model)
+            self.publish_status()
+
+        self.fleet.later(observe, judged)
+
+    def _reject(self, reason: str) -> None:
+        pending = self.slots["serving"]
+        bad = self.slots["slots"][pending]
+        back = "a" if pending == "b" else "b"
+        self.slots["last_rollback"] = {"name": bad["name"], "version": bad["version"],
+                                       "manifest_sha256": bad["manifest_sha256"], "reason": reason, "at": "t2"}
+        self.slots["slots"][pending] = _empty()
+        self.slots["serving"] = back
+        self.slots["slots"][back]["state"] = "confirmed"
+        self._pending_token += 1
+
+    def _rollback(self, rid: str) -> None:
+        self.ack(rid, "rollback", "accepted")
+        serving = self.slots["serving"]
+        current = self.slots["slots"][serving]
+        other = "a" if serving == "b" else "b"
+        if current["state"] == "pending":
+            self._reject("rollback command")
+        elif self.slots["slots"][other]["state"] == "standby":
+            self.slots["slots"][other]["state"] = "confirmed"
+            current["state"] = "standby"
+            self.slots["serving"] = other
+            self._pending_token += 1
+        else:
+            self.ack(rid, "rollback", "failed", error={"code": "no_previous", "message": "nothing to go back to"})
+            return
+        self.rollbacks += 1
+        back = self.slots["slots"][self.slots["serving"]]
+        self.ack(rid, "rollback", "succeeded", result={"model": {k: back[k] for k in OLD}})
+        self.publish_status()
+
+    def serving(self) -> Dict[str, Any]:
+        entry = self.slots["slots"][self.slots["serving"]]
+        return {"version": entry["version"], "state": entry["state"]}
+
+
+class BoxFleet:
+    """Simulated boxes sharing one loop thread; ``bundles`` maps a bundle string to the model it holds."""
+
+    def __init__(self, host: str, port: int, prefix: str, bundles: Dict[str, Dict[str, Any]],
+                 observation_s: float = 0.5, deploy_s: float = 0.2) -> None:
+        self.host, self.port, self.prefix = host, port, prefix
+        self.bundles = bundles
+        self.observation_s = observation_s
+        self.deploy_s = deploy_s
+        self.boxes: List[SimBox] = []
+        self._clients: Dict[Any, Any] = {}  # socket -> paho client
+        self._timers: List[Tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self._calls: "queue.Queue[Tuple[Callable[[], Any], queue.Queue]]" = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="box-fleet", daemon=True)
+        self.errors: List[str] = []
+
+    def add(self, device: str, groups: Optional[List[str]] = None, fault: Optional[str] = None,
+            **kwargs: Any) -> SimBox:
+        box = SimBox(self, device, groups or ["sim"], fault, **kwargs)
+        self.boxes.append(box)
+        return box
+
+    def start(self, timeout: float = 30.0) -> "BoxFleet":
+        """Connect every box (on the loop thread) and wait until each one is connected."""
+        self._thread.start()
+        self.call(lambda: [box.connect() for box in self.boxes])
+        deadline = time.monotonic() + timeout
+        while not all(box.connected for box in self.boxes):
+            if time.monotonic() > deadline:
+                raise TimeoutError("simulated boxes not connected: %s" % [
+                    b.device for b in self.boxes if not b.connected][:10])
+            time.sleep(0.02)
+        return self
+
+    def box(self, device: str) -> SimBox:
+        return next(b for b in self.boxes if b.device == device and b.fault != "clone")
+
+    def call(self, action: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``action`` on the loop thread and return its result (boxes are not thread-safe)."""
+        answer: "queue.Queue[Any]" = queue.Queue()
+        self._calls.put((action, answer))
+        ok, value = answer.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def later(self, delay: float, action: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._timers, (time.monotonic() + delay, self._seq, action))
+
+    def watch(self, client: Any) -> None:
+        self._clients[client.socket()] = client
+
+    def unwatch(self, client: Any) -> None:
+        for sock, known in list(self._clients.items()):
+            if known is client:
+                del self._clients[sock]
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            try:
+                self.call(lambda: [box.stop() for box in self.boxes], timeout=10.0)
+            except Exception as exc:  # closing: record, never mask the test's own failure
+                self.errors.append("close: %s" % exc)
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10.0)
+
+    def _loop(self) -> None:
+        last_misc = 0.0
+        while not self._stop.is_set():
+            self._run_calls()
+            self._run_timers()
+            socks = [s for s in self._clients if s is not None and s.fileno() >= 0]
+            writers = [s for s in socks if self._clients[s].want_write()]
+            try:
+                readable, writable, _ = select.select(socks, writers, [], TICK_S) if socks else ([], [], [])
+            except (OSError, ValueError):
+                self._prune()
+                continue
+            for sock in readable:
+                self._step(sock, "read")
+            for sock in writable:
+                self._step(sock, "write")
+            if time.monotonic() - last_misc > 1.0:
+                last_misc = time.monotonic()
+                for sock in list(self._clients):
+                    self._step(sock, "misc")
+            if not socks:
+                time.sleep(TICK_S)
+
+    def _step(self, sock: Any, what: str) -> None:
+        client = self._clients.get(sock)
+        if client is None:
+            return
+        try:
+            rc = getattr(client, "loop_" + what)()
+        except (OSError, ValueError) as exc:
+            self.errors.append("%s: %s" % (what, exc))
+            rc = 1
+        if rc and rc != mqtt.MQTT_ERR_AGAIN:
+            self._clients.pop(sock, None)
+
+    def _prune(self) -> None:
+        for sock in list(self._clients):
+            if sock is None or sock.fileno() < 0:
+                self._clients.pop(sock, None)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                action, answer = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                answer.put((True, action()))
+            except Exception as exc:  # handed back to the caller's thread
+                answer.put((False, exc))
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, action = heapq.heappop(self._timers)
+            try:
+                action()
+            except Exception as exc:  # a box's bug must not stop every other box
+                self.errors.append("timer: %r" % exc)
+
+
+def model(version: str, sha: str, name: str = "shapes") -> Dict[str, Any]:
+    """A bundle's identity as a box reports it (what ``BoxFleet.bundles`` maps a bundle string to)."""
+    return {"name": name, "version": version, "manifest_sha256": sha}
+
+
+def random_prefix(stem: str = "sim") -> str:
+    return "%s-%s" % (stem, os.urandom(3).hex())
