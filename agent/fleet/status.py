@@ -125,6 +125,9 @@ class FleetView:
             parse_status(body)
         except Malformed as exc:
             box.state, box.malformed, box.reason = MALFORMED, str(exc), "malformed status: %s" % exc
+            groups = body.get("groups") if isinstance(body, dict) else None
+            if isinstance(groups, list) and all(isinstance(g, str) for g in groups):
+                box.groups = list(groups)  # still listed in its group: reported there, never sent anything
             return
         box.malformed = None
         box.state = str(body.get("state", "unknown"))

@@ -1,0 +1,298 @@
+"""``fleet status`` and ``fleet rollout`` against boxes that misbehave and links that stall, on a real Mosquitto.
+
+The boxes are ``tests/fleet_boxes.py``: protocol-only simulations (paho, no agent code), one fault each, many
+per thread. A box's truth in the assertions is its own slot table and its own count of commands run, never
+what the operator reported. Where the issue says so, the broker enforces the shipped ACL and every box logs in
+with only its own credentials, so a misbehaving box can do no more than a real one could.
+"""
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from agent.cli import fleet as fleet_cli
+from agent.cli.ctl import EXIT_OK, EXIT_USAGE
+from agent.devtools.broker import EmbeddedBroker, free_port
+from agent.fleet.plan import request_id
+from agent.fleet.report import EXIT_ABORTED, EXIT_COMPLETED, EXIT_PARTIAL
+from tests.conftest import REPO_ROOT, WAIT_S, wait_for
+from tests.fleet_boxes import BoxFleet, model, random_prefix
+
+SHA = "2" * 64
+BUNDLE = "shapes-2.0.0.tar.gz"
+ACL_FILE = os.path.join(REPO_ROOT, "systemd", "mosquitto-acl.example")
+PASSWD_SCRIPT = os.path.join(REPO_ROOT, "systemd", "make-mosquitto-passwd.sh")
+ACL_BOXES = ["box-%02d" % i for i in range(8)]
+
+
+def run_cli(args, capsys):
+    code = fleet_cli.main(args)
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "Traceback" not in captured.err, captured.err
+    return code, (json.loads(out) if out.strip().startswith("{") else out), captured.err
+
+
+def rollout_args(url, prefix, state_dir, *extra):
+    return ["rollout", "--broker", url, "--prefix", prefix, "--group", "sim", "--bundle", BUNDLE,
+            "--sha256", SHA, "--state-dir", str(state_dir), "--confirm-timeout", "60", "--json"] + list(extra)
+
+
+@pytest.fixture
+def boxes(mosquitto):
+    fleets = []
+
+    def make(count, faults=None, broker=None, prefix=None, passwords=None, **kwargs):
+        broker = broker or mosquitto
+        fleet = BoxFleet(broker.host, broker.port, prefix or random_prefix(), {BUNDLE: model("2.0.0", SHA)},
+                         **kwargs)
+        for index in range(count):
+            device = "box-%02d" % index
+            fault, params = (faults or {}).get(index, (None, None))
+            fleet.add(device, fault=fault, params=params,
+                      password=passwords[device] if passwords else None)
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        fleet.close()
+
+
+def by_device(report):
+    return {b["device"]: b for b in report["boxes"]}
+
+
+# --- under the shipped ACL: a box can only speak for itself -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def acl_broker(tmp_path_factory):
+    if shutil.which("mosquitto_passwd") is None:
+        pytest.skip("needs mosquitto_passwd (package mosquitto) to make the password file")
+    out = tmp_path_factory.mktemp("acl")
+    subprocess.run([PASSWD_SCRIPT, str(out)] + ACL_BOXES, check=True, capture_output=True, timeout=120)
+    passwords = {}
+    for user in ACL_BOXES + ["operator"]:
+        with open(str(out / "credentials" / (user + ".password")), encoding="utf-8") as handle:
+            passwords[user] = handle.read()
+    with EmbeddedBroker(password_file=str(out / "mosquitto.passwd"), acl_file=ACL_FILE) as broker:
+        yield broker, passwords
+
+
+def test_under_the_acl_malformed_boxes_are_marked_and_a_forged_ack_changes_nothing(acl_broker, boxes, tmp_path,
+                                                                                     capsys):
+    broker, passwords = acl_broker
+    rollout_id = "ro-acl"
+    victim = "box-05"
+    faults = {1: ("bad_slots", None), 2: ("bad_rollback", None), 3: ("bad_result", None),
+              4: ("forge", {"victim_rid": request_id(rollout_id, victim, "deploy")})}
+    fleet = boxes(6, faults=faults, broker=broker, prefix="atlas-edge", passwords=passwords).start()
+    operator = ["--username", "operator", "--password", passwords["operator"]]
+
+    code, status, _ = run_cli(["status", "--broker", broker.url, "--json", "--listen", "0"] + operator, capsys)
+    assert code == EXIT_OK
+    seen = {b["device"]: b for b in status["boxes"]}
+    assert set(seen) == {b.device for b in fleet.boxes}
+    assert seen["box-01"]["state"] == "malformed" and "slots.slots" in seen["box-01"]["reason"]
+    assert seen["box-02"]["state"] == "malformed" and "last_rollback" in seen["box-02"]["reason"]
+    assert all(seen[d]["state"] == "online" for d in ("box-00", "box-03", "box-04", "box-05"))
+    code, table, _ = run_cli(["status", "--broker", broker.url, "--listen", "0"] + operator, capsys)
+    assert code == EXIT_OK and "malformed" in table
+
+    code, report, err = run_cli(rollout_args(broker.url, "atlas-edge", tmp_path, "--rollout-id", rollout_id,
+                                             "--canary", "1", "--waves", "1") + operator, capsys)
+    assert code == EXIT_PARTIAL, err
+    result = by_device(report)
+    assert result["box-01"]["outcome"] == "malformed" and "slots.slots" in result["box-01"]["error"]
+    assert result["box-02"]["outcome"] == "malformed" and "last_rollback" in result["box-02"]["error"]
+    assert result["box-03"]["outcome"] == "malformed" and "result" in result["box-03"]["error"]
+    # The forger's ack named box-05's request id: recorded against the forger; box-05 is judged by what it did.
+    assert result[victim]["outcome"] == "confirmed" and result[victim]["anomalies"] == []
+    assert fleet.box(victim).serving() == {"version": "2.0.0", "state": "confirmed"}
+    assert any(request_id(rollout_id, victim, "deploy") in a for a in result["box-04"]["anomalies"])
+    assert result["box-04"]["outcome"] == "confirmed"
+    assert [fleet.box(d).deploys for d in ("box-01", "box-02")] == [0, 0]  # malformed at the plan: not sent
+
+
+# --- complete targets through a stalling link ---------------------------------------------------------------
+
+class StallingRelay:
+    """A real TCP relay to the broker whose broker->client stream stops once, for ``stall_s``, mid-burst.
+
+    Bytes pass unchanged; the down stream is relayed in small pieces so that a retained burst spans many of
+    them, and the stall comes after the first piece that follows ``after_bytes`` (inside the burst).
+    """
+
+    def __init__(self, broker, stall_s=0.6, after_bytes=600, chunk=512):
+        self.target = (broker.host, broker.port)
+        self.port = free_port()
+        self.url = "mqtt://127.0.0.1:%d" % self.port
+        self.stall_s, self.after_bytes, self.chunk = stall_s, after_bytes, chunk
+        self.stalled = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self._closed:
+            ready, _, _ = select.select([self._listener], [], [], 0.1)
+            if ready:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(self.target, timeout=5)
+                threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+                threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, source, sink, down):
+        relayed = 0
+        try:
+            while True:
+                data = source.recv(self.chunk)
+                if not data:
+                    break
+                if down and relayed > self.after_bytes and not self.stalled.is_set():
+                    self.stalled.set()
+                    time.sleep(self.stall_s)  # the stall itself: bytes wait in the socket buffers
+                relayed += len(data)
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self._closed = True
+        self._listener.close()
+
+
+def test_a_link_that_stalls_mid_burst_still_targets_every_box(mosquitto, boxes, tmp_path, capsys):
+    fleet = boxes(20).start()
+    relay = StallingRelay(mosquitto)
+    try:
+        code, report, err = run_cli(rollout_args(relay.url, fleet.prefix, tmp_path, "--canary", "2", "--waves", "2"),
+                                    capsys)
+    finally:
+        relay.close()
+    assert relay.stalled.is_set()  # the stall happened inside the retained burst
+    result = by_device(report)
+    assert set(result) == {b.device for b in fleet.boxes}  # every box is in the report
+    unconfirmed = sorted(d for d, b in result.items() if b["outcome"] != "confirmed")
+    if code == EXIT_COMPLETED:
+        assert unconfirmed == [] and all(b.serving() == {"version": "2.0.0", "state": "confirmed"}
+                                         for b in fleet.boxes)
+    else:  # allowed by the issue, but then it names every box it did not reach
+        assert code != EXIT_OK and report["not_reached"] == unconfirmed, err
+    assert sum(1 for b in result.values() if b["wave"] is not None) == 20, err
+
+
+# --- the canary gates, and an abort reverts what moved even across a kill -----------------------------------
+
+def test_a_missing_bundle_fails_the_canary_and_nothing_reaches_the_other_boxes(boxes, mosquitto, tmp_path, capsys):
+    fleet = boxes(5).start()
+    args = rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "1", "--waves", "2")
+    args[args.index(BUNDLE)] = "shapes-9.9.9-missing.tar.gz"
+    code, report, err = run_cli(args, capsys)
+    assert code == EXIT_ABORTED, err
+    assert "canary" in report["abort"]["reason"]
+    result = by_device(report)
+    assert result["box-00"]["outcome"] == "failed" and "fetch" in result["box-00"]["error"]
+    for box in fleet.boxes[1:]:
+        assert box.commands == [] and result[box.device]["outcome"] == "not_started"
+
+
+def test_sigkill_right_after_the_abort_and_a_rerun_puts_every_moved_box_back(boxes, mosquitto, tmp_path):
+    # box-00 fails at once ('interrupted', no retries): more than --max-failures 0. The other seven were sent
+    # their deploy in the same wave and land on the new model after the operator was killed.
+    fleet = boxes(8, faults={0: ("interrupted_once", None)}, deploy_s=1.0, observation_s=0.5).start()
+    args = [sys.executable, "-m", "agent", "fleet"] + rollout_args(
+        mosquitto.url, fleet.prefix, tmp_path, "--canary", "0", "--waves", "1", "--max-failures", "0",
+        "--retries", "0", "--rollback-on-abort", "--revert-timeout", "30", "--rollout-id", "ro-kill")
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    first = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = first.stderr.readline().decode()
+        lines.append(line)
+        if line.startswith("ABORT") or not line:
+            break
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    assert lines[-1].startswith("ABORT"), "".join(lines)
+    sent = [b for b in fleet.boxes if b.device != "box-00"]
+    assert wait_for(lambda: all(b.serving()["version"] == "2.0.0" for b in sent), timeout=WAIT_S)  # moved
+
+    second = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, timeout=180)
+    assert second.returncode == EXIT_ABORTED, second.stderr.decode()[-2000:]
+    report = json.loads(second.stdout)
+    assert report["runs"] == 2
+    assert all(b.serving() == {"version": "1.0.0", "state": "confirmed"} for b in fleet.boxes), [
+        (b.device, b.serving()) for b in fleet.boxes]
+    assert all(b.rollbacks == 1 and b.deploys == 1 for b in sent)
+    assert all(by_device(report)[b.device]["reverted"] for b in sent)
+
+
+# --- delivery: a box away while its wave is sent --------------------------------------------------------------
+
+def test_a_box_offline_for_20_s_while_its_wave_is_sent_gets_the_deploy_again_and_confirms(
+        boxes, mosquitto, tmp_path, capsys):
+    fleet = boxes(3).start()
+    canary, away = fleet.box("box-00"), fleet.box("box-02")
+
+    def leave_when_the_canary_starts():
+        if wait_for(lambda: canary.commands, timeout=60):
+            fleet.call(lambda: away.away(20.0))
+
+    helper = threading.Thread(target=leave_when_the_canary_starts)
+    helper.start()
+    code, report, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "1", "--waves",
+                                             "1", "--step-timeout", "60"), capsys)
+    helper.join(5)
+    assert code == EXIT_COMPLETED, err
+    assert by_device(report)["box-02"]["outcome"] == "confirmed"
+    assert "box-02                   back online: deploy sent again" in err
+    assert away.deploys == 1 and away.serving() == {"version": "2.0.0", "state": "confirmed"}
+
+
+# --- operator input: refused with a message, never a traceback ------------------------------------------------
+
+@pytest.mark.parametrize("extra,message", [
+    (["--confirm-timeout", "nan"], "not a finite number"),
+    (["--listen", "inf"], "not a finite number"),
+])
+def test_nan_and_infinite_values_are_refused_by_the_parser(extra, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        fleet_cli.main(rollout_args("mqtt://127.0.0.1:1", "p", tmp_path) + extra)
+    assert exit_info.value.code == EXIT_USAGE and message in capsys.readouterr().err
+
+
+def test_bad_prefix_damaged_state_and_unusable_state_dir_are_operator_errors(boxes, mosquitto, tmp_path, capsys):
+    code, _, err = run_cli(rollout_args(mosquitto.url, "x/#", tmp_path), capsys)
+    assert code == EXIT_USAGE and "--prefix" in err and "'#'" in err
+    code, _, err = run_cli(["status", "--broker", mosquitto.url, "--prefix", "x/#"], capsys)
+    assert code == EXIT_USAGE and "--prefix" in err
+    fleet = boxes(2).start()
+    code, _, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, "/proc/nope"), capsys)
+    assert code == EXIT_USAGE and "/proc/nope" in err
+    state_dir = tmp_path / "states"
+    state_dir.mkdir()
+    (state_dir / "ro-bad.json").write_text("{not json")
+    code, _, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, state_dir, "--rollout-id", "ro-bad"), capsys)
+    assert code == EXIT_USAGE and "damaged" in err
+    (state_dir / "ro-gap.json").write_text(json.dumps({
+        "schema": 2, "rollout_id": "ro-gap", "spec": {}, "status": "running", "waves": [["box-00", "box-09"]],
+        "boxes": {}}))
+    code, _, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, state_dir, "--rollout-id", "ro-gap"), capsys)
+    assert code == EXIT_USAGE and "box-00" in err and "no box entry" in err
+    assert all(box.commands == [] for box in fleet.boxes)  # nothing was sent
