@@ -2,7 +2,7 @@
 
 The serving loop (:mod:`agent.pipeline.serving`) runs on the main thread, with one backend thread for the
 backend calls it overlaps with letterbox and decode; sources read on their own threads
-into a bounded queue; paho's thread only enqueues commands; commands (:mod:`agent.ops.handlers`) run one at a
+into a bounded queue; paho's thread only enqueues commands; commands (:mod:`agent.commands.handlers`) run one at a
 time on the dispatcher's worker; the watchdog thread samples memory and pings systemd only when the serving
 loop has shown progress. Changes to what the next batch sees reach the loop through one
 :class:`~agent.pipeline.handover.BetweenBatches` queue.
@@ -79,13 +79,13 @@ class Daemon:
     # --- construction -------------------------------------------------------------------------------------
 
     def _build_services(self, on_result: Optional[ResultCallback]) -> None:
+        from agent.commands.dispatcher import CommandDispatcher
+        from agent.commands.handlers import CommandHandlers
         from agent.health.npu_smi import NpuSmiProbe
         from agent.health.sdnotify import SystemdNotifier
         from agent.health.watchdog import MemoryWatchdog, ProgressMonitor, Watchdog
         from agent.lifecycle.model_manager import ModelManager
-        from agent.ops.commands import CommandDispatcher
         from agent.ops.discovery import HA_STATUS_TOPIC
-        from agent.ops.handlers import CommandHandlers
         from agent.ops.outbox import Outbox
         from agent.ops.transport import MqttTransport
 

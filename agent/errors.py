@@ -6,7 +6,7 @@ from typing import Optional
 class CommandError(Exception):
     """Fails a command with a machine-readable code (and the field at fault); the dispatcher turns it into an ack.
 
-    Raised by command handlers and by the model manager (a deploy refused), caught by ``agent.ops.commands``.
+    Raised by command handlers and by the model manager (a deploy refused), caught by ``agent.commands.dispatcher``.
     """
 
     def __init__(self, code: str, message: str, field: Optional[str] = None) -> None:

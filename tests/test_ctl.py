@@ -12,11 +12,10 @@ import pytest
 from conftest import REPO_ROOT, WAIT_S, wait_for
 
 from agent.cli import ctl
+from agent.commands.dispatcher import CommandDispatcher
 from agent.config.daemon_config import MqttConfig
-from agent.config.schema import ConfigError, FieldError
 from agent.devtools.broker import free_port
 from agent.errors import CommandError
-from agent.ops.commands import CommandDispatcher
 from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport
 
@@ -28,17 +27,17 @@ def box(mosquitto, tmp_path_factory):
     """A device serving three verbs, in group ``line-1``; ``calls`` counts handler runs."""
     calls: Dict[str, int] = {"status": 0, "pause": 0, "deploy": 0}
 
-    def status(fields: Dict[str, Any], progress) -> Dict[str, Any]:
+    def status(request: Any, progress) -> Dict[str, Any]:
         calls["status"] += 1
         return {"state": "serving"}
 
-    def pause(fields: Dict[str, Any], progress) -> Dict[str, Any]:
+    def pause(request: Any, progress) -> Dict[str, Any]:
         calls["pause"] += 1
         raise CommandError("not_allowed", "cannot pause during a deploy", field="state")
 
-    def deploy(fields: Dict[str, Any], progress) -> Dict[str, Any]:
+    def deploy(request: Any, progress) -> Dict[str, Any]:
         calls["deploy"] += 1
-        raise ConfigError([FieldError("bundle", "required"), FieldError("sha256", "expected a string")])
+        return {"slot": "b"}
 
     config = MqttConfig(host=mosquitto.host, port=mosquitto.port, groups=["line-1"])
     outbox = Outbox(str(tmp_path_factory.mktemp("ctl") / "outbox.sqlite"), 1 << 20)
@@ -77,9 +76,11 @@ def test_failure_exits_one_and_prints_the_structured_error(mosquitto, box):
     assert acks[-1]["state"] == "failed"
     assert "failed: not_allowed (field state): cannot pause during a deploy" in err
 
+    deploys = box["deploy"]
     code, acks, err = run_ctl(["--broker", mosquitto.url, DEVICE, "deploy", "--json", '{"bundle": 1}'])
     assert code == ctl.EXIT_FAILED
-    assert "  bundle: required" in err and "  sha256: expected a string" in err
+    assert "  bundle: expected a string, got 1" in err and "  sha256: required" in err
+    assert box["deploy"] == deploys  # refused by the protocol's request type before any handler
 
 
 def test_unknown_to_the_device_fails_fast(mosquitto, box):

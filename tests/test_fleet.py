@@ -38,7 +38,7 @@ from agent.fleet.plan import (
 from agent.fleet.report import EXIT_ABORTED, EXIT_PARTIAL
 from agent.fleet.rollout import POLL_S, Rollout
 from agent.fleet.status import FleetView, render_table
-from agent.ops.commands import FAILED, REQUEST_ID_RE, SUCCEEDED
+from agent.protocol.messages import FAILED, REQUEST_ID_RE, SUCCEEDED
 from benchmarks.fleet_sim import GOLDEN, SLOW, BundleServer, SimulatedFleet, build_bundles, slot_summary
 from tests.conftest import REPO_ROOT, wait_for
 

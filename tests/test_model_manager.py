@@ -40,7 +40,10 @@ from agent.lifecycle.store import STAGING_DIR
 from agent.pipeline import backends
 from agent.pipeline.backends.opencv_backend import OpenCvBackend
 from agent.pipeline.handover import BetweenBatches
+from agent.protocol.requests import parse_request
 from tests.needs import needs_cryptography, needs_mindspore
+
+deploy_request = functools.partial(parse_request, "deploy")  # a deploy command's payload, as the dispatcher parses it
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_BUNDLE = os.path.join(REPO, "tests", "data", "tiny-classify")
@@ -284,7 +287,7 @@ def test_a_damaged_confirmed_bundle_at_start_is_set_aside_and_the_standby_serves
     h.manager.start()
     sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
     with ServingLoop(h.manager):
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
         h.wait_for_event("confirmed")
     h.manager.close()
     confirmed_dir = load_slots(h.state_file).slots["b"].bundle
@@ -333,7 +336,7 @@ def test_deploy_switches_between_batches_without_losing_a_frame(harness, base_bu
     messages = []
     with ServingLoop(h.manager) as loop:
         loop.wait_batches(10)
-        result = h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, messages.append)
+        result = h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), messages.append)
         assert h.manager.current.label == "tiny 2.0.0"  # switched before deploy returned
         loop.wait_batches(10)
     assert result == {"slot": "b", "state": "pending",
@@ -366,7 +369,7 @@ def test_a_healthy_window_confirms_and_the_store_keeps_two_bundles(harness, base
     sha3 = new_version(base_bundle, h.incoming("tiny-3"), "3.0.0")
     with ServingLoop(h.manager) as loop:
         loop.wait_batches(6)
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha2}, no_progress)
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha2}), no_progress)
         confirmed = h.wait_for_event("confirmed")
         assert confirmed["slot"] == "b" and confirmed["model"]["version"] == "2.0.0"
         assert confirmed["figures"]["frames"] >= 1 and confirmed["figures"]["observed_s"] >= 0.3
@@ -374,7 +377,8 @@ def test_a_healthy_window_confirms_and_the_store_keeps_two_bundles(harness, base
         assert (status["slots"]["a"]["state"], status["slots"]["b"]["state"]) == (STANDBY, CONFIRMED)
 
         h.events.clear()
-        assert h.manager.deploy({"bundle": "incoming/tiny-3", "sha256": sha3}, no_progress)["slot"] == "a"
+        deployed = h.manager.deploy(deploy_request({"bundle": "incoming/tiny-3", "sha256": sha3}), no_progress)
+        assert deployed["slot"] == "a"
         h.wait_for_event("confirmed")
         assert len(h.slot_dirs()) == 2 and not set(v1_dir) & set(h.slot_dirs())  # 1.0.0 removed
 
@@ -409,7 +413,7 @@ def test_the_demo_detector_swaps_on_both_tiers_without_losing_a_frame(tmp_path):
             loop.frames = [generate_scene(rng, (360, 640))[0], generate_scene(rng, (300, 300))[0]]
             assert [old.tier_for(f.shape[:2]) for f in loop.frames] == [(192, 320), (256, 256)]
             loop.wait_batches(5)
-            h.manager.deploy({"bundle": "incoming/demo-1.0.1", "sha256": sha}, no_progress)
+            h.manager.deploy(deploy_request({"bundle": "incoming/demo-1.0.1", "sha256": sha}), no_progress)
             loop.wait_batches(5)
             h.manager.rollback()
             loop.wait_batches(5)
@@ -435,7 +439,7 @@ def test_deploy_from_an_http_url(harness, base_bundle, tmp_path):
     with _http_server(str(served)) as base_url, ServingLoop(h.manager) as loop:
         loop.wait_batches(3)
         url = base_url + "/tiny-2.tar.gz?token=s3cr3t"  # a pre-signed URL: its token stays out of acks
-        result = h.manager.deploy({"bundle": url, "sha256": sha}, messages.append)
+        result = h.manager.deploy(deploy_request({"bundle": url, "sha256": sha}), messages.append)
     assert result["model"]["version"] == "2.0.0"
     assert h.manager.current.label == "tiny 2.0.0"
     assert messages[0] == "fetching %s/tiny-2.tar.gz" % base_url
@@ -456,7 +460,8 @@ def test_deploy_and_rollback_with_the_mindspore_backend_while_serving(harness, b
     sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
     with ServingLoop(h.manager) as loop:
         loop.wait_batches(3)
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)  # compiles while serving
+        # compiles while serving
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
         loop.wait_batches(3)
         assert h.manager.current.describe()["artifacts"] == {"32x32": "model_32x32.mindir"}
         h.manager.rollback()
@@ -555,7 +560,7 @@ def test_a_bad_deploy_raises_with_its_reason_and_changes_nothing(harness, base_b
     with ServingLoop(h.manager) as loop:
         loop.wait_batches(2)
         with pytest.raises(error_type) as info:
-            h.manager.deploy(payload, no_progress)
+            h.manager.deploy(deploy_request(payload), no_progress)
         loop.wait_batches(2)
     error = info.value
     if isinstance(error, CommandError):
@@ -588,7 +593,7 @@ def test_a_bundle_for_another_soc_is_refused_naming_both_on_a_stand_in_ascend_bo
         sha = new_version(first, h.incoming("tiny-310p3"), "2.0.0", for_310p3)
         before = snapshot(h)
         with pytest.raises(BundleError) as info:
-            h.manager.deploy({"bundle": "incoming/tiny-310p3", "sha256": sha}, no_progress)
+            h.manager.deploy(deploy_request({"bundle": "incoming/tiny-310p3", "sha256": sha}), no_progress)
         expected = "model_32x32.onnx was built for Ascend310P3, device stand-in-310b4 is Ascend310B4"
         assert expected in str(info.value)
         assert [e.path for e in info.value.errors] == ["artifacts[0].soc_version"]
@@ -614,12 +619,12 @@ def test_signatures_are_required_when_a_key_is_configured(harness, base_bundle, 
         sign_bundle(h.incoming("good"), private_pem)
         before = snapshot(h)
         with pytest.raises(BundleError, match="manifest.sig: missing: this box requires signed bundles"):
-            h.manager.deploy({"bundle": "incoming/unsigned", "sha256": unsigned_sha}, no_progress)
+            h.manager.deploy(deploy_request({"bundle": "incoming/unsigned", "sha256": unsigned_sha}), no_progress)
         with pytest.raises(BundleError, match="signature does not match the manifest and key"):
-            h.manager.deploy({"bundle": "incoming/wrong-key", "sha256": wrong_sha}, no_progress)
+            h.manager.deploy(deploy_request({"bundle": "incoming/wrong-key", "sha256": wrong_sha}), no_progress)
         assert_unchanged(h, before)
         with ServingLoop(h.manager):
-            h.manager.deploy({"bundle": "incoming/good", "sha256": good_sha}, no_progress)
+            h.manager.deploy(deploy_request({"bundle": "incoming/good", "sha256": good_sha}), no_progress)
         assert h.manager.current.label == "tiny 2.0.2" and h.manager.current.bundle.signed
     finally:
         h.manager.close()
@@ -631,7 +636,7 @@ def test_a_deploy_the_serving_loop_never_takes_is_withdrawn(harness, base_bundle
     sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
     before = snapshot(h)
     with pytest.raises(CommandError) as info:  # no serving loop runs
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
     assert info.value.code == "switch_timeout"
     assert_unchanged(h, before)
 
@@ -684,7 +689,7 @@ def test_a_full_disk_at_the_slot_table_fails_the_deploy_closes_the_staged_model_
     with ServingLoop(h.manager) as loop:
         loop.wait_batches(2)
         with pytest.raises(CommandError) as info:
-            h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+            h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
         assert info.value.code == "storage"
         assert h.state_file in info.value.message and "No space left on device" in info.value.message
         assert created and all(backend.closed for backend in created)  # the staged model was released
@@ -692,7 +697,7 @@ def test_a_full_disk_at_the_slot_table_fails_the_deploy_closes_the_staged_model_
         assert h.manager.status() == status_before and h.events == []
         assert h.handover.pending() == 0
         free()  # the disk is back: the next deploy is not refused as busy
-        result = h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        result = h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
         loop.wait_batches(2)
     assert result["state"] == "pending" and h.manager.current.manifest.version == "2.0.0"
     assert load_slots(h.state_file).pending == "b"
@@ -704,7 +709,7 @@ def test_a_full_disk_at_the_slot_table_fails_a_standby_restore_and_closes_the_re
     old = h.manager.start()
     sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
     with ServingLoop(h.manager) as loop:
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
         h.wait_for_event("confirmed")  # 1.0.0 is the standby now
         serving = h.manager.current
         assert serving is not old and h.manager.status()["slots"]["a"]["state"] == STANDBY
@@ -746,7 +751,7 @@ def test_a_withdrawn_switch_whose_table_cannot_be_written_back_reports_the_timeo
 
     monkeypatch.setattr(manager_module, "save_slots", save_then_fill_the_disk)
     with pytest.raises(CommandError) as info:  # no serving loop runs the queue
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress, timeout_s=0.3)
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress, timeout_s=0.3)
     assert info.value.code == "switch_timeout" and "still serving the old one" in info.value.message
     assert h.state_file in info.value.message and "No space left on device" in info.value.message
     assert writes == ["b", None]
@@ -756,7 +761,7 @@ def test_a_withdrawn_switch_whose_table_cannot_be_written_back_reports_the_timeo
     assert load_slots(h.state_file).pending == "b"
     monkeypatch.setattr(manager_module, "save_slots", real_save)
     with ServingLoop(h.manager) as loop:  # not refused as busy: memory holds no pending slot
-        result = h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        result = h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
         loop.wait_batches(2)
     assert result["state"] == "pending" and load_slots(h.state_file).pending == "b"
 
@@ -805,8 +810,8 @@ def test_a_config_change_a_swap_and_a_rollback_at_once_apply_in_order_between_ba
     out = {}
     threads = [_in_thread(out, "config", h.handover.submit, config_change, WAIT_S, what="config change")]
     _wait_queued(h.handover, 1)
-    threads.append(_in_thread(out, "deploy", h.manager.deploy, {"bundle": "incoming/tiny-2", "sha256": sha},
-                              no_progress))
+    request = deploy_request({"bundle": "incoming/tiny-2", "sha256": sha})
+    threads.append(_in_thread(out, "deploy", h.manager.deploy, request, no_progress))
     _wait_queued(h.handover, 2)  # the deploy loaded and self-tested v2 off the serving thread
     threads.append(_in_thread(out, "rollback", h.manager.rollback, "changed my mind"))
     _wait_queued(h.handover, 3)
@@ -838,7 +843,7 @@ def test_a_callers_timeout_withdraws_the_swap_and_releases_the_staged_model(harn
     before = snapshot(h)
     created = _recording_backends(monkeypatch)
     with pytest.raises(CommandError) as info:  # no serving loop runs the queue
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress, timeout_s=0.3)
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress, timeout_s=0.3)
     assert info.value.code == "switch_timeout" and "within 0.3 s; still serving" in info.value.message
     assert h.handover.run_pending() == 0  # withdrawn: the loop passes it without running it
     assert created and all(backend.closed for backend in created)  # the staged model was released
@@ -880,7 +885,7 @@ def test_a_slower_pending_model_is_rolled_back_within_the_window(harness, base_b
         loop.wait_batches(20)  # the confirmed model's baseline
         # only models loaded from now on get the slow class: the serving one keeps its real backend
         monkeypatch.setitem(backends.BACKENDS, "opencv", SlowBackendForTests)
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
         event = h.wait_for_event("rollback")
         loop.wait_batches(3)
     assert event["trigger"] == "latency"
@@ -907,7 +912,7 @@ def test_a_failing_pending_model_is_rolled_back_on_its_error_rate(harness, base_
         loop.wait_batches(5)
         monkeypatch.setitem(backends.BACKENDS, "opencv", FailingBackendForTests)
         loop.inference.clear()  # so that every batch the new model serves fails
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)  # self-test passes
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)  # self-test passes
         FailingBackendForTests.failing = True
         loop.inference.set()
         event = h.wait_for_event("rollback")
@@ -924,9 +929,9 @@ def test_operator_rollback_while_pending_and_no_second_deploy_meanwhile(harness,
     sha2 = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
     sha3 = new_version(base_bundle, h.incoming("tiny-3"), "3.0.0")
     with ServingLoop(h.manager) as loop:
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha2}, no_progress)
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha2}), no_progress)
         with pytest.raises(CommandError) as info:
-            h.manager.deploy({"bundle": "incoming/tiny-3", "sha256": sha3}, no_progress)
+            h.manager.deploy(deploy_request({"bundle": "incoming/tiny-3", "sha256": sha3}), no_progress)
         assert info.value.code == "busy" and "tiny 2.0.0 is pending in slot b" in info.value.message
         result = h.manager.rollback("operator saw false positives")
         loop.wait_batches(2)
@@ -957,7 +962,7 @@ def test_the_window_runs_on_the_injected_monotonic_clock_not_the_wall_clock(harn
     sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
     real_time = time.time
     with ServingLoop(h.manager) as loop:
-        h.manager.deploy({"bundle": "incoming/tiny-2", "sha256": sha}, no_progress)
+        h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
         monkeypatch.setattr(time, "time", lambda: real_time() + 86400.0)  # NTP steps the wall clock a day ahead
         loop.wait_batches(15)
         assert h.events_named("confirmed") == [] and h.manager.status()["pending"]["observed_s"] == 0.0
@@ -1003,13 +1008,15 @@ def test_without_a_baseline_latency_is_not_judged():
 # --- crash while pending ----------------------------------------------------------------------------------
 
 CRASH_CHILD = r"""
-import json, sys, threading
+import functools, json, sys, threading
 import numpy as np
 from agent.config.daemon_config import parse_daemon_config
 from agent.config.device_config import load_device_config
 from agent.lifecycle.model_manager import ModelManager
 from agent.pipeline.handover import BetweenBatches
+from agent.protocol.requests import parse_request
 
+deploy_request = functools.partial(parse_request, "deploy")
 config = parse_daemon_config(json.loads(sys.argv[1]))
 manager = ModelManager(config, load_device_config("cpu-dev"), "opencv", on_event=lambda event: None,
                        handover=BetweenBatches())
@@ -1024,7 +1031,7 @@ def serve():
         manager.record_batch(1, results[0].timings_ms["infer"], False)
 
 threading.Thread(target=serve, daemon=True).start()
-manager.deploy({"bundle": sys.argv[2], "sha256": sys.argv[3]}, lambda message: None)
+manager.deploy(deploy_request({"bundle": sys.argv[2], "sha256": sys.argv[3]}), lambda message: None)
 print("PENDING", manager.current.manifest.version, flush=True)
 threading.Event().wait(120)
 """
@@ -1077,12 +1084,12 @@ def test_fifty_deploy_rollback_cycles_do_not_leak(harness, base_bundle):
     payload = {"bundle": "incoming/tiny-2", "sha256": sha}
     with ServingLoop(h.manager) as loop:
         for _ in range(3):  # allocator and import warm-up, not counted
-            h.manager.deploy(payload, no_progress)
+            h.manager.deploy(deploy_request(payload), no_progress)
             h.manager.rollback()
         before = _rss_mb()
         started = time.monotonic()
         for _ in range(50):
-            h.manager.deploy(payload, no_progress)
+            h.manager.deploy(deploy_request(payload), no_progress)
             h.manager.rollback()
         after = _rss_mb()
         elapsed = time.monotonic() - started
@@ -1255,7 +1262,7 @@ def test_an_archive_that_unpacks_past_the_cap_or_the_free_space_is_refused_befor
     with ServingLoop(h.manager) as loop:
         loop.wait_batches(2)
         with pytest.raises(BundleError) as info:
-            h.manager.deploy({"bundle": "incoming/bomb.tar.gz", "sha256": sha}, no_progress)
+            h.manager.deploy(deploy_request({"bundle": "incoming/bomb.tar.gz", "sha256": sha}), no_progress)
         loop.wait_batches(2)
     message = str(info.value)
     assert "archive unpacks to at least" in message and binding in message

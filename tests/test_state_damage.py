@@ -9,7 +9,7 @@ import time
 import pytest
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
-from agent.ops.commands import _RequestRecord
+from agent.commands.record import RequestRecord
 from agent.ops.outbox import Outbox
 from tests.test_daemon_ops import wait_status
 from tests.test_e2e import SIZES, Subscriber, start_daemon, write_config
@@ -25,7 +25,7 @@ def _populate(state) -> None:
     with Outbox(str(state / "outbox.sqlite"), 1 << 24) as box:
         for i in range(300):
             box.put("atlas-edge/e2e/results/cam", b'{"frame": %d, "pad": "%s"}' % (i, b"x" * 300))
-    record = _RequestRecord(str(state / "requests.sqlite"), 4096)
+    record = RequestRecord(str(state / "requests.sqlite"), 4096)
     for i in range(300):
         record.save({"request_id": "old-%d" % i, "verb": "status", "state": "succeeded", "ts": 0.0,
                      "result": {"pad": "x" * 300}})

@@ -20,10 +20,11 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 from urllib.parse import urlsplit
 
 from agent.config.daemon_config import DEFAULT_PREFIX
-from agent.config.names import name_problem
 from agent.config.schema import ConfigError
 from agent.config.secrets import resolve_secret
-from agent.ops.commands import FINAL_STATES, REQUEST_ID_RE, SUCCEEDED, VERBS
+from agent.protocol.messages import REQUEST_ID_RULE, SUCCEEDED, VERBS, Ack, ProtocolError, is_request_id, parse_ack
+from agent.protocol.topics import ack_topic as build_ack_topic
+from agent.protocol.topics import check_topic_names, command_topic
 
 logger = logging.getLogger(__name__)
 
@@ -94,17 +95,15 @@ def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
     if not isinstance(fields, dict):
         raise ValueError("--json must be a JSON object, got %s" % type(fields).__name__)
     request_id = args.request_id or "ctl-" + uuid.uuid4().hex[:16]
-    if not REQUEST_ID_RE.match(request_id):
-        raise ValueError("--request-id must be 1-64 characters of A-Z a-z 0-9 _ . : -")
-    for label, value in (("DEVICE", args.device), ("--group", args.group), ("--prefix", args.prefix)):
-        problem = None if value is None else name_problem(value, levels=label == "--prefix")
-        if problem:
-            raise ValueError("%s %s" % (label, problem))
+    if not is_request_id(request_id):
+        raise ValueError("--request-id must be %s" % REQUEST_ID_RULE)
+    check_topic_names((("DEVICE", args.device, False), ("--group", args.group, False),
+                       ("--prefix", args.prefix, True)))
     if args.group:
-        topic = "%s/group/%s/cmd/%s" % (args.prefix, args.group, args.verb)
+        topic = command_topic(args.prefix, args.verb, group=args.group)
     else:
-        topic = "%s/%s/cmd/%s" % (args.prefix, args.device, args.verb)
-    ack_topic = "%s/%s/ack/%s" % (args.prefix, args.device, request_id)
+        topic = command_topic(args.prefix, args.verb, device=args.device)
+    ack_topic = build_ack_topic(args.prefix, args.device, request_id)
     fields["request_id"] = request_id
     return request_id, topic, ack_topic, json.dumps(fields).encode("utf-8")
 
@@ -208,16 +207,18 @@ def _converse(client: Any, events: "queue.Queue[Tuple[str, Any]]", args: argpars
         if raw is None:
             break
         try:
-            ack: Dict[str, Any] = json.loads(raw)
-        except ValueError:
-            print("atlas-edge ctl: ignoring a non-JSON message on %s" % ack_topic, file=err)
+            body: Dict[str, Any] = json.loads(raw)
+            ack = parse_ack(body)
+        except ValueError as exc:  # not JSON, or a ProtocolError naming the field
+            what = exc if isinstance(exc, ProtocolError) else "not JSON"
+            print("atlas-edge ctl: ignoring a message on %s: %s" % (ack_topic, what), file=err)
             continue
-        print(json.dumps(ack, sort_keys=True), file=out, flush=True)
-        last_state = ack.get("state")
-        if last_state in FINAL_STATES:
+        print(json.dumps(body, sort_keys=True), file=out, flush=True)
+        last_state = ack.state
+        if ack.final:
             if last_state == SUCCEEDED:
                 return EXIT_OK
-            _print_error(ack.get("error") or {}, err)
+            _print_error(ack, err)
             return EXIT_FAILED
     if not info.is_published():
         print("atlas-edge ctl: the broker did not acknowledge the command on %s" % topic, file=err)
@@ -226,13 +227,13 @@ def _converse(client: Any, events: "queue.Queue[Tuple[str, Any]]", args: argpars
     return EXIT_TIMEOUT
 
 
-def _print_error(error: Dict[str, Any], err: TextIO) -> None:
-    where = " (field %s)" % error["field"] if error.get("field") else ""
-    print("atlas-edge ctl: failed: %s%s: %s" % (error.get("code", "?"), where, error.get("message", "")),
-          file=err)
-    details: List[Dict[str, str]] = error.get("errors") or []
-    for item in details:
-        print("  %s: %s" % (item.get("field") or "<root>", item.get("message")), file=err)
+def _print_error(ack: Ack, err: TextIO) -> None:
+    error = ack.error
+    assert error is not None  # parse_ack requires it in a failed ack
+    where = " (field %s)" % error.field if error.field else ""
+    print("atlas-edge ctl: failed: %s%s: %s" % (error.code, where, error.message), file=err)
+    for item in error.errors or ():
+        print("  %s: %s" % (item.field or "<root>", item.message), file=err)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

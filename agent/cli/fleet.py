@@ -35,6 +35,7 @@ from agent.fleet.plan import (
 from agent.fleet.report import exit_code, report
 from agent.fleet.rollout import Rollout, default_state_dir
 from agent.fleet.status import DEFAULT_LISTEN_S, SETTLE_S, FleetView, collect, render_table
+from agent.protocol.topics import name_problem, status_topic
 
 EXIT_INTERRUPTED = 130
 ACTIONS = ("status", "rollout", "resume", "cancel", "forget")
@@ -258,9 +259,10 @@ def _status(args: argparse.Namespace, link: FleetLink, out: TextIO) -> int:
 
 
 def _forget(args: argparse.Namespace, link: FleetLink, out: TextIO) -> int:
-    if not args.device or any(c in args.device for c in "/+#"):
-        raise RolloutError("%r is not a device id" % args.device)
-    link.clear_retained("%s/%s/status" % (args.prefix, args.device))
+    problem = name_problem(args.device)
+    if problem is not None:
+        raise RolloutError("%r is not a device id: it %s" % (args.device, problem))
+    link.clear_retained(status_topic(args.prefix, args.device))
     print("forgot %s: its retained status is cleared (it reappears if the box connects again)" % args.device,
           file=out)
     return EXIT_OK

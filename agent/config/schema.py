@@ -3,11 +3,14 @@
 Every config the project reads (daemon config, device configs, the bundle manifest, command payloads) is a
 dataclass declared with :func:`setting`; :func:`parse` turns a mapping into it and collects *all* problems
 before failing, each named by its dotted path (``mqtt.port``, ``sources[1].uri``). Unknown keys are errors, so
-a typo fails loudly instead of being silently ignored. Only the standard library is used, so the box
+a typo fails loudly instead of being silently ignored (a reader of messages from newer peers may pass
+``unknown="ignore"``). A number field takes only finite numbers: JSON parsers accept ``NaN`` and
+``Infinity``, which pass every range comparison. Only the standard library is used, so the box
 needs no extra dependency for this (typing_extensions on Python 3.7) and it runs on Python 3.7.
 """
 
 import dataclasses
+import math
 import typing
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, TypeVar
 
@@ -75,8 +78,9 @@ def _type_name(tp: Any) -> str:
 
 
 class _Parser:
-    def __init__(self) -> None:
+    def __init__(self, ignore_unknown: bool = False) -> None:
         self.errors: List[FieldError] = []
+        self.ignore_unknown = ignore_unknown
 
     def fail(self, path: str, message: str) -> None:
         self.errors.append(FieldError(path, message))
@@ -95,7 +99,7 @@ class _Parser:
             if len(inner) == 1:
                 return self.value(inner[0], raw, path)
             for candidate in inner:
-                trial = _Parser()
+                trial = _Parser(self.ignore_unknown)
                 result = trial.value(candidate, raw, path)
                 if not trial.errors:
                     return result
@@ -142,7 +146,14 @@ class _Parser:
             if isinstance(raw, bool) or not isinstance(raw, (int, float)):
                 self.fail(path, "expected a number, got %s" % _short(raw))
                 return raw
-            return float(raw)
+            try:
+                value = float(raw)
+            except OverflowError:  # an integer beyond a float's range
+                value = math.inf
+            if not math.isfinite(value):
+                self.fail(path, "expected a finite number, got %s" % _short(raw))
+                return raw
+            return value
         if tp is str:
             if not isinstance(raw, str):
                 self.fail(path, "expected a string, got %s" % _short(raw))
@@ -173,8 +184,8 @@ class _Parser:
         hints = typing.get_type_hints(cls)
         known = {f.name: f for f in dataclasses.fields(cls) if f.init}
         for key in raw:
-            if key not in known:
-                self.fail(_join(path, key), "unknown key (known: %s)" % ", ".join(sorted(known)))
+            if key not in known and not self.ignore_unknown:
+                self.fail(_join(path, key), "unknown key (known: %s)" % (", ".join(sorted(known)) or "none"))
         kwargs = {}
         before = len(self.errors)
         for name, f in known.items():
@@ -198,13 +209,16 @@ class _Parser:
         return instance
 
 
-def parse(cls: Type[T], data: Any, source: str = "") -> T:
+def parse(cls: Type[T], data: Any, source: str = "", unknown: str = "error") -> T:
     """Build ``cls`` from ``data`` or raise :class:`ConfigError` listing every bad field.
 
     A dataclass may define ``check(self) -> List[Tuple[field, message]]`` for cross-field rules; it runs only
-    when every field parsed, so it can rely on types.
+    when every field parsed, so it can rely on types. ``unknown="ignore"`` skips keys the dataclasses do not
+    declare (at every depth): for messages a newer peer may extend, never for a config or a command.
     """
-    parser = _Parser()
+    if unknown not in ("error", "ignore"):
+        raise ValueError("unknown must be 'error' or 'ignore', got %r" % (unknown,))
+    parser = _Parser(ignore_unknown=unknown == "ignore")
     result = parser.record(cls, data, "")
     if parser.errors:
         raise ConfigError(parser.errors, source)

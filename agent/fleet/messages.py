@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Type, TypeVar
 
 from agent.config.schema import ConfigError, parse, setting
-from agent.ops.commands import ACCEPTED, FAILED, IN_PROGRESS, REQUEST_ID_MAX, SUCCEEDED
+from agent.protocol.messages import ACCEPTED, FAILED, IN_PROGRESS, REQUEST_ID_MAX, SUCCEEDED
 
 T = TypeVar("T")
 ACK_STATES = (ACCEPTED, IN_PROGRESS, SUCCEEDED, FAILED)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from agent.config.names import name_problem
-from agent.ops.commands import REQUEST_ID_MAX, REQUEST_ID_RE
+from agent.protocol.messages import REQUEST_ID_MAX, REQUEST_ID_RE
 
 ROLLOUT_ID_MAX = 24  # leaves room in a 64-character request id for the device and the verb
 DEFAULT_CONFIRM_TIMEOUT_S = 900.0  # a deploy plus a box's default 60 s observation window, with a wide margin

@@ -11,7 +11,7 @@ from agent.fleet.plan import (
     PARTIAL,
     PAUSED,
 )
-from agent.ops.commands import SUCCEEDED
+from agent.protocol.messages import SUCCEEDED
 
 # Exit codes of 'fleet rollout' (and 'fleet resume'), one per way a rollout can end (docs/fleet.md).
 EXIT_COMPLETED = 0  # every box of the group confirmed (or already there)

@@ -72,7 +72,8 @@ from agent.fleet.plan import (
 )
 from agent.fleet.revert import Reverter
 from agent.fleet.status import SETTLE_S, FleetView, collect
-from agent.ops.commands import FINAL_STATES, SUCCEEDED
+from agent.protocol.messages import FINAL_STATES, SUCCEEDED
+from agent.protocol.topics import ACK, command_topic, device_topic, split_device_topic
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +334,7 @@ class Rollout:
     def _send_deploy(self, state: RolloutState, device: str, restart_clock: bool = True) -> None:
         self._pace()
         box = state.boxes[device]
-        self.link.publish("%s/%s/cmd/deploy" % (self.spec.prefix, device),
+        self.link.publish(command_topic(self.spec.prefix, "deploy", device=device),
                           {"request_id": box["request_id"], "bundle": self.spec.bundle, "sha256": self.sha})
         if restart_clock:
             self._anchor[device] = self.monotonic()
@@ -465,7 +466,7 @@ class Rollout:
         """Each box's own ack topics (``<prefix>/<device>/ack/#``): what arrives there is that box's word."""
         topics = []
         for device in devices:
-            topic = "%s/%s/ack/#" % (self.spec.prefix, device)
+            topic = device_topic(self.spec.prefix, device, ACK, "#")
             if topic not in self._subscribed:
                 topics.append(topic)
                 self._subscribed.add(topic)
@@ -482,10 +483,9 @@ class Rollout:
             self._check_cancel(state)
 
     def _apply(self, state: Optional[RolloutState], message: Message) -> None:
-        parts = message.topic.split("/")
-        head = len(self.spec.prefix.split("/"))
-        if len(parts) == head + 3 and parts[head + 1] == "ack" and state is not None:
-            self._on_ack(state, parts[head], parts[head + 2], message)
+        parts = split_device_topic(self.spec.prefix, message.topic)
+        if parts is not None and len(parts[1]) == 2 and parts[1][0] == ACK and state is not None:
+            self._on_ack(state, parts[0], parts[1][1], message)
             return
         device = self.view.apply(message)
         if device is None or state is None:

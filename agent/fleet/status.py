@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from agent.fleet.link import FleetLink, Message
 from agent.fleet.messages import Malformed, parse_status
+from agent.protocol.topics import ALERT, STATUS, TELEMETRY, fleet_subscriptions, split_device_topic
 
 ONLINE = "online"
 MALFORMED = "malformed"  # the box's status does not have the documented shape: shown with the reason
@@ -23,11 +24,6 @@ DEFAULT_LISTEN_S = 2.0  # long enough for the retained burst of a few thousand b
 # a second took the pause for the end and left every box behind it out of the rollout.
 SETTLE_S = 2.0
 ALERTS_KEPT = 5  # most recent alerts shown per box
-
-
-def status_topics(prefix: str) -> List[str]:
-    """What a fleet view subscribes to: every box's status, telemetry and alerts."""
-    return ["%s/+/status" % prefix, "%s/+/telemetry" % prefix, "%s/+/telemetry/alert" % prefix]
 
 
 @dataclass
@@ -91,27 +87,24 @@ class FleetView:
 
     def apply(self, message: Message) -> Optional[str]:
         """Fold one message in; returns the device it was about (None: not a fleet topic)."""
-        parts = message.topic.split("/")
-        head = self.prefix.split("/")
-        if parts[:len(head)] != head or len(parts) < len(head) + 2:
+        parts = split_device_topic(self.prefix, message.topic)
+        if parts is None:
             return None
-        device, kind = parts[len(head)], parts[len(head) + 1:]
-        if device == "group":
-            return None
+        device, kind = parts
         body = message.json()
-        if kind == ["status"]:
+        if kind == (STATUS,):
             if not message.payload:  # a cleared retained status: the box was decommissioned
                 self.boxes.pop(device, None)
                 return device
             self._status(device, body)
             return device
-        elif kind == ["telemetry"] and isinstance(body, dict):
+        elif kind == (TELEMETRY,) and isinstance(body, dict):
             box = self.boxes.setdefault(device, BoxView(device))
             fps = body.get("fps")
             box.fps = fps if isinstance(fps, (int, float)) and math.isfinite(fps) else None
             box.last_seen = _latest(box.last_seen, body.get("ts"))
             return device
-        elif kind == ["telemetry", "alert"] and isinstance(body, dict):
+        elif kind == (TELEMETRY, ALERT) and isinstance(body, dict):
             box = self.boxes.setdefault(device, BoxView(device))
             box.alerts = (box.alerts + [body])[-ALERTS_KEPT:]
             box.last_seen = _latest(box.last_seen, body.get("ts"))
@@ -163,8 +156,7 @@ def collect(link: FleetLink, view: FleetView, listen_s: float, status_only: bool
     does not cut it short. ``status_only`` leaves telemetry and alerts out (a rollout needs only the retained
     status, and a large fleet's telemetry is most of its traffic).
     """
-    topics = status_topics(view.prefix)
-    link.subscribe(topics[:1] if status_only else topics)
+    link.subscribe(fleet_subscriptions(view.prefix, status_only=status_only))
     start = monotonic()
     grew, known = start, len(view.boxes)
     while True:

@@ -34,11 +34,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from agent.config.daemon_config import DaemonConfig, ThresholdsConfig
 from agent.config.device_config import DeviceConfig
-from agent.config.schema import ConfigError, FieldError, parse, setting
+from agent.config.schema import ConfigError, FieldError
 from agent.errors import CommandError
 from agent.lifecycle.bundle import (
     MANIFEST,
@@ -68,31 +68,17 @@ from agent.lifecycle.slots import (
 from agent.lifecycle.store import BundleStore
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
 from agent.pipeline.model import LoadedModel, load_model
+from agent.protocol.requests import DeployRequest
 
 log = logging.getLogger(__name__)
 
 # The serving loop runs the handover queue at least once per batch wait (milliseconds) or per inference; 30 s
 # covers a long first batch on a slow box without leaving an operator's command hanging for minutes.
 DEFAULT_SWITCH_TIMEOUT_S = 30.0
-ENVELOPE_KEYS = ("request_id",)  # command envelope fields the dispatcher may leave in the payload
 
 # The rollback trigger decided here, as reported in events and acks (the window's own are in probation.py,
 # start-up's in recovery.py).
 TRIGGER_OPERATOR = "operator"
-
-
-@dataclass(frozen=True)
-class DeployRequest:
-    bundle: str = setting(doc="bundle directory or .tar/.tar.gz inside the store, or an http(s) URL")
-    sha256: str = setting(doc="sha256 (hex) of the bundle's manifest.json, as printed by 'bundle verify'")
-
-    def check(self) -> List[Tuple[str, str]]:
-        problems = []
-        if not self.bundle:
-            problems.append(("bundle", "must not be empty"))
-        if len(self.sha256) != 64 or any(c not in "0123456789abcdefABCDEF" for c in self.sha256):
-            problems.append(("sha256", "must be 64 hex digits (got %r)" % self.sha256[:80]))
-        return problems
 
 
 @dataclass
@@ -188,15 +174,13 @@ class ModelManager:
 
     # --- commands (command worker thread) ------------------------------------------------------------------
 
-    def deploy(self, payload: Dict[str, Any], progress: Callable[[str], None],
+    def deploy(self, request: DeployRequest, progress: Callable[[str], None],
                timeout_s: Optional[float] = None) -> Dict[str, Any]:
         """Fetch, verify, load and self-test a bundle into the standby slot, then switch to it as pending.
 
         ``timeout_s`` (default ``switch_timeout_s``) bounds the wait for the serving loop to take the model.
         Raises CommandError / BundleError / ConfigError with the reason; the serving model is untouched then.
         """
-        request = parse(DeployRequest, {k: v for k, v in dict(payload).items() if k not in ENVELOPE_KEYS},
-                        "deploy")
         expected_sha = request.sha256.lower()
         if not self._operation.acquire(blocking=False):
             raise CommandError("busy", "another deploy or rollback is running")

@@ -1,5 +1,5 @@
-"""Operations over MQTT: the transport (connection, in-flight, replay), the durable outbox, the command
-dispatcher with its request record, the verbs' handlers (``handlers``) and Home Assistant discovery.
+"""The MQTT transport: the connection supervisor, messages in flight, the outbox replay, the durable outbox, and
+Home Assistant discovery. What commands mean is :mod:`agent.commands`; topic names are :mod:`agent.protocol`.
 
-May import ``config``, ``pipeline``, ``lifecycle``, ``health``, ``_util`` and ``errors``; never ``cli``, ``devtools``.
+May import ``protocol``, ``config``, ``_util`` and ``errors``; never ``commands``, ``cli``, ``devtools``.
 """

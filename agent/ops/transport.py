@@ -36,12 +36,12 @@ from paho.mqtt.enums import MQTTErrorCode
 
 from agent._util.ratelog import LogLimiter
 from agent.config.daemon_config import MqttConfig
-from agent.config.names import name_problem
 from agent.config.schema import ConfigError, FieldError
 from agent.ops.connection import CLOSE_TIMEOUT_S, ConnectionSupervisor, MessageHandler, Payload, encode_payload
 from agent.ops.inflight import InFlight
 from agent.ops.outbox import Outbox
 from agent.ops.replay import Replayer
+from agent.protocol.topics import command_subscriptions, device_topic, name_problem
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class MqttTransport:
     """Publishes the box's messages with a durable outbox behind them and delivers its commands.
 
     ``on_message(topic, payload)`` is called on paho's network thread for every command message and must
-    only enqueue (:meth:`agent.ops.commands.CommandDispatcher.submit` does). ``on_alert(alert)`` gets the
+    only enqueue (:meth:`agent.commands.dispatcher.CommandDispatcher.submit` does). ``on_alert(alert)`` gets the
     outbox's alerts (damaged file, disk pressure started/ended) on the replay thread. Call :meth:`start` once,
     then :meth:`stop` at shutdown; publishing works before start and after stop (messages go to the outbox).
     """
@@ -76,7 +76,7 @@ class MqttTransport:
         on_alert: Optional[AlertHook] = None,
     ) -> None:
         problem = name_problem(device_id)
-        if problem:
+        if problem is not None:
             raise ConfigError([FieldError("device_id", problem)])
         if not replay_rate_hz > 0:
             raise ConfigError([FieldError("outbox.replay_rate_hz", "must be > 0 (got %r)"
@@ -112,12 +112,11 @@ class MqttTransport:
 
     def topic(self, *parts: str) -> str:
         """``<prefix>/<device>/<parts...>``."""
-        return "/".join((self.prefix, self.device_id) + tuple(parts))
+        return device_topic(self.prefix, self.device_id, *parts)
 
     def command_topics(self) -> List[str]:
         """Subscriptions: this device's commands and those of each configured group."""
-        groups = ["%s/group/%s/cmd/#" % (self.prefix, group) for group in self.groups]
-        return [self.topic("cmd", "#")] + groups
+        return command_subscriptions(self.prefix, self.device_id, self.groups)
 
     @property
     def connected(self) -> bool:

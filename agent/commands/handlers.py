@@ -11,15 +11,16 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 from agent._util.compat import Protocol
+from agent.commands.dispatcher import Handler, Progress
 from agent.config.daemon_config import DaemonConfig, merge_config
 from agent.config.overrides import Overrides
 from agent.config.schema import to_dict
 from agent.errors import CommandError
-from agent.lifecycle.model_manager import ModelManager
-from agent.ops.commands import Handler, Progress
+from agent.lifecycle.model_manager import TRIGGER_OPERATOR, ModelManager
 from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.results import annotate
 from agent.pipeline.serving import ServingLoop
+from agent.protocol.requests import ConfigRequest, NoFields
 
 # A set-config waits this long for the serving loop (one batch plus a model's between-batches work).
 CONFIG_HANDOVER_TIMEOUT_S = 5.0
@@ -57,15 +58,16 @@ class CommandHandlers:
         self.started: Optional[float] = None  # time.monotonic() when the daemon became ready
 
     def table(self) -> Dict[str, Handler]:
-        """Verb → handler, for :class:`agent.ops.commands.CommandDispatcher`."""
+        """Verb → handler, for :class:`agent.commands.dispatcher.CommandDispatcher`; each gets its verb's
+        request type (:data:`agent.protocol.requests.REQUESTS`)."""
         return {
-            "status": lambda payload, progress: self.status(),
+            "status": lambda request, progress: self.status(),
             "validate": self.validate,
             "set-config": self.set_config,
             "deploy": self.models.deploy,
-            "rollback": lambda payload, progress: self.models.rollback(payload.get("reason", "operator")),
-            "pause": lambda payload, progress: self.pause(True),
-            "resume": lambda payload, progress: self.pause(False),
+            "rollback": lambda request, progress: self.models.rollback(request.reason or TRIGGER_OPERATOR),
+            "pause": lambda request, progress: self.pause(True),
+            "resume": lambda request, progress: self.pause(False),
             "snapshot": self.snapshot,
             "restart": self.restart,
         }
@@ -84,18 +86,18 @@ class CommandHandlers:
         })
         return info
 
-    def validate(self, payload: Dict[str, Any], progress: Progress) -> Dict[str, Any]:
-        changes = payload.get("config", {})
+    def validate(self, request: ConfigRequest, progress: Progress) -> Dict[str, Any]:
+        changes = request.config
         merged = merge_config(self.get_config(), changes)  # raises ConfigError with per-field errors
         return {"valid": True, "config": {k: to_dict(getattr(merged, k)) for k in changes}}
 
-    def set_config(self, payload: Dict[str, Any], progress: Progress) -> Dict[str, Any]:
+    def set_config(self, request: ConfigRequest, progress: Progress) -> Dict[str, Any]:
         """Validate, record in the overrides file (durable: a restart keeps it), then apply between batches.
 
         The operator's config file is never written (read-only under the unit, and it carries their comments).
         If the serving loop does not take the change, the overrides file is put back: nothing changed.
         """
-        changes = payload.get("config", {})
+        changes = request.config
         merged = merge_config(self.get_config(), changes)
         try:
             previous = self.overrides.record(changes)
@@ -115,7 +117,7 @@ class CommandHandlers:
         stale = self.loop.set_paused(paused)
         return {"paused": paused, "stale_frames_dropped": stale}
 
-    def snapshot(self, payload: Dict[str, Any], progress: Progress) -> Dict[str, Any]:
+    def snapshot(self, request: NoFields, progress: Progress) -> Dict[str, Any]:
         import cv2
 
         latest = self.loop.latest
@@ -130,7 +132,7 @@ class CommandHandlers:
         self.publisher.publish(topic, jpeg.tobytes(), qos=1, retain=False, durable=False)
         return {"topic": topic, "bytes": int(jpeg.size), "frame_id": frame.frame_id, "source": frame.source}
 
-    def restart(self, payload: Dict[str, Any], progress: Progress) -> Dict[str, Any]:
+    def restart(self, request: NoFields, progress: Progress) -> Dict[str, Any]:
         # Acknowledge first, then stop: the ack must reach the operator before the process goes away.
         threading.Timer(RESTART_DELAY_S, self.request_restart, args=("restart command",)).start()
         return {"restarting": True}

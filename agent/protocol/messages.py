@@ -1,0 +1,188 @@
+"""Verbs, ack states, request ids, the error body, and typed readers for what an operator receives.
+
+An ack (on ``<prefix>/<device>/ack/<request_id>``) moves ``accepted`` -> ``in_progress`` -> ``succeeded`` |
+``failed``::
+
+    {"request_id": "r1", "verb": "deploy", "state": "failed", "ts": 1700000000.0,
+     "error": {"code": "invalid", "field": "bundle", "message": "...",
+               "errors": [{"field": "bundle", "message": "..."}]}}
+
+:func:`parse_ack` and :func:`parse_status` turn a received JSON body into :class:`Ack` / :class:`BoxStatus`
+or raise :class:`ProtocolError` naming the field, so an operator's tool reports a malformed message instead of
+crashing on it. Both ignore keys they do not know: a newer box may add fields, and an older tool must still
+read the ones it knows.
+"""
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from agent.config.schema import ConfigError, parse, setting
+
+VERBS = ("status", "validate", "set-config", "deploy", "rollback", "pause", "resume", "snapshot", "restart")
+
+ACCEPTED = "accepted"
+IN_PROGRESS = "in_progress"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+ACK_STATES = (ACCEPTED, IN_PROGRESS, SUCCEEDED, FAILED)
+FINAL_STATES = (SUCCEEDED, FAILED)
+
+ONLINE, OFFLINE = "online", "offline"
+
+# request_id ends up in a topic: a bounded, topic-safe charset (no '/', '+', '#', spaces or control bytes).
+REQUEST_ID_MAX = 64
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,%d}\Z" % REQUEST_ID_MAX)
+REQUEST_ID_RULE = "1-%d characters of A-Z a-z 0-9 _ . : -" % REQUEST_ID_MAX
+# Recover a request id from a payload we will not parse (too large, rate-limited) or cannot (bad JSON),
+# looking only at its head, so that the operator still gets a failed ack instead of a timeout.
+_REQUEST_ID_PEEK = re.compile(rb'"request_id"\s*:\s*"([A-Za-z0-9_.:-]{1,%d})"' % REQUEST_ID_MAX)
+PEEK_BYTES = 4096
+MESSAGE_MAX_CHARS = 300  # error messages are cut to this in acks
+
+
+def is_request_id(value: Any) -> bool:
+    return isinstance(value, str) and REQUEST_ID_RE.match(value) is not None
+
+
+def peek_request_id(payload: bytes) -> Optional[str]:
+    """A well-formed request id from the head of a payload we will not fully parse, or None."""
+    match = _REQUEST_ID_PEEK.search(payload[:PEEK_BYTES])
+    return match.group(1).decode("ascii") if match else None
+
+
+def error_body(code: str, message: str, field: Optional[str] = None,
+               errors: Optional[List[Dict[str, str]]] = None) -> Dict[str, Any]:
+    """The ``error`` object of a failed ack."""
+    body: Dict[str, Any] = {"code": code, "field": field, "message": message[:MESSAGE_MAX_CHARS]}
+    if errors is not None:
+        body["errors"] = errors
+    return body
+
+
+def invalid_body(exc: ConfigError) -> Dict[str, Any]:
+    """The ``invalid`` error of a payload the schema refused: every bad field, and the field when only one."""
+    errors = exc.as_list()
+    field = errors[0]["field"] if len(errors) == 1 else None
+    return error_body("invalid", str(exc), field, errors)
+
+
+def ack_message(request_id: str, verb: str, state: str, result: Optional[Dict[str, Any]] = None,
+                error: Optional[Dict[str, Any]] = None, message: Optional[str] = None) -> Dict[str, Any]:
+    """One ack as the box publishes it."""
+    ack: Dict[str, Any] = {"request_id": request_id, "verb": verb, "state": state, "ts": time.time()}
+    if message is not None:
+        ack["message"] = message
+    if result is not None:
+        ack["result"] = result
+    if error is not None:
+        ack["error"] = error
+    return ack
+
+
+class ProtocolError(ValueError):
+    """A received message that does not have the protocol's shape; ``field`` names the first bad one."""
+
+    def __init__(self, what: str, exc: ConfigError) -> None:
+        errors = exc.as_list()
+        self.field = errors[0]["field"] if errors else None
+        self.errors = errors
+        details = "; ".join("%s: %s" % (e["field"] or "<root>", e["message"]) for e in errors)
+        super().__init__("malformed %s: %s" % (what, details))
+
+
+@dataclass(frozen=True)
+class FieldProblem:
+    field: Optional[str] = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class AckError:
+    code: str = setting(doc="machine-readable reason (docs/mqtt.md lists them)")
+    message: str = ""
+    field: Optional[str] = None
+    errors: Optional[List[FieldProblem]] = None
+
+
+@dataclass(frozen=True)
+class Ack:
+    request_id: str
+    verb: str
+    state: str = setting(choices=ACK_STATES)
+    ts: Optional[float] = None
+    message: Optional[str] = None
+    result: Optional[Dict[str, Any]] = None
+    error: Optional[AckError] = None
+    replayed: bool = False
+
+    def check(self) -> List[Tuple[str, str]]:
+        problems = []
+        if not is_request_id(self.request_id):
+            problems.append(("request_id", "must be %s" % REQUEST_ID_RULE))
+        if self.state == FAILED and self.error is None:
+            problems.append(("error", "required in a failed ack"))
+        return problems
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+    def error_text(self) -> str:
+        """``code: message`` of a failed ack, for a report line."""
+        return "%s: %s" % (self.error.code, self.error.message) if self.error is not None else ""
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One A/B slot as the box reports it (``SlotTable.public()``)."""
+
+    state: Optional[str] = None
+    name: Optional[str] = None
+    version: Optional[str] = None
+    manifest_sha256: Optional[str] = None
+    since: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class SlotsView:
+    serving: Optional[str] = None
+    slots: Dict[str, Optional[SlotView]] = setting(factory=dict)
+    last_rollback: Optional[Dict[str, Any]] = None
+    pending: Optional[Dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class BoxStatus:
+    """A box's retained status: ``online`` from the daemon, ``offline`` from its stop or its last will."""
+
+    state: str
+    device: Optional[str] = None
+    ts: Optional[float] = None
+    groups: List[str] = setting(factory=list)
+    model: Optional[str] = None
+    backend: Optional[str] = None
+    slots: Optional[SlotsView] = None
+    reason: Optional[str] = None
+    connected_at: Optional[float] = None
+
+    @property
+    def online(self) -> bool:
+        return self.state == ONLINE
+
+
+def parse_ack(body: Any) -> Ack:
+    """An ack from its decoded JSON; raises :class:`ProtocolError` naming the field when it is malformed."""
+    try:
+        return parse(Ack, body, "ack", unknown="ignore")
+    except ConfigError as exc:
+        raise ProtocolError("ack", exc) from None
+
+
+def parse_status(body: Any) -> BoxStatus:
+    """A retained status from its decoded JSON; raises :class:`ProtocolError` naming the field when malformed."""
+    try:
+        return parse(BoxStatus, body, "status", unknown="ignore")
+    except ConfigError as exc:
+        raise ProtocolError("status", exc) from None

@@ -1,0 +1,267 @@
+"""The protocol module: one request type per verb refused as ``invalid`` naming the field, through the real
+dispatcher and the daemon's real handlers; non-finite numbers refused schema-wide; topics built and read in one
+place; the operator's typed readers for statuses and acks."""
+
+import dataclasses
+import json
+import math
+import threading
+import typing
+from typing import Any, Dict, List, Optional
+
+import pytest
+from conftest import WAIT_S
+
+from agent._util.compat import get_args, get_origin
+from agent.commands.dispatcher import CommandDispatcher
+from agent.commands.handlers import CommandHandlers
+from agent.config.daemon_config import LIVE_SECTIONS, DaemonConfig, parse_daemon_config
+from agent.config.overrides import Overrides
+from agent.config.schema import ConfigError, describe, parse, setting
+from agent.pipeline.handover import BetweenBatches
+from agent.protocol import topics
+from agent.protocol.messages import VERBS, ProtocolError, parse_ack, parse_status
+from agent.protocol.requests import REQUESTS, parse_request
+
+DEVICE = "proto-box"
+SHA = "ab" * 32
+# The smallest valid payload of each verb: every bad case below changes exactly one thing in it.
+VALID = {
+    "status": {}, "pause": {}, "resume": {}, "snapshot": {}, "restart": {},
+    "validate": {"config": {"thresholds": {"conf": 0.5}}},
+    "set-config": {"config": {"thresholds": {"conf": 0.5}}},
+    "deploy": {"bundle": "incoming/m-2", "sha256": SHA},
+    "rollback": {"reason": "canary too slow"},
+}
+WRONG_TYPE = {str: 7, dict: [1, 2], float: "fast", int: "many", bool: "yes"}
+
+
+class AckRecorder:
+    """The dispatcher's transport side (an :class:`AckPublisher`), keeping every ack in order."""
+
+    prefix = "atlas-edge"
+    device_id = DEVICE
+    groups = ()
+
+    def __init__(self) -> None:
+        self.acks: List[Dict[str, Any]] = []
+        self.done = threading.Condition()
+
+    def publish_ack(self, request_id: str, payload: Dict[str, Any]) -> str:
+        json.dumps(payload, allow_nan=False)  # every ack is strict JSON: NaN never travels back
+        with self.done:
+            self.acks.append(payload)
+            self.done.notify_all()
+        return "sent"
+
+    def final(self, request_id: str) -> Dict[str, Any]:
+        with self.done:
+            assert self.done.wait_for(lambda: any(a["request_id"] == request_id and a["state"] in (
+                "succeeded", "failed") for a in self.acks), WAIT_S), "no final ack for %s" % request_id
+            return [a for a in self.acks if a["request_id"] == request_id][-1]
+
+
+class MustNotRun:
+    """The model manager's place: no refused command may reach a deploy or a rollback."""
+
+    def deploy(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a refused deploy reached the model manager")
+
+    def rollback(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a refused rollback reached the model manager")
+
+
+@pytest.fixture
+def box(tmp_path):
+    """The real dispatcher over the daemon's real handlers (serving parts absent: no valid command runs)."""
+    config = parse_daemon_config({"device_id": DEVICE, "state_dir": str(tmp_path / "state"),
+                                  "model": {"bundle": "examples/demo-bundle"}})
+    applied: List[DaemonConfig] = []
+    handlers = CommandHandlers(None, MustNotRun(), None, BetweenBatches(), get_config=lambda: config,
+                               apply_config=applied.append, request_restart=lambda why: None,
+                               device_name="cpu-dev", backend="opencv",
+                               overrides=Overrides(str(tmp_path / "overrides.json")))
+    recorder = AckRecorder()
+    dispatcher = CommandDispatcher(recorder, handlers.table()).start()
+    yield dispatcher, recorder, applied
+    dispatcher.stop(5.0)
+    dispatcher.close()
+
+
+def _send(dispatcher: CommandDispatcher, recorder: AckRecorder, verb: str, payload: Dict[str, Any],
+          request_id: str) -> Dict[str, Any]:
+    data = json.dumps(dict(payload, request_id=request_id)).encode()  # NaN goes out as the JSON token NaN
+    dispatcher.submit(topics.command_topic(recorder.prefix, verb, device=DEVICE), data)
+    return recorder.final(request_id)
+
+
+def _fields(verb: str) -> List[dataclasses.Field]:
+    return list(dataclasses.fields(REQUESTS[verb]))
+
+
+def _bad_cases() -> List[Any]:
+    """(verb, what, payload, field the ack must name) for each verb: an unknown key, each field's wrong type,
+    NaN/Infinity in each number the verb takes (set-config and validate: every number of the live sections)."""
+    cases = []
+    for verb in VERBS:
+        cases.append(pytest.param(verb, dict(VALID[verb], colour="red"), "colour", id="%s-unknown-key" % verb))
+        for f in _fields(verb):
+            hint = typing.get_type_hints(REQUESTS[verb])[f.name]
+            base = next(t for t in (str, dict, float, int, bool) if t in (hint, get_origin(hint))
+                        or t in get_args(hint))
+            bad = dict(VALID[verb], **{f.name: WRONG_TYPE[base]})
+            cases.append(pytest.param(verb, bad, f.name, id="%s-%s-wrong-type" % (verb, f.name)))
+    config_types = typing.get_type_hints(DaemonConfig)
+    for verb in ("validate", "set-config"):
+        for section in LIVE_SECTIONS:
+            hints = typing.get_type_hints(config_types[section]) if dataclasses.is_dataclass(
+                config_types[section]) else {}
+            for name, hint in hints.items():
+                if float in (hint,) + get_args(hint):
+                    for value, label in ((math.nan, "nan"), (math.inf, "inf")):
+                        payload = {"config": {section: {name: value}}}
+                        cases.append(pytest.param(verb, payload, "%s.%s" % (section, name),
+                                                  id="%s-%s.%s-%s" % (verb, section, name, label)))
+    return cases
+
+
+@pytest.mark.parametrize("verb, payload, field", _bad_cases())
+def test_a_bad_payload_fails_invalid_naming_the_field_and_changes_nothing(box, verb, payload, field):
+    dispatcher, recorder, applied = box
+    final = _send(dispatcher, recorder, verb, payload, "bad-1")
+    error = final["error"]
+    assert (final["state"], error["code"]) == ("failed", "invalid"), final
+    assert field in [e["field"] for e in error["errors"]], error
+    assert applied == [] and dispatcher.stats()["failed"] == {"invalid": 1}
+
+
+def test_every_verb_has_a_request_type_and_bad_cases():
+    assert tuple(REQUESTS) == VERBS
+    covered = {case.values[0] for case in _bad_cases()}
+    assert covered == set(VERBS)
+    nan_fields = {case.values[2] for case in _bad_cases() if case.id.endswith("-nan")}
+    assert {"thresholds.conf", "thresholds.iou", "batching.max_wait_ms", "publish.max_rate_hz"} <= nan_fields
+
+
+def test_set_config_without_its_config_key_is_refused_naming_the_key(box):
+    """The old bug: ``{"thresholds": {...}}`` beside no ``config`` acked succeeded with ``applied: []``."""
+    dispatcher, recorder, applied = box
+    final = _send(dispatcher, recorder, "set-config", {"thresholds": {"conf": 0.5}}, "sc-1")
+    assert final["state"] == "failed" and final["error"]["code"] == "invalid"
+    assert {e["field"] for e in final["error"]["errors"]} == {"thresholds", "config"}
+    assert applied == [] and "accepted" not in [a["state"] for a in recorder.acks]
+
+
+def test_a_valid_validate_runs_the_real_handler(box):
+    dispatcher, recorder, _ = box
+    final = _send(dispatcher, recorder, "validate", VALID["validate"], "ok-1")
+    assert final["state"] == "succeeded" and final["result"]["config"]["thresholds"]["conf"] == 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Numbers:
+    ratio: float = setting(0.5, ge=0, le=1)
+    optional: Optional[float] = None
+    many: List[float] = setting(factory=list)
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"ratio": math.nan}, "ratio"), ({"ratio": math.inf}, "ratio"), ({"ratio": -math.inf}, "ratio"),
+    ({"optional": math.nan}, "optional"), ({"many": [1.0, math.nan]}, "many[1]"), ({"ratio": 10**400}, "ratio"),
+])
+def test_the_schema_engine_refuses_non_finite_numbers_everywhere(data, field):
+    with pytest.raises(ConfigError) as info:
+        parse(Numbers, data)
+    assert [e["field"] for e in info.value.as_list()] == [field]
+    assert "finite" in str(info.value)
+
+
+def test_every_float_setting_of_the_daemon_config_refuses_nan():
+    """Schema-wide: each float field in the daemon config, set to NaN alone, is refused naming it."""
+    floats = [path for path, _, _ in describe(DaemonConfig)
+              if _is_float(DaemonConfig, path)]
+    assert len(floats) >= 10
+    for path in floats:
+        data: Dict[str, Any] = {"device_id": "x", "model": {"bundle": "b"}}
+        node = data
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = math.nan
+        with pytest.raises(ConfigError) as info:
+            parse_daemon_config(data)
+        assert path in [e["field"] for e in info.value.as_list()], path
+
+
+def _is_float(cls: Any, path: str) -> bool:
+    hint: Any = cls
+    for part in path.split("."):
+        hint = typing.get_type_hints(hint)[part]
+        args = [a for a in get_args(hint) if a is not type(None)]
+        hint = args[0] if get_origin(hint) is typing.Union and len(args) == 1 else hint
+    return hint is float
+
+
+def test_request_types_parse_what_handlers_need():
+    assert parse_request("deploy", {"request_id": "r", "bundle": "b", "sha256": SHA}).bundle == "b"
+    assert parse_request("rollback", {}).reason is None
+    with pytest.raises(ConfigError, match="reason: must have at least 1"):
+        parse_request("rollback", {"reason": ""})
+    with pytest.raises(ConfigError, match=r"colour: unknown key \(known: none\)"):
+        parse_request("pause", {"colour": "red"})
+
+
+# -- topics ---------------------------------------------------------------------------------------------------
+
+def test_topics_are_built_and_read_back_in_one_place():
+    assert topics.command_topic("p/q", "deploy", device="cam-1") == "p/q/cam-1/cmd/deploy"
+    assert topics.command_topic("p", "pause", group="line-1") == "p/group/line-1/cmd/pause"
+    assert topics.ack_topic("p", "cam-1", "r-1") == "p/cam-1/ack/r-1"
+    assert topics.command_subscriptions("p", "cam-1", ["g"]) == ["p/cam-1/cmd/#", "p/group/g/cmd/#"]
+    assert topics.fleet_subscriptions("p", status_only=True) == ["p/+/status"]
+    assert topics.split_device_topic("p/q", "p/q/cam-1/telemetry/alert") == ("cam-1", ("telemetry", "alert"))
+    assert topics.split_device_topic("p", "p/group/g/cmd/x") is None
+    assert topics.split_device_topic("p", "other/cam-1/status") is None
+    assert topics.command_verb("p", "cam-1", ["g"], "p/group/g/cmd/status") == "status"
+    assert topics.command_verb("p", "cam-1", ["g"], "p/group/h/cmd/status") is None
+    assert topics.command_verb("p", "cam-1", [], "p/cam-1/cmd/a/b") is None
+    with pytest.raises(ValueError, match="names a device or a group"):
+        topics.command_topic("p", "status")
+
+
+@pytest.mark.parametrize("value, levels, ok", [
+    ("cam-1", False, True), ("a/b", False, False), ("a/b", True, True), ("/a", True, False), ("a//b", True, False),
+    ("a+b", False, False), ("a#", True, False), ("", False, False), ("a\x00", False, False), (7, False, False),
+])
+def test_the_one_topic_name_rule(value, levels, ok):
+    assert (topics.name_problem(value, levels=levels) is None) == ok
+
+
+# -- what the operator reads ----------------------------------------------------------------------------------
+
+def test_status_and_ack_parse_into_types_and_ignore_newer_fields():
+    status = parse_status({"state": "online", "device": "cam-1", "ts": 1, "groups": ["g"], "model": "m 1",
+                           "slots": {"serving": "a", "slots": {"a": {"state": "confirmed", "new": 1}, "b": None}},
+                           "added_by_a_newer_box": True})
+    assert status.online and status.ts == 1.0 and status.slots.slots["a"].state == "confirmed"
+    ack = parse_ack({"request_id": "r-1", "verb": "deploy", "state": "failed", "ts": 2.0,
+                     "error": {"code": "invalid", "field": "bundle", "message": "m",
+                               "errors": [{"field": "bundle", "message": "m"}]}})
+    assert ack.final and ack.error.code == "invalid" and ack.error_text() == "invalid: m"
+
+
+@pytest.mark.parametrize("reader, body, field", [
+    (parse_status, {"state": "online", "groups": "g"}, "groups"),
+    (parse_status, {"state": "online", "slots": {"slots": {"a": "confirmed"}}}, "slots.slots.a"),
+    (parse_status, {"device": "cam-1"}, "state"),
+    (parse_status, ["online"], ""),
+    (parse_ack, {"request_id": "r", "verb": "deploy", "state": "done"}, "state"),
+    (parse_ack, {"request_id": "r/x", "verb": "deploy", "state": "accepted"}, "request_id"),
+    (parse_ack, {"request_id": "r", "verb": "deploy", "state": "failed"}, "error"),
+    (parse_ack, {"request_id": "r", "verb": "deploy", "state": "failed", "error": "boom"}, "error"),
+    (parse_ack, {"request_id": "r", "verb": "deploy", "state": "accepted", "ts": math.nan}, "ts"),
+])
+def test_a_malformed_status_or_ack_is_a_typed_error_naming_the_field(reader, body, field):
+    with pytest.raises(ProtocolError) as info:
+        reader(body)
+    assert info.value.field == field
