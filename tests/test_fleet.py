@@ -19,6 +19,7 @@ import pytest
 from agent.cli import fleet as fleet_cli
 from agent.cli.ctl import EXIT_OK, EXIT_USAGE
 from agent.devtools.broker import EmbeddedBroker
+from agent.fleet.intake import POLL_S
 from agent.fleet.journal import RolloutState
 from agent.fleet.link import Message
 from agent.fleet.plan import (
@@ -36,7 +37,7 @@ from agent.fleet.plan import (
     request_id,
 )
 from agent.fleet.report import EXIT_ABORTED, EXIT_PARTIAL
-from agent.fleet.rollout import POLL_S, Rollout
+from agent.fleet.rollout import Rollout
 from agent.fleet.status import FleetView, render_table
 from agent.protocol.messages import FAILED, REQUEST_ID_RE, SUCCEEDED
 from benchmarks.fleet_sim import GOLDEN, SLOW, BundleServer, SimulatedFleet, build_bundles, slot_summary

@@ -144,12 +144,16 @@ class StallingRelay:
 
     def _accept(self):
         while not self._closed:
-            ready, _, _ = select.select([self._listener], [], [], 0.1)
-            if ready:
+            try:
+                ready, _, _ = select.select([self._listener], [], [], 0.1)
+                if not ready:
+                    continue
                 client, _ = self._listener.accept()
                 upstream = socket.create_connection(self.target, timeout=5)
-                threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-                threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+            except (OSError, ValueError):
+                return  # closed
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
 
     def _pump(self, source, sink, down):
         relayed = 0

@@ -27,27 +27,24 @@ Semantics (docs/fleet.md has the long form):
   by an earlier run is charged the wall time since its ``sent_at`` once, never less than zero.
 """
 
-import json
 import logging
 import os
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional
 
+from agent.fleet.intake import DEPLOYED, DONE, PLANNED, POLL_S, SENT, Intake, identity
 from agent.fleet.journal import STATE_SCHEMA, RolloutLock, RolloutState
-from agent.fleet.link import FleetLink, Message
-from agent.fleet.messages import Ack, Malformed, deploy_model, parse_ack
+from agent.fleet.judge import Judge
+from agent.fleet.link import FleetLink
 from agent.fleet.plan import (
     ABORTED,
     ABORTED_ROLLOUT,
     ALREADY,
     CANCELLED,
-    CANCELLED_ROLLOUT,
     COMPLETED,
     CONFIRMED,
-    DUPLICATE,
-    FAILED_OUTCOME,
     FAILURES,
     FINISHED,
     MALFORMED,
@@ -56,31 +53,21 @@ from agent.fleet.plan import (
     OFFLINE,
     PARTIAL,
     PAUSED,
-    RETRY_BASE_S,
-    RETRYABLE,
-    ROLLED_BACK,
     RUNNING,
-    TIMED_OUT,
     UNSEEN,
     RolloutError,
     RolloutSpec,
     abort_reason,
     check_rollout_id,
-    deploy_verb,
     plan_waves,
     request_id,
 )
 from agent.fleet.revert import Reverter
-from agent.fleet.status import SETTLE_S, FleetView, collect
-from agent.protocol.messages import FINAL_STATES, SUCCEEDED
-from agent.protocol.topics import ACK, command_topic, device_topic, split_device_topic
+from agent.fleet.status import SETTLE_S, collect
+from agent.protocol.topics import command_topic
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
-ALREADY_SERVING = "already_serving"  # the box's error code for a deploy of what it serves
-PLANNED, SENT, DEPLOYED, DONE = "planned", "sent", "deployed", "done"
-ANOMALIES_KEPT = 5
 EXPECT_WAIT_S = 30.0  # how much longer the boxes are listened for while fewer than --expect were heard
 Progress = Callable[[str], None]
 
@@ -88,15 +75,6 @@ Progress = Callable[[str], None]
 def default_state_dir() -> str:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "atlas-edge", "rollouts")
-
-
-def _one_line(text: str) -> str:
-    """Box errors may span lines (a bundle's per-field errors): one line for the progress display and report."""
-    return " ".join(str(text).split())
-
-
-def _identity(entry: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: entry.get(k) for k in ("name", "version", "manifest_sha256")}
 
 
 class Rollout:
@@ -122,13 +100,15 @@ class Rollout:
         self.resume = resume
         self.clock = clock  # wall time: what the state file and report record
         self.monotonic = monotonic  # deadlines within this run
-        self.view = FleetView(spec.prefix)
-        self.acks: Dict[Tuple[str, str], Ack] = {}  # (device, request id) -> latest ack that counts
-        self._anchor: Dict[str, float] = {}  # device -> monotonic reading its current step counts from
-        self._retry_at: Dict[str, float] = {}  # device -> monotonic time its retry is due
-        self._online: Dict[str, bool] = {}
-        self._resend: Set[str] = set()
-        self._subscribed: Set[str] = set()
+        self.intake = Intake(spec, self.rollout_id, link, progress, clock, monotonic,
+                             self.path[:-len(".json")] + ".cancel")
+        # shared with the intake, which fills them from the messages
+        self.view, self.acks = self.intake.view, self.intake.acks
+        self._anchor, self._retry_at = self.intake.anchor, self.intake.retry_at
+        self._online, self._resend = self.intake.online, self.intake.resend
+        self._pump, self._subscribe_acks, self._finish = self.intake.pump, self.intake.subscribe_acks, \
+            self.intake.finish
+        self.judge = Judge(self.intake)
         self._sends: Deque[float] = deque()  # monotonic times of recent deploys, for --max-per-minute
         self.state: Optional[RolloutState] = None
 
@@ -185,7 +165,7 @@ class Rollout:
         for view in self.view.in_group(None):
             serving = view.serving
             box = {"wave": None, "phase": DONE, "outcome": None, "error": None, "attempt": 0,
-                   "old": _identity(serving) if serving else None, "new": None,
+                   "old": identity(serving) if serving else None, "new": None,
                    "baseline_rollback": view.last_rollback, "anomalies": [],
                    "request_id": request_id(self.rollout_id, view.device, "deploy"),
                    "sent_at": None, "deployed_at": None, "finished_at": None, "revert": None}
@@ -316,7 +296,7 @@ class Rollout:
                 state.save()
                 return
             for device in list(in_flight):
-                if self._judge(state, device):
+                if self.judge.judge(state, device):
                     in_flight.remove(device)
                     self._report_box(state, device, len(in_flight))
                     reason = abort_reason(self.spec, state.outcomes())
@@ -372,86 +352,6 @@ class Rollout:
         view = self.view.boxes.get(device)
         return view is not None and view.online
 
-    def _judge(self, state: RolloutState, device: str) -> bool:
-        """Advance one box from what its acks and status say; True once it has an outcome."""
-        box = state.boxes[device]
-        if box["phase"] == DONE:
-            return True
-        ack = self.acks.get((device, box["request_id"]))
-        if ack is not None and box["phase"] == SENT and ack.state in FINAL_STATES:
-            done = self._judge_ack(state, device, ack)
-            if done is not None:
-                return done
-        view = self.view.boxes.get(device)
-        if view is not None and view.malformed:
-            return self._finish(state, device, MALFORMED, view.malformed)
-        if view is not None and box["phase"] in (SENT, DEPLOYED):
-            serving = view.serving
-            if view.serves_confirmed(self.sha):
-                return self._finish(state, device, CONFIRMED, None, new=box["new"] or _identity(serving))
-            rollback = view.last_rollback
-            if rollback and rollback != box["baseline_rollback"] and rollback.get("manifest_sha256") == self.sha:
-                return self._finish(state, device, ROLLED_BACK, _one_line(rollback.get("reason")))
-            old = (box["old"] or {}).get("manifest_sha256")
-            if box["phase"] == DEPLOYED and view.online and serving.get("manifest_sha256") not in (self.sha, old):
-                return self._finish(state, device, FAILED_OUTCOME, "wrong_bundle: its status serves manifest %s, "
-                                    "not %s" % (serving.get("manifest_sha256"), self.sha))
-        return self._timed_out(state, device, view)
-
-    def _judge_ack(self, state: RolloutState, device: str, ack: Ack) -> Optional[bool]:
-        """A final deploy ack: deployed (None: judge on), failed, retried, or malformed."""
-        box = state.boxes[device]
-        if ack.state == SUCCEEDED:
-            try:
-                model = deploy_model(ack)
-            except Malformed as exc:
-                return self._finish(state, device, MALFORMED, "deploy ack: %s" % exc)
-            if model.manifest_sha256 not in (None, self.sha):
-                return self._finish(state, device, FAILED_OUTCOME, "wrong_bundle: its ack names manifest %s, not "
-                                    "%s" % (model.manifest_sha256, self.sha))
-            state.set(device, phase=DEPLOYED, deployed_at=self.clock(), new=asdict(model))
-            self._anchor[device] = self.monotonic()
-            return None
-        error = ack.error
-        code = error.code if error is not None else "?"
-        if code == ALREADY_SERVING:  # a retry after the box confirmed: judged by its status
-            return None
-        if code in RETRYABLE and box.get("attempt", 0) < self.spec.retries:
-            attempt = box.get("attempt", 0) + 1
-            backoff = RETRY_BASE_S * 2 ** (attempt - 1)
-            state.set(device, attempt=attempt, request_id=request_id(self.rollout_id, device, deploy_verb(attempt)),
-                      error="%s; retry %d in %.0f s" % (code, attempt, backoff))
-            self._subscribe_acks([device])
-            self._retry_at[device] = self.monotonic() + backoff
-            self._anchor[device] = self.monotonic() + backoff
-            self.progress("  %-24s %s: retry %d/%d in %.0f s" % (device, code, attempt, self.spec.retries,
-                                                                backoff))
-            return False
-        return self._finish(state, device, FAILED_OUTCOME, _one_line("%s: %s" % (
-            code, error.message if error is not None else "")))
-
-    def _timed_out(self, state: RolloutState, device: str, view: Any) -> bool:
-        box = state.boxes[device]
-        if box["sent_at"] is None:
-            return False
-        anchor = self._anchor.get(device)
-        if anchor is None:  # sent by an earlier run: only its wall time is known, read once
-            since = box["deployed_at"] if box["phase"] == DEPLOYED and box["deployed_at"] else box["sent_at"]
-            anchor = self.monotonic() - max(0.0, self.clock() - since)
-            self._anchor[device] = anchor
-        limit = self.spec.confirm_timeout_s if box["phase"] == DEPLOYED else self.spec.step_timeout
-        if self.monotonic() - anchor <= limit:
-            return False
-        where = "offline" if view is not None and not view.online else (
-            "pending" if view is not None and view.holds(self.sha) == "pending" else box["phase"])
-        step = "confirmed" if box["phase"] == DEPLOYED else "heard from"
-        return self._finish(state, device, TIMED_OUT, "not %s within %.0f s (last seen: %s)" % (step, limit, where))
-
-    def _finish(self, state: RolloutState, device: str, outcome: str, error: Optional[str], **extra: Any) -> bool:
-        state.set(device, outcome=outcome, phase=DONE, error=error, finished_at=self.clock(), **extra)
-        self._retry_at.pop(device, None)
-        return True
-
     def _report_box(self, state: RolloutState, device: str, left: int) -> None:
         box = state.boxes[device]
         executed, failures = state.executed_and_failures()
@@ -459,120 +359,3 @@ class Rollout:
         self.progress("  %-24s %-11s %6.1f s  [executed %d, failed %d, in flight %d]%s" % (
             device, box["outcome"], took, executed, failures, left,
             "  " + box["error"][:120] if box["error"] else ""))
-
-    # --- messages ----------------------------------------------------------------------------------------
-
-    def _subscribe_acks(self, devices: List[str]) -> None:
-        """Each box's own ack topics (``<prefix>/<device>/ack/#``): what arrives there is that box's word."""
-        topics = []
-        for device in devices:
-            topic = device_topic(self.spec.prefix, device, ACK, "#")
-            if topic not in self._subscribed:
-                topics.append(topic)
-                self._subscribed.add(topic)
-        if topics:
-            self.link.subscribe(topics)  # before publishing: an ack cannot be missed
-
-    def _pump(self, state: Optional[RolloutState]) -> None:
-        """Read what arrived (at least one poll interval), folding status and acks in; then a cancel request."""
-        message = self.link.get(POLL_S)
-        while message is not None:
-            self._apply(state, message)
-            message = self.link.get(0.0)
-        if state is not None:
-            self._check_cancel(state)
-
-    def _apply(self, state: Optional[RolloutState], message: Message) -> None:
-        parts = split_device_topic(self.spec.prefix, message.topic)
-        if parts is not None and len(parts[1]) == 2 and parts[1][0] == ACK and state is not None:
-            self._on_ack(state, parts[0], parts[1][1], message)
-            return
-        device = self.view.apply(message)
-        if device is None or state is None:
-            return
-        view = self.view.boxes.get(device)
-        online = view is not None and view.online
-        was = self._online.get(device)
-        self._online[device] = online
-        box = state.boxes.get(device)
-        if box is None:
-            if view is not None and self.spec.group in view.groups:
-                self._take_in(state, device)
-        elif online and was is False and box["phase"] == SENT and device not in self._retry_at:
-            self._resend.add(device)
-
-    def _take_in(self, state: RolloutState, device: str) -> None:
-        """A box of the group that announced itself after the plan: a last wave (or reported, if too late)."""
-        box = {"wave": None, "phase": DONE, "outcome": NOT_STARTED, "error": "announced itself after the plan",
-               "attempt": 0, "old": None, "new": None, "baseline_rollback": None, "anomalies": [],
-               "request_id": request_id(self.rollout_id, device, "deploy"), "sent_at": None, "deployed_at": None,
-               "finished_at": None, "revert": None}
-        view = self.view.boxes[device]
-        if state.status == RUNNING and view.online and not view.malformed:
-            waves = state.data["waves"]
-            late = state.data.get("late_wave")
-            if late is None or late != len(waves) - 1 or any(state.boxes[d]["phase"] != PLANNED for d in waves[late]):
-                waves = waves + [[]]
-                late = len(waves) - 1
-            waves[late] = waves[late] + [device]
-            box.update(wave=late, phase=PLANNED, outcome=None, error=None,
-                       old=_identity(view.serving) if view.serving else None, baseline_rollback=view.last_rollback)
-            state.top(waves=waves, late_wave=late)
-            self.progress("  %-24s announced itself after the plan: taken into wave %d" % (device, late + 1))
-        state.set(device, **box)
-
-    def _on_ack(self, state: RolloutState, device: str, topic_rid: str, message: Message) -> None:
-        box = state.boxes.get(device)
-        if box is None:
-            return
-        own = topic_rid == box.get("request_id") or topic_rid == (box.get("revert") or {}).get("request_id")
-        try:
-            ack = parse_ack(message.json())
-        except Malformed as exc:
-            if own and box["phase"] in (SENT, DEPLOYED):
-                self._finish(state, device, MALFORMED, "ack %s: %s" % (topic_rid, exc))
-            else:
-                self._anomaly(state, device, "malformed ack on %s: %s" % (message.topic, exc))
-            return
-        if ack.request_id != topic_rid or not own:
-            if ack.request_id.startswith(self.rollout_id + ".") and not own:
-                self._anomaly(state, device, "published an ack for request %s, not its own" % ack.request_id)
-            elif ack.request_id != topic_rid:
-                self._anomaly(state, device, "ack on %s names request %s" % (message.topic, ack.request_id))
-            return
-        key = (device, topic_rid)
-        previous = self.acks.get(key)
-        if previous is not None and previous.state in FINAL_STATES:
-            if ack.state in FINAL_STATES and ack.state != previous.state:
-                self._duplicate(state, device, "two different final answers to %s (%s, then %s): two boxes "
-                                "answer as %s" % (topic_rid, previous.state, ack.state, device))
-            return  # a replayed 'in_progress' must not hide a final ack already seen
-        self.acks[key] = ack
-        if device in self._anchor and ack.state not in FINAL_STATES and box["phase"] == SENT:
-            self._anchor[device] = self.monotonic()  # progress restarts the step timeout
-
-    def _duplicate(self, state: RolloutState, device: str, why: str) -> None:
-        self._anomaly(state, device, why)
-        if state.boxes[device]["outcome"] != DUPLICATE:
-            self.progress("  %-24s DUPLICATE device id: %s" % (device, why))
-            self._finish(state, device, DUPLICATE, why)
-
-    def _anomaly(self, state: RolloutState, device: str, what: str) -> None:
-        kept = (state.boxes[device].get("anomalies") or []) + [_one_line(what)[:300]]
-        state.set(device, anomalies=kept[-ANOMALIES_KEPT:])
-
-    def _check_cancel(self, state: RolloutState) -> None:
-        path = self.path[:-len(".json")] + ".cancel"
-        if state.status not in (RUNNING, PAUSED) or not os.path.exists(path):
-            return
-        try:
-            with open(path, encoding="utf-8") as handle:
-                request = json.load(handle)
-            revert = bool(request.get("revert")) if isinstance(request, dict) else False
-        except (OSError, ValueError):
-            revert = False
-        state.top(status=CANCELLED_ROLLOUT, cancel={"at": self.clock(), "revert": revert},
-                  revert="wanted" if revert else None)
-        state.save()
-        self.progress("CANCELLED by 'fleet cancel'%s; no further box is sent a deploy" % (
-            ": moved boxes go back" if revert else ""))

@@ -1,0 +1,186 @@
+"""What arrives during a rollout, folded in: statuses into the fleet view, acks bound to the box they came from.
+
+An ack counts only for the box whose topic it came on (``<prefix>/<device>/ack/<request id>``) and only when
+its request id is the one this rollout gave that box; anything else arriving there is recorded as an anomaly
+of the sender. Two different final answers to one request id are two boxes answering as one device id. A
+status tells when a box came back online (its lost deploy is sent again) and when a box of the group
+announced itself after the plan (taken in as a last wave). ``fleet cancel`` leaves a request file that is
+checked here, between messages.
+"""
+
+import json
+import os
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from agent.fleet.journal import RolloutState
+from agent.fleet.link import FleetLink, Message
+from agent.fleet.messages import Ack, Malformed, parse_ack
+from agent.fleet.plan import (
+    CANCELLED_ROLLOUT,
+    DUPLICATE,
+    MALFORMED,
+    NOT_STARTED,
+    PAUSED,
+    RUNNING,
+    RolloutSpec,
+    request_id,
+)
+from agent.fleet.status import FleetView
+from agent.protocol.messages import FINAL_STATES
+from agent.protocol.topics import ACK, device_topic, split_device_topic
+
+POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
+PLANNED, SENT, DEPLOYED, DONE = "planned", "sent", "deployed", "done"
+ANOMALIES_KEPT = 5
+
+
+def one_line(text: str) -> str:
+    """Box errors may span lines (a bundle's per-field errors): one line for the progress display and report."""
+    return " ".join(str(text).split())
+
+
+def identity(entry: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: entry.get(k) for k in ("name", "version", "manifest_sha256")}
+
+
+class Intake:
+    """The fleet view, the acks that count, and the per-box timing the engine judges by; see the module doc."""
+
+    def __init__(self, spec: RolloutSpec, rollout_id: str, link: FleetLink, progress: Callable[[str], None],
+                 clock: Callable[[], float], monotonic: Callable[[], float], cancel_path: str) -> None:
+        self.spec = spec
+        self.rollout_id = rollout_id
+        self.link = link
+        self.progress = progress
+        self.clock = clock
+        self.monotonic = monotonic
+        self.cancel_path = cancel_path
+        self.view = FleetView(spec.prefix)
+        self.acks: Dict[Tuple[str, str], Ack] = {}  # (device, request id) -> latest ack that counts
+        self.anchor: Dict[str, float] = {}  # device -> monotonic reading its current step counts from
+        self.retry_at: Dict[str, float] = {}  # device -> monotonic time its retry is due
+        self.online: Dict[str, bool] = {}
+        self.resend: Set[str] = set()  # sent while offline, back now: the deploy goes out again
+        self._subscribed: Set[str] = set()
+
+    def finish(self, state: RolloutState, device: str, outcome: str, error: Optional[str], **extra: Any) -> bool:
+        state.set(device, outcome=outcome, phase=DONE, error=error, finished_at=self.clock(), **extra)
+        self.retry_at.pop(device, None)
+        return True
+
+    # --- messages ----------------------------------------------------------------------------------------
+
+    def subscribe_acks(self, devices: List[str]) -> None:
+        """Each box's own ack topics (``<prefix>/<device>/ack/#``): what arrives there is that box's word."""
+        topics = []
+        for device in devices:
+            topic = device_topic(self.spec.prefix, device, ACK, "#")
+            if topic not in self._subscribed:
+                topics.append(topic)
+                self._subscribed.add(topic)
+        if topics:
+            self.link.subscribe(topics)  # before publishing: an ack cannot be missed
+
+    def pump(self, state: Optional[RolloutState]) -> None:
+        """Read what arrived (at least one poll interval), folding status and acks in; then a cancel request."""
+        message = self.link.get(POLL_S)
+        while message is not None:
+            self._apply(state, message)
+            message = self.link.get(0.0)
+        if state is not None:
+            self._check_cancel(state)
+
+    def _apply(self, state: Optional[RolloutState], message: Message) -> None:
+        parts = split_device_topic(self.spec.prefix, message.topic)
+        if parts is not None and len(parts[1]) == 2 and parts[1][0] == ACK and state is not None:
+            self._on_ack(state, parts[0], parts[1][1], message)
+            return
+        device = self.view.apply(message)
+        if device is None or state is None:
+            return
+        view = self.view.boxes.get(device)
+        online = view is not None and view.online
+        was = self.online.get(device)
+        self.online[device] = online
+        box = state.boxes.get(device)
+        if box is None:
+            if view is not None and self.spec.group in view.groups:
+                self._take_in(state, device)
+        elif online and was is False and box["phase"] == SENT and device not in self.retry_at:
+            self.resend.add(device)
+
+    def _take_in(self, state: RolloutState, device: str) -> None:
+        """A box of the group that announced itself after the plan: a last wave (or reported, if too late)."""
+        box = {"wave": None, "phase": DONE, "outcome": NOT_STARTED, "error": "announced itself after the plan",
+               "attempt": 0, "old": None, "new": None, "baseline_rollback": None, "anomalies": [],
+               "request_id": request_id(self.rollout_id, device, "deploy"), "sent_at": None, "deployed_at": None,
+               "finished_at": None, "revert": None}
+        view = self.view.boxes[device]
+        if state.status == RUNNING and view.online and not view.malformed:
+            waves = state.data["waves"]
+            late = state.data.get("late_wave")
+            if late is None or late != len(waves) - 1 or any(state.boxes[d]["phase"] != PLANNED for d in waves[late]):
+                waves = waves + [[]]
+                late = len(waves) - 1
+            waves[late] = waves[late] + [device]
+            box.update(wave=late, phase=PLANNED, outcome=None, error=None,
+                       old=identity(view.serving) if view.serving else None, baseline_rollback=view.last_rollback)
+            state.top(waves=waves, late_wave=late)
+            self.progress("  %-24s announced itself after the plan: taken into wave %d" % (device, late + 1))
+        state.set(device, **box)
+
+    def _on_ack(self, state: RolloutState, device: str, topic_rid: str, message: Message) -> None:
+        box = state.boxes.get(device)
+        if box is None:
+            return
+        own = topic_rid == box.get("request_id") or topic_rid == (box.get("revert") or {}).get("request_id")
+        try:
+            ack = parse_ack(message.json())
+        except Malformed as exc:
+            if own and box["phase"] in (SENT, DEPLOYED):
+                self.finish(state, device, MALFORMED, "ack %s: %s" % (topic_rid, exc))
+            else:
+                self._anomaly(state, device, "malformed ack on %s: %s" % (message.topic, exc))
+            return
+        if ack.request_id != topic_rid or not own:
+            if ack.request_id.startswith(self.rollout_id + ".") and not own:
+                self._anomaly(state, device, "published an ack for request %s, not its own" % ack.request_id)
+            elif ack.request_id != topic_rid:
+                self._anomaly(state, device, "ack on %s names request %s" % (message.topic, ack.request_id))
+            return
+        key = (device, topic_rid)
+        previous = self.acks.get(key)
+        if previous is not None and previous.state in FINAL_STATES:
+            if ack.state in FINAL_STATES and ack.state != previous.state:
+                self._duplicate(state, device, "two different final answers to %s (%s, then %s): two boxes "
+                                "answer as %s" % (topic_rid, previous.state, ack.state, device))
+            return  # a replayed 'in_progress' must not hide a final ack already seen
+        self.acks[key] = ack
+        if device in self.anchor and ack.state not in FINAL_STATES and box["phase"] == SENT:
+            self.anchor[device] = self.monotonic()  # progress restarts the step timeout
+
+    def _duplicate(self, state: RolloutState, device: str, why: str) -> None:
+        self._anomaly(state, device, why)
+        if state.boxes[device]["outcome"] != DUPLICATE:
+            self.progress("  %-24s DUPLICATE device id: %s" % (device, why))
+            self.finish(state, device, DUPLICATE, why)
+
+    def _anomaly(self, state: RolloutState, device: str, what: str) -> None:
+        kept = (state.boxes[device].get("anomalies") or []) + [one_line(what)[:300]]
+        state.set(device, anomalies=kept[-ANOMALIES_KEPT:])
+
+    def _check_cancel(self, state: RolloutState) -> None:
+        path = self.cancel_path
+        if state.status not in (RUNNING, PAUSED) or not os.path.exists(path):
+            return
+        try:
+            with open(path, encoding="utf-8") as handle:
+                request = json.load(handle)
+            revert = bool(request.get("revert")) if isinstance(request, dict) else False
+        except (OSError, ValueError):
+            revert = False
+        state.top(status=CANCELLED_ROLLOUT, cancel={"at": self.clock(), "revert": revert},
+                  revert="wanted" if revert else None)
+        state.save()
+        self.progress("CANCELLED by 'fleet cancel'%s; no further box is sent a deploy" % (
+            ": moved boxes go back" if revert else ""))
