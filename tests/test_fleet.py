@@ -202,7 +202,7 @@ def _online(device):
 
 
 def _ack(device, payload, state, **fields):
-    body = dict(fields, request_id=payload["request_id"], state=state)
+    body = dict(fields, request_id=payload["request_id"], verb="deploy", state=state)
     return Message("%s/%s/ack/%s" % (SIM_PREFIX, device, payload["request_id"]), json.dumps(body).encode(), False)
 
 

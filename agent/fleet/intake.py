@@ -14,7 +14,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from agent.fleet.journal import RolloutState
 from agent.fleet.link import FleetLink, Message
-from agent.fleet.messages import Ack, Malformed, parse_ack
 from agent.fleet.plan import (
     CANCELLED_ROLLOUT,
     DUPLICATE,
@@ -26,7 +25,7 @@ from agent.fleet.plan import (
     request_id,
 )
 from agent.fleet.status import FleetView
-from agent.protocol.messages import FINAL_STATES
+from agent.protocol.messages import FINAL_STATES, Ack, ProtocolError, parse_ack
 from agent.protocol.topics import ACK, device_topic, split_device_topic
 
 POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
@@ -136,7 +135,7 @@ class Intake:
         own = topic_rid == box.get("request_id") or topic_rid == (box.get("revert") or {}).get("request_id")
         try:
             ack = parse_ack(message.json())
-        except Malformed as exc:
+        except ProtocolError as exc:
             if own and box["phase"] in (SENT, DEPLOYED):
                 self.finish(state, device, MALFORMED, "ack %s: %s" % (topic_rid, exc))
             else:

@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 from agent.fleet.intake import DEPLOYED, DONE, SENT, Intake, identity, one_line
 from agent.fleet.journal import RolloutState
-from agent.fleet.messages import Ack, Malformed, deploy_model
 from agent.fleet.plan import (
     CONFIRMED,
     FAILED_OUTCOME,
@@ -23,7 +22,7 @@ from agent.fleet.plan import (
     deploy_verb,
     request_id,
 )
-from agent.protocol.messages import FINAL_STATES, SUCCEEDED
+from agent.protocol.messages import FINAL_STATES, SUCCEEDED, Ack, ProtocolError, parse_deploy_result
 
 ALREADY_SERVING = "already_serving"  # the box's error code for a deploy of what it serves
 
@@ -67,8 +66,8 @@ class Judge:
         box = state.boxes[device]
         if ack.state == SUCCEEDED:
             try:
-                model = deploy_model(ack)
-            except Malformed as exc:
+                model = parse_deploy_result(ack).model
+            except ProtocolError as exc:
                 return self.intake.finish(state, device, MALFORMED, "deploy ack: %s" % exc)
             if model.manifest_sha256 not in (None, self.sha):
                 return self.intake.finish(state, device, FAILED_OUTCOME, "wrong_bundle: its ack names manifest %s, not "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from agent.fleet.link import FleetLink, Message
-from agent.fleet.messages import Malformed, parse_status
+from agent.protocol.messages import ProtocolError, parse_status
 from agent.protocol.topics import ALERT, STATUS, TELEMETRY, fleet_subscriptions, split_device_topic
 
 ONLINE = "online"
@@ -116,8 +116,8 @@ class FleetView:
         self.updates += 1
         try:
             parse_status(body)
-        except Malformed as exc:
-            box.state, box.malformed, box.reason = MALFORMED, str(exc), "malformed status: %s" % exc
+        except ProtocolError as exc:
+            box.state, box.malformed, box.reason = MALFORMED, str(exc), str(exc)
             groups = body.get("groups") if isinstance(body, dict) else None
             if isinstance(groups, list) and all(isinstance(g, str) for g in groups):
                 box.groups = list(groups)  # still listed in its group: reported there, never sent anything

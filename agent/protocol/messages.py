@@ -186,3 +186,29 @@ def parse_status(body: Any) -> BoxStatus:
         return parse(BoxStatus, body, "status", unknown="ignore")
     except ConfigError as exc:
         raise ProtocolError("status", exc) from None
+
+
+@dataclass(frozen=True)
+class ModelId:
+    """Which model: what a deploy's or rollback's result, a slot and a rollback name."""
+
+    name: Optional[str] = None
+    version: Optional[str] = None
+    manifest_sha256: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class DeployResult:
+    """The ``result`` of a succeeded ``deploy`` or ``rollback``: the model the box now serves."""
+
+    model: ModelId
+    slot: Optional[str] = None
+    state: Optional[str] = None
+
+
+def parse_deploy_result(ack: Ack) -> DeployResult:
+    """A succeeded deploy's or rollback's result; :class:`ProtocolError` naming the field when it has none."""
+    try:
+        return parse(DeployResult, ack.result if ack.result is not None else {}, "result", unknown="ignore")
+    except ConfigError as exc:
+        raise ProtocolError("%s result" % ack.verb, exc) from None
