@@ -26,8 +26,8 @@ import paho.mqtt.client as mqtt
 OLD = {"name": "shapes", "version": "1.0.0", "manifest_sha256": "1" * 64}
 FAULTS = (
     "hang",              # accepts a deploy, says it started, then nothing
-    "lwt_old",           # its connection dies mid-deploy (last will); back after away_s on the old model
-    "lwt_new",           # the same, but back on the new model (the deploy had finished)
+    "lwt_old",           # its connection dies in its first deploy (last will); back after away_s on the old model
+    "lwt_new",           # the same, but back on the new model (that deploy had finished)
     "wrong_sha",         # its deploy 'succeeds' with another manifest than the one pinned
     "bad_slots",         # its retained status has slots.slots as a list
     "bad_rollback",      # its retained status has last_rollback as a string
@@ -210,7 +210,8 @@ class SimBox:
         model = dict(bundle)
         if self.fault == "wrong_sha":
             model["manifest_sha256"] = "e" * 64
-        if self.fault in ("lwt_old", "lwt_new"):
+        if self.fault in ("lwt_old", "lwt_new") and not self._faulted_once:
+            self._faulted_once = True
             self.fleet.later(self.fleet.deploy_s / 2, lambda: self._die_mid_deploy(rid, model))
             return
         self.fleet.later(self.fleet.deploy_s, lambda: self._deployed(rid, model))

@@ -300,3 +300,115 @@ def test_bad_prefix_damaged_state_and_unusable_state_dir_are_operator_errors(box
     code, _, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, state_dir, "--rollout-id", "ro-gap"), capsys)
     assert code == EXIT_USAGE and "box-00" in err and "no box entry" in err
     assert all(box.commands == [] for box in fleet.boxes)  # nothing was sent
+
+
+# --- what a box says decides its outcome, at once --------------------------------------------------------------
+
+def test_wrong_sha_fails_at_once_busy_and_interrupted_are_retried_duplicate_acks_and_a_hang_time_out(
+        boxes, mosquitto, tmp_path, capsys):
+    faults = {1: ("wrong_sha", None), 2: ("busy_once", None), 3: ("lwt_old", {"away_s": 1.0}),
+              4: ("dup_acks", None), 5: ("hang", None)}
+    fleet = boxes(6, faults=faults).start()
+    code, report, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "1", "--waves", "1",
+                                             "--step-timeout", "8", "--retries", "2"), capsys)
+    assert code == EXIT_PARTIAL, err
+    result = by_device(report)
+    assert result["box-01"]["outcome"] == "failed" and "wrong_bundle" in result["box-01"]["error"]
+    for device in ("box-02", "box-03"):  # 'busy', and 'interrupted' replayed when the box came back: retried
+        assert result[device]["outcome"] == "confirmed" and result[device]["attempts"] == 2, result[device]
+        assert fleet.box(device).serving() == {"version": "2.0.0", "state": "confirmed"}
+    assert fleet.box("box-02").deploys == 1  # the busy answer ran nothing
+    assert result["box-04"]["outcome"] == "confirmed" and result["box-04"]["anomalies"] == []
+    assert result["box-05"]["outcome"] == "timed_out" and "heard from" in result["box-05"]["error"]
+    assert report["not_reached"] == ["box-01", "box-05"]
+
+
+def test_a_cloned_device_id_is_reported_as_duplicate(boxes, mosquitto, tmp_path, capsys):
+    fleet = boxes(3)
+    fleet.add("box-02", fault="clone", client_suffix="-clone")  # same device id, its own connection
+    fleet.start()
+    code, report, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "1", "--waves", "1"),
+                                capsys)
+    assert code == EXIT_PARTIAL, err
+    twin = by_device(report)["box-02"]
+    assert twin["outcome"] == "duplicate" and "two boxes answer as box-02" in twin["error"]
+    assert "DUPLICATE device id" in err
+    assert by_device(report)["box-01"]["outcome"] == "confirmed"
+
+
+def test_an_abort_reverts_confirmed_late_and_offline_boxes_once_they_are_seen_on_the_new_bundle(
+        boxes, mosquitto, tmp_path, capsys):
+    # box-01 confirms only after 20 s: its 3 s confirm timeout aborts the rollout (--max-failures 0). box-02
+    # loses its connection mid-deploy and comes back 4 s later on the new model. Both are put back, as is
+    # box-00, which had confirmed.
+    faults = {1: ("late", {"late_s": 20.0}), 2: ("lwt_new", {"away_s": 4.0})}
+    fleet = boxes(3, faults=faults).start()
+    code, report, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "0", "--waves", "1",
+                                             "--confirm-timeout", "3", "--step-timeout", "30", "--max-failures", "0",
+                                             "--rollback-on-abort", "--revert-timeout", "30"), capsys)
+    assert code == EXIT_ABORTED, err
+    for box in fleet.boxes:
+        assert box.serving() == {"version": "1.0.0", "state": "confirmed"}, (box.device, box.serving(), err)
+        assert box.rollbacks == 1 and by_device(report)[box.device]["reverted"] is True
+
+
+# --- operator verbs --------------------------------------------------------------------------------------------
+
+def test_pause_after_the_canary_then_resume(boxes, mosquitto, tmp_path, capsys):
+    fleet = boxes(4).start()
+    code, report, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "1", "--waves", "1",
+                                             "--pause-after-canary", "--rollout-id", "ro-p"), capsys)
+    assert code == 6 and report["status"] == "paused", err
+    assert by_device(report)["box-00"]["outcome"] == "confirmed"
+    assert all(box.commands == [] for box in fleet.boxes[1:])
+    code, report, err = run_cli(["resume", "--broker", mosquitto.url, "--prefix", fleet.prefix, "--rollout-id",
+                                 "ro-p", "--state-dir", str(tmp_path), "--json"], capsys)
+    assert code == EXIT_COMPLETED and report["counts"] == {"confirmed": 4}, err
+    assert [box.deploys for box in fleet.boxes] == [1, 1, 1, 1]
+
+
+def test_cancel_stops_a_running_rollout_and_a_second_operator_is_locked_out(boxes, mosquitto, tmp_path, capsys):
+    fleet = boxes(3, faults={1: ("hang", None)}).start()
+    args = rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "0", "--waves", "1", "--rollout-id",
+                        "ro-c")
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(code=fleet_cli.main(args)))
+    runner.start()
+    assert wait_for(lambda: fleet.box("box-01").commands, timeout=30)  # the wave is out; box-01 never answers
+    assert fleet_cli.main(args) == EXIT_USAGE  # a second operator on the same rollout
+    assert "driven by another process" in capsys.readouterr().err
+    assert fleet_cli.main(["cancel", "--rollout-id", "ro-c", "--state-dir", str(tmp_path)]) == EXIT_OK
+    runner.join(60)
+    assert not runner.is_alive() and result["code"] == 7
+    out = capsys.readouterr().out
+    assert by_device(json.loads(out[out.index("{"):]))["box-01"]["outcome"] == "cancelled"
+
+
+def test_forget_clears_a_decommissioned_box_under_the_shipped_acl(acl_broker, boxes, capsys):
+    broker, passwords = acl_broker
+    fleet = boxes(8, broker=broker, prefix="atlas-edge", passwords=passwords).start()
+    gone = fleet.box("box-07")
+    fleet.call(gone.stop)
+    operator = ["--broker", broker.url, "--username", "operator", "--password", passwords["operator"]]
+    code, _, err = run_cli(["forget", "box-07"] + operator, capsys)
+    assert code == EXIT_OK, err
+    code, status, _ = run_cli(["status", "--json", "--listen", "0"] + operator, capsys)
+    assert code == EXIT_OK and "box-07" not in {b["device"] for b in status["boxes"]}
+
+
+def test_ctrl_c_ends_cleanly_and_the_same_command_resumes(boxes, mosquitto, tmp_path):
+    fleet = boxes(3, faults={2: ("hang", None)}).start()
+    args = [sys.executable, "-m", "agent", "fleet"] + rollout_args(
+        mosquitto.url, fleet.prefix, tmp_path, "--canary", "0", "--waves", "1", "--step-timeout", "4",
+        "--rollout-id", "ro-i")
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    first = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert wait_for(lambda: fleet.box("box-02").commands, timeout=60)
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=30)
+    assert first.returncode == 130 and b"interrupted" in err and b"Traceback" not in err, err.decode()
+    second = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, timeout=120)
+    report = json.loads(second.stdout)
+    assert second.returncode == EXIT_PARTIAL and report["runs"] == 2, second.stderr.decode()[-2000:]
+    assert by_device(report)["box-02"]["outcome"] == "timed_out"
+    assert [box.deploys for box in fleet.boxes[:2]] == [1, 1]

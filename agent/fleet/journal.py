@@ -39,6 +39,8 @@ class RolloutState:
         self.data = data
         self.bytes_written = 0  # what this process wrote to the state files (the bench reports it)
         self._pending: List[str] = []
+        self._counts: Optional[Dict[str, int]] = None  # outcome -> boxes, kept up to date by set()
+        self.journaled = 0  # change records in the journal file (replayed at load, appended since)
 
     @classmethod
     def load(cls, path: str) -> Optional["RolloutState"]:
@@ -67,6 +69,7 @@ class RolloutState:
         for number, line in enumerate(lines):
             if not line.strip():
                 continue
+            self.journaled += 1
             try:
                 entry = json.loads(line)
                 if "b" in entry:
@@ -105,6 +108,9 @@ class RolloutState:
     def set(self, device: str, **fields: Any) -> Dict[str, Any]:
         """Change one box; the change is journaled at the next :meth:`save`."""
         box = self.boxes.setdefault(device, {})
+        if self._counts is not None and "outcome" in fields:
+            self._count(box.get("outcome"), -1)
+            self._count(fields["outcome"], 1)
         box.update(fields)
         self._pending.append(json.dumps({"b": device, "f": fields}, sort_keys=True))
         return box
@@ -119,6 +125,7 @@ class RolloutState:
         if not self._pending:
             return
         text = "\n".join(self._pending) + "\n"
+        self.journaled += len(self._pending)
         self._pending = []
         with open(self.journal, "a", encoding="utf-8") as handle:
             handle.write(text)
@@ -135,13 +142,21 @@ class RolloutState:
         self.bytes_written += len(text.encode("utf-8"))
         with open(self.journal, "w", encoding="utf-8"):
             pass
+        self.journaled = 0
+
+    def _count(self, outcome: Optional[str], step: int) -> None:
+        if outcome and self._counts is not None:
+            self._counts[outcome] = self._counts.get(outcome, 0) + step
+            if not self._counts[outcome]:
+                del self._counts[outcome]
 
     def outcomes(self) -> Dict[str, int]:
-        counts: Dict[str, int] = {}
-        for box in self.boxes.values():
-            if box.get("outcome"):
-                counts[box["outcome"]] = counts.get(box["outcome"], 0) + 1
-        return counts
+        """Boxes per outcome; counted once, then kept by :meth:`set` (judged after every outcome)."""
+        if self._counts is None:
+            self._counts = {}
+            for box in self.boxes.values():
+                self._count(box.get("outcome"), 1)
+        return dict(self._counts)
 
     def executed_and_failures(self) -> Tuple[int, int]:
         counts = self.outcomes()

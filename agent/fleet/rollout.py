@@ -128,8 +128,9 @@ class Rollout:
             if state.status in FINISHED and state.data.get("revert") != "wanted":
                 self.progress("rollout %s already %s; reprinting its report" % (self.rollout_id, state.status))
                 return state
+            if state.journaled:
+                state.compact()  # fold the last run's journal in: each run starts from one snapshot
             state.top(runs=state.data.get("runs", 0) + 1)
-            state.compact()
             try:
                 self._drive(state)
             finally:
