@@ -84,6 +84,7 @@ class _Counter:
 
 def run(context: RunContext) -> Dict[str, Any]:
     from agent.devtools.broker import EmbeddedBroker
+    from agent.lifecycle.bundle import sha256_file
     from benchmarks.fleet_sim import BundleServer, SimulatedFleet, build_bundles
 
     root = os.path.join(context.work_dir, "fleet")
@@ -104,6 +105,7 @@ def run(context: RunContext) -> Dict[str, Any]:
         report_path = os.path.join(root, "report.json")
         command = [sys.executable, "-m", "agent", "fleet", "rollout", "--broker", broker.url, "--prefix", PREFIX,
                    "--group", "sim", "--bundle", server.url(os.path.basename(archive)), "--sha256", sha,
+                   "--archive-sha256", sha256_file(archive),
                    "--canary", str(CANARY), "--waves", str(WAVES), "--max-failure-rate", "0.05",
                    "--confirm-timeout", "300", "--state-dir", os.path.join(root, "rollouts"),
                    "--report", report_path]

@@ -176,6 +176,7 @@ class SimBox:
             "device_id": device_id, "state_dir": self.state_dir, "device": "cpu-dev",
             "model": {"bundle": bundle, "backend": "opencv", "observation_s": observation_s,
                       "latency_regression": LATENCY_FACTOR},
+            "fetch": {"schemes": ["http"], "hosts": ["127.0.0.1"]},  # the BundleServer on loopback
             "mqtt": {"host": host, "port": port, "prefix": prefix, "groups": list(groups),
                      "reconnect_min_s": 0.2, "reconnect_max_s": 2.0},
             "batching": {"max_batch": 1, "max_wait_ms": 0, "queue_size": QUEUE_SIZE},

@@ -61,6 +61,59 @@ def test_merge_config_validates_whole_and_rejects_non_live_sections():
     assert info.value.errors[0].path == "mqtt"
 
 
+@pytest.mark.parametrize("change, field", [
+    ({"batching": {"queue_size": 1000000000}}, "batching.queue_size"),
+    ({"publish": {"telemetry_interval_s": 1e-6}}, "publish.telemetry_interval_s"),
+    ({"publish": {"max_rate_hz": 1e9}}, "publish.max_rate_hz"),
+    ({"thresholds": {"max_det": 10 ** 9}}, "thresholds.max_det"),
+    ({"sources": [{"name": "cam", "uri": "/frames", "max_fps": 1e9}]}, "sources[0].max_fps"),
+    ({"sources": [{"name": "cam", "uri": "/frames", "reopen_min_s": 1e-9}]}, "sources[0].reopen_min_s"),
+])
+def test_every_live_number_has_bounds(change, field):
+    config = parse_daemon_config({**GOOD, "sources": [{"name": "cam", "uri": "/frames"}]})
+    with pytest.raises(ConfigError) as info:
+        merge_config(config, change)
+    assert [e.path for e in info.value.errors] == [field]
+
+
+def test_a_remote_change_keeps_sources_inside_their_lane():
+    """A remote set-config may tune a source, not point it (or a new one) at a file or an internal URL."""
+    config = parse_daemon_config({**GOOD, "sources": [{"name": "cam", "uri": "rtsp://10.1.2.3/s1"}]})
+    tuned = merge_config(config, {"sources": [{"name": "cam", "uri": "rtsp://10.1.2.3/s1", "max_fps": 5}]})
+    assert tuned.sources[0].max_fps == 5
+    for sources in ([{"name": "cam", "uri": "/etc"}],
+                    [{"name": "cam", "uri": "rtsp://10.1.2.3/s1"}, {"name": "spy", "uri": "http://127.0.0.1:8080/"}]):
+        with pytest.raises(ConfigError) as info:
+            merge_config(config, {"sources": sources})
+        assert "remote_config.source_uris in the local config allows it (allowed: none)" in str(info.value)
+    allowed = parse_daemon_config({**GOOD, "sources": [{"name": "cam", "uri": "rtsp://10.1.2.3/s1"}],
+                                   "remote_config": {"source_uris": ["rtsp://10.1.2.*/s1"]}})
+    assert merge_config(allowed, {"sources": [{"name": "cam", "uri": "rtsp://10.1.2.9/s1"}]}).sources[0].uri \
+        == "rtsp://10.1.2.9/s1"
+    with pytest.raises(ConfigError, match="sources\\[0\\].uri"):
+        merge_config(allowed, {"sources": [{"name": "cam", "uri": "rtsp://10.1.3.9/s1"}]})
+    with pytest.raises(ConfigError, match="cannot change while running"):
+        merge_config(allowed, {"remote_config": {"source_uris": ["*"]}})
+
+
+def test_the_number_of_sources_is_bounded():
+    many = [{"name": "c%d" % i, "uri": "rtsp://10.0.0.%d/s" % i} for i in range(17)]
+    assert "at most 16 sources" in errors_of({**GOOD, "sources": many})["sources"]
+
+
+@pytest.mark.parametrize("device_id", ["operator", "group", "$SYS", "cam:01", "cam 01"])
+def test_broker_reserved_and_topic_special_device_ids_are_refused(device_id):
+    assert "device_id" in errors_of({**GOOD, "device_id": device_id})
+
+
+def test_a_password_is_not_sent_over_plain_tcp_beyond_loopback_unless_allowed():
+    remote = {"host": "broker.example", "password": "env:PW"}
+    assert "sent in clear over plain TCP to broker.example" in errors_of({**GOOD, "mqtt": remote})["mqtt.password"]
+    for mqtt in ({**remote, "tls": {}}, {**remote, "allow_plain_password": True},
+                 {"host": "127.0.0.1", "password": "env:PW"}, {"host": "localhost", "password": "env:PW"}):
+        assert parse_daemon_config({**GOOD, "mqtt": mqtt}).mqtt.password == "env:PW"
+
+
 def test_secrets_from_env_and_credentials(tmp_path, monkeypatch):
     monkeypatch.setenv("MQTT_PW", "s3cret")
     assert resolve_secret("env:MQTT_PW") == "s3cret"

@@ -39,6 +39,7 @@ from agent.fleet.plan import (
 from agent.fleet.report import EXIT_ABORTED, EXIT_PARTIAL
 from agent.fleet.rollout import Rollout
 from agent.fleet.status import FleetView, render_table
+from agent.lifecycle.bundle import sha256_file
 from agent.protocol.messages import FAILED, REQUEST_ID_RE, SUCCEEDED
 from benchmarks.fleet_sim import GOLDEN, SLOW, BundleServer, SimulatedFleet, build_bundles, slot_summary
 from tests.conftest import REPO_ROOT, wait_for
@@ -53,7 +54,7 @@ def bundles(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("fleet-bundles"))
     v1, archive, sha = build_bundles(root)
     server = BundleServer(root)
-    yield {"v1": v1, "url": server.url(os.path.basename(archive)), "sha": sha}
+    yield {"v1": v1, "url": server.url(os.path.basename(archive)), "sha": sha, "archive_sha": sha256_file(archive)}
     server.close()
 
 
@@ -77,7 +78,8 @@ def make_fleet(tmp_path, mosquitto, bundles):
 
 def rollout_args(broker, fleet, bundles, tmp_path, *extra):
     return ["rollout", "--broker", broker.url, "--prefix", fleet.prefix, "--group", "sim",
-            "--bundle", bundles["url"], "--sha256", bundles["sha"], "--state-dir", str(tmp_path / "rollouts"),
+            "--bundle", bundles["url"], "--sha256", bundles["sha"], "--archive-sha256", bundles["archive_sha"],
+            "--state-dir", str(tmp_path / "rollouts"),
             "--confirm-timeout", str(CONFIRM_TIMEOUT_S), "--json"] + list(extra)
 
 

@@ -9,13 +9,11 @@ record_batch(...)``.
 """
 
 import functools
-import http.server
 import json
 import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -32,8 +30,8 @@ from agent.config.device_config import load_device_config
 from agent.config.schema import ConfigError, parse
 from agent.errors import CommandError
 from agent.lifecycle.bundle import MANIFEST, BundleError, sha256_file, sign_bundle, write_manifest
-from agent.lifecycle.fetch import FetchError, download, fetch_bundle, unpack_archive
-from agent.lifecycle.model_manager import ModelManager
+from agent.lifecycle.fetch import FetchError
+from agent.lifecycle.model_manager import ModelManager, release_key
 from agent.lifecycle.probation import Window
 from agent.lifecycle.slots import CONFIRMED, EMPTY, PENDING, STANDBY, load_slots
 from agent.lifecycle.store import STAGING_DIR
@@ -94,12 +92,12 @@ class Harness:
     """A manager on a fresh state dir, with its events recorded."""
 
     def __init__(self, tmp_path, bundle, device="cpu-dev", backend="opencv", switch_timeout_s=WAIT_S,
-                 clock=time.monotonic, **model):
+                 clock=time.monotonic, fetch=None, **model):
         settings = {"bundle": bundle, "backend": backend, "observation_s": LONG_WINDOW_S,
                     "latency_regression": NOISE_PROOF_FACTOR}
         settings.update(model)
         self.config = parse_daemon_config({"device_id": "t1", "state_dir": str(tmp_path / "state"),
-                                           "model": settings})
+                                           "model": settings, "fetch": fetch or {}})
         self.device = load_device_config(device) if isinstance(device, str) else device
         self.events = []
         self.handover = BetweenBatches()
@@ -427,26 +425,6 @@ def test_the_demo_detector_swaps_on_both_tiers_without_losing_a_frame(tmp_path):
         h.manager.close()
 
 
-def test_deploy_from_an_http_url(harness, base_bundle, tmp_path):
-    h = harness()
-    h.manager.start()
-    served = tmp_path / "www"
-    served.mkdir()
-    sha = new_version(base_bundle, str(tmp_path / "tiny-2"), "2.0.0")
-    with tarfile.open(str(served / "tiny-2.tar.gz"), "w:gz") as tar:
-        tar.add(str(tmp_path / "tiny-2"), arcname="tiny-2")
-    messages = []
-    with _http_server(str(served)) as base_url, ServingLoop(h.manager) as loop:
-        loop.wait_batches(3)
-        url = base_url + "/tiny-2.tar.gz?token=s3cr3t"  # a pre-signed URL: its token stays out of acks
-        result = h.manager.deploy(deploy_request({"bundle": url, "sha256": sha}), messages.append)
-    assert result["model"]["version"] == "2.0.0"
-    assert h.manager.current.label == "tiny 2.0.0"
-    assert messages[0] == "fetching %s/tiny-2.tar.gz" % base_url
-    assert not any("s3cr3t" in m for m in messages)
-    assert os.listdir(os.path.join(h.store, STAGING_DIR)) == []  # the archive and its unpacked copy are gone
-
-
 # MindSpore 2.7 cannot compile or run one GraphCell while another thread runs one ("Nested execution during
 # JIT execution", or a deadlock): the backend holds one process-wide lock around every MindSpore call, so a
 # deploy's compile waits for the batch in flight and serving waits (once) for the compile.
@@ -628,6 +606,57 @@ def test_signatures_are_required_when_a_key_is_configured(harness, base_bundle, 
         assert h.manager.current.label == "tiny 2.0.2" and h.manager.current.bundle.signed
     finally:
         h.manager.close()
+
+
+@needs_cryptography
+def test_a_signed_older_release_or_another_model_is_refused_unless_the_command_allows_it(harness, base_bundle,
+                                                                                        tmp_path):
+    """A validly signed bundle is not enough: replacing 2.0.0 by 1.0.0, or the model by another, must be asked."""
+    private_pem, _public_pem, public_hex = make_key_pair()
+    serving = str(tmp_path / "tiny-2.0.0")
+    new_version(base_bundle, serving, "2.0.0")
+    sign_bundle(serving, private_pem)
+    h = Harness(tmp_path, serving, public_key=public_hex)
+    try:
+        h.manager.start()
+        older = new_version(serving, h.incoming("older"), "1.9.9")
+        sign_bundle(h.incoming("older"), private_pem)
+        other = new_version(serving, h.incoming("other"), "3.0.0",
+                            mutate=lambda data, _dst: data.update(name="another-model"))
+        sign_bundle(h.incoming("other"), private_pem)
+        before = snapshot(h)
+        for source, sha, code, field in [("incoming/older", older, "downgrade", "allow_downgrade"),
+                                         ("incoming/other", other, "model_change", "allow_model_change")]:
+            with pytest.raises(CommandError) as info:
+                h.manager.deploy(deploy_request({"bundle": source, "sha256": sha}), no_progress)
+            assert (info.value.code, info.value.field) == (code, field)
+            model, state, dirs = before
+            assert h.manager.current is model and open(h.state_file, "rb").read() == state
+            assert h.slot_dirs() == dirs and os.listdir(os.path.join(h.store, STAGING_DIR)) == []
+        with ServingLoop(h.manager):
+            older_request = deploy_request({"bundle": "incoming/older", "sha256": older, "allow_downgrade": True})
+            result = h.manager.deploy(older_request, no_progress)
+        assert result["model"]["version"] == "1.9.9" and h.manager.current.label == "tiny 1.9.9"
+    finally:
+        h.manager.close()
+    h = Harness(tmp_path / "second", serving, public_key=public_hex)
+    try:
+        h.manager.start()
+        other = new_version(serving, h.incoming("other"), "3.0.0",
+                            mutate=lambda data, _dst: data.update(name="another-model"))
+        sign_bundle(h.incoming("other"), private_pem)
+        with ServingLoop(h.manager):
+            h.manager.deploy(deploy_request({"bundle": "incoming/other", "sha256": other, "allow_model_change": True}),
+                             no_progress)
+        assert h.manager.current.label == "another-model 3.0.0"
+    finally:
+        h.manager.close()
+
+
+@pytest.mark.parametrize("version, key", [("2.10.0", (2, 10, 0)), ("1", (1,)), ("2.0.0-rc1", (2, 0, 0)),
+                                          ("v2", None), ("2026-01-01", (2026,))])
+def test_release_order_is_by_leading_dotted_numbers(version, key):
+    assert release_key(version) == key
 
 
 def test_a_deploy_the_serving_loop_never_takes_is_withdrawn(harness, base_bundle):
@@ -1100,202 +1129,4 @@ def test_fifty_deploy_rollback_cycles_do_not_leak(harness, base_bundle):
     assert loop.errors == 0 and all(fed == got for _l, fed, got in loop.log)
     assert h.manager.current.label == "tiny 1.0.0" and len(h.slot_dirs()) == 1
 
-
-# --- fetch ------------------------------------------------------------------------------------------------
-
-class _http_server:
-    """A real HTTP server on 127.0.0.1 serving ``directory``; yields its base URL."""
-
-    def __init__(self, directory, handler=None):
-        handler = handler or functools.partial(_QuietHandler, directory=directory)
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return "http://127.0.0.1:%d" % self.server.server_address[1]
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=WAIT_S)
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-class _NoLengthHandler(http.server.BaseHTTPRequestHandler):
-    """Streams 64 KiB without a Content-Length (HTTP/1.0: the end is the close), as a lying server might."""
-
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(b"\0" * 65536)
-
-    def log_message(self, *args):
-        pass
-
-
-def test_download_refuses_more_than_the_limit_with_or_without_a_length(tmp_path):
-    (tmp_path / "big.tar").write_bytes(b"\0" * 10000)
-    with _http_server(str(tmp_path)) as url:
-        with pytest.raises(FetchError, match="is 10000 bytes, more than the limit of 1000 bytes"):
-            download(url + "/big.tar", str(tmp_path / "out"), max_bytes=1000)
-    with _http_server(str(tmp_path), handler=_NoLengthHandler) as url:
-        with pytest.raises(FetchError, match="sent more than the limit of 1000 bytes"):
-            download(url + "/x", str(tmp_path / "out"), max_bytes=1000)
-        assert download(url + "/x", str(tmp_path / "out")) == 65536
-
-
-def test_download_of_a_silent_server_times_out(tmp_path):
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(1)  # accepts the connection in the kernel, never answers
-    try:
-        with pytest.raises(FetchError, match="download of http://127.0.0.1:%d/b.tar failed" %
-                           silent.getsockname()[1]):
-            download("http://127.0.0.1:%d/b.tar" % silent.getsockname()[1], str(tmp_path / "out"),
-                     timeout_s=0.5)
-    finally:
-        silent.close()
-
-
-def test_download_errors_hide_a_presigned_token_and_name_the_status(tmp_path):
-    with _http_server(str(tmp_path)) as url:
-        with pytest.raises(FetchError) as info:
-            download(url + "/missing.tar?token=s3cr3t", str(tmp_path / "out"))
-    assert "download of %s/missing.tar failed: HTTP 404" % url in str(info.value)
-    assert "s3cr3t" not in str(info.value)
-
-
-def test_fetch_refuses_other_schemes_and_non_bundles(tmp_path):
-    store = tmp_path / "store"
-    (store / "incoming").mkdir(parents=True)
-    (store / "incoming" / "notes.txt").write_text("x")
-    (store / "incoming" / "empty").mkdir()
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    with pytest.raises(FetchError, match="unsupported scheme"):
-        fetch_bundle("ftp://example/b.tar", str(store), str(staging))
-    with pytest.raises(FetchError, match="neither a bundle directory nor"):
-        fetch_bundle("incoming/notes.txt", str(store), str(staging))
-    with pytest.raises(FetchError, match="has no manifest.json at its root"):
-        fetch_bundle("incoming/empty", str(store), str(staging))
-    with pytest.raises(FetchError, match="does not exist in the bundle store"):
-        fetch_bundle("incoming/nothing", str(store), str(staging))
-    with pytest.raises(FetchError, match="outside the bundle store"):
-        fetch_bundle(".", str(store), str(staging))  # the store itself is not a bundle
-
-
-# --- a deploy cannot fill the disk ----------------------------------------------------------------------
-
-ZERO_CHUNK = 1 << 20
-
-
-def _tar_gz_with_zeros(path, bundle_dir, zeros):
-    """A real ``.tar.gz``: the bundle's files, then ``padding.bin`` of ``zeros`` zero bytes.
-
-    The zeros are written as concatenated gzip members of 1 MiB each (RFC 1952 allows several members; Python's
-    gzip and GNU tar read them), so a 1 GiB bomb costs one compression of 1 MiB and a megabyte of disk.
-    """
-    import gzip
-    import io
-
-    assert zeros % ZERO_CHUNK == 0
-    head = io.BytesIO()
-    with tarfile.open(fileobj=head, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        tar.add(bundle_dir, arcname="tiny")
-        # tarfile writes its end-of-archive blocks on close: cut them off, the zeros member follows
-    body = head.getvalue().rstrip(b"\0")
-    body += b"\0" * (-len(body) % tarfile.BLOCKSIZE)
-    info = tarfile.TarInfo("tiny/padding.bin")
-    info.size = zeros
-    member = gzip.compress(b"\0" * ZERO_CHUNK, compresslevel=9)
-    with open(path, "wb") as out:
-        out.write(gzip.compress(body + info.tobuf(tarfile.PAX_FORMAT)))
-        for _ in range(zeros // ZERO_CHUNK):
-            out.write(member)
-        out.write(gzip.compress(b"\0" * (2 * tarfile.BLOCKSIZE)))
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """Mounts a tmpfs of the given size at ``<tmp_path>/state`` (the harness's state dir): a real small disk.
-
-    Skips, naming why, where this process may not mount (not root, or no CAP_SYS_ADMIN in a container).
-    """
-    mounted = []
-
-    def mount(size_bytes):
-        path = tmp_path / "state"
-        path.mkdir(exist_ok=True)
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%d" % size_bytes, "tmpfs", str(path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        if done.returncode != 0:
-            pytest.skip("needs a tmpfs mount for a real small filesystem: %s" % done.stdout.decode().strip())
-        mounted.append(str(path))
-        return str(path)
-
-    yield mount
-    for path in mounted:
-        subprocess.run(["umount", "-l", path], check=False)
-
-
-@pytest.mark.parametrize("disk_mb, zeros_mb, binding", [
-    (2048, 1025, "the limit of 1073741824 bytes"),  # room for it, but over the 1 GiB cap
-    (48, 24, "free on"),  # under the cap, but more than 48 MiB less the 32 MiB reserve
-])
-def test_an_archive_that_unpacks_past_the_cap_or_the_free_space_is_refused_before_extraction(
-        small_disk, harness, base_bundle, tmp_path, disk_mb, zeros_mb, binding):
-    state = small_disk(disk_mb << 20)
-    h = harness()
-    h.manager.start()
-    source = str(tmp_path / "tiny-2")
-    sha = new_version(base_bundle, source, "2.0.0")
-    archive = h.incoming("bomb.tar.gz")
-    _tar_gz_with_zeros(archive, source, zeros_mb << 20)
-    assert os.path.getsize(archive) < 2 << 20  # small on the wire and on disk
-    before = snapshot(h)
-    free_before = shutil.disk_usage(state).free
-    with ServingLoop(h.manager) as loop:
-        loop.wait_batches(2)
-        with pytest.raises(BundleError) as info:
-            h.manager.deploy(deploy_request({"bundle": "incoming/bomb.tar.gz", "sha256": sha}), no_progress)
-        loop.wait_batches(2)
-    message = str(info.value)
-    assert "archive unpacks to at least" in message and binding in message
-    if binding == "free on":
-        assert "less the reserve of %d bytes" % (32 << 20) in message
-    assert_unchanged(h, before)  # serving model, table and slot dirs unchanged; staging empty
-    assert {label for label, _f, _g in loop.log} == {"tiny 1.0.0"}
-    assert shutil.disk_usage(state).free >= free_before - (1 << 20)  # nothing was extracted
-    assert h.events == []
-
-
-def test_unpacking_counts_the_bytes_it_writes_not_only_the_declared_sizes(tmp_path, monkeypatch):
-    """A member that yields more bytes than its header declared (a lying header) is stopped while writing."""
-    import io
-
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / MANIFEST).write_text("{}")
-    (tmp_path / "b" / "w.bin").write_bytes(b"x" * 1000)
-    archive = str(tmp_path / "b.tar")
-    with tarfile.open(archive, "w") as tar:
-        tar.add(str(tmp_path / "b"), arcname="b")
-    real = tarfile.TarFile.extractfile
-
-    def lying(self, member):
-        if member.name.endswith("w.bin"):
-            return io.BytesIO(b"x" * 5000)  # the header said 1000
-        return real(self, member)
-
-    monkeypatch.setattr(tarfile.TarFile, "extractfile", lying)
-    dest = tmp_path / "out"
-    dest.mkdir()
-    with pytest.raises(BundleError, match="archive unpacked past the limit of 4096 bytes while extracting"):
-        unpack_archive(archive, str(dest), max_bytes=4096)
-    monkeypatch.setattr(tarfile.TarFile, "extractfile", real)
-    assert unpack_archive(archive, str(tmp_path / "again"), max_bytes=4096).endswith("b")  # honest: fits
 

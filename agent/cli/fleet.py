@@ -93,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--bundle", required=True, metavar="URL_OR_PATH",
                          help="what each box fetches: a path in its bundle store or an http(s) URL")
     rollout.add_argument("--sha256", required=True, metavar="HEX", help="the bundle's manifest sha256")
+    rollout.add_argument("--archive-sha256", default=None, metavar="HEX",
+                         help="sha256sum of the archive file; required when --bundle is a URL")
     rollout.add_argument("--canary", type=int, default=1, metavar="N", help="boxes in the first wave (default 1)")
     size = rollout.add_mutually_exclusive_group()
     size.add_argument("--waves", type=int, default=3, metavar="N", help="waves after the canary (default 3)")
@@ -175,6 +177,7 @@ def _spec(args: argparse.Namespace) -> RolloutSpec:
     for item in args.max_per_type:
         per_type.update(item)
     return RolloutSpec(group=args.group, bundle=args.bundle, sha256=args.sha256.lower(), prefix=args.prefix,
+                       archive_sha256=args.archive_sha256 and args.archive_sha256.lower(),
                        canary=args.canary, waves=args.waves, wave_size=args.wave_size,
                        max_failures=args.max_failures, max_failure_rate=args.max_failure_rate,
                        min_executed=args.min_executed, confirm_timeout_s=args.confirm_timeout,

@@ -6,6 +6,8 @@ one passes them all. Secrets (MQTT password, TLS key) may come from the environm
 credentials (``$CREDENTIALS_DIRECTORY``) instead of the file: see :mod:`agent.config.secrets`.
 """
 
+import fnmatch
+import ipaddress
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -18,6 +20,10 @@ DEFAULT_PREFIX = "atlas-edge"
 DEFAULT_MAX_WAIT_MS = 10.0  # the seeds' server: flush a batch of 8 or after 10 ms, whichever comes first
 DEFAULT_LEAK_MIN_SAMPLES = 12  # one minute at the default 5 s interval before any leak trend is trusted
 MIN_LEAK_SAMPLES = 6  # each half of the leak window needs >= 3 points for its own slope
+# User and topic names the broker setup gives a meaning (systemd/mosquitto-acl.example): never a device id.
+RESERVED_NAMES = ("operator", "group")
+# One reader thread and one decoder per source: a 310 box serves a handful of cameras, not hundreds.
+MAX_SOURCES = 16
 
 
 @dataclass(frozen=True)
@@ -58,9 +64,11 @@ class MqttConfig:
     tls: Optional[TlsConfig] = setting(None, doc="enable TLS with these files")
     qos: int = setting(1, choices=(0, 1, 2), doc="QoS of result messages")
     keepalive_s: int = setting(30, ge=5, le=3600, doc="MQTT keepalive")
-    reconnect_min_s: float = setting(0.5, gt=0, doc="first reconnect delay; doubles up to reconnect_max_s")
-    reconnect_max_s: float = setting(30.0, gt=0, doc="longest reconnect delay")
+    reconnect_min_s: float = setting(0.5, gt=0, le=3600, doc="first reconnect delay; doubles up to reconnect_max_s")
+    reconnect_max_s: float = setting(30.0, gt=0, le=86400, doc="longest reconnect delay")
     groups: List[str] = setting(factory=list, doc="groups whose commands this device obeys")
+    allow_plain_password: bool = setting(False, doc="send the password to a broker that is not on loopback "
+                                         "without TLS (anyone on the path reads it): trusted networks only")
     homeassistant_discovery: bool = setting(False, doc="publish Home Assistant MQTT discovery configs")
 
     def check(self) -> List[Tuple[str, str]]:
@@ -79,6 +87,11 @@ class MqttConfig:
                 parse_host_port(address, self.port)
             except ValueError as exc:
                 problems.append(("hosts[%d]" % index, str(exc)))
+        if self.password is not None and self.tls is None and not self.allow_plain_password:
+            remote = [host for host, _port in _parsed_brokers(self) if not _is_loopback(host)]
+            if remote:
+                problems.append(("password", "would be sent in clear over plain TCP to %s: set mqtt.tls, or "
+                                 "mqtt.allow_plain_password: true on a network you trust" % ", ".join(remote)))
         return problems
 
     def brokers(self) -> List[Tuple[str, int]]:
@@ -88,14 +101,41 @@ class MqttConfig:
         return [parse_host_port(address, self.port) for address in self.hosts]
 
 
+def _parsed_brokers(config: "MqttConfig") -> List[Tuple[str, int]]:
+    try:
+        return config.brokers()
+    except ValueError:  # reported as hosts[i] by check()
+        return []
+
+
+def _account_problem(device_id: str) -> Optional[str]:
+    """Why a device id cannot be a broker user name (None when it can): the ACL and passwd file's rules."""
+    if device_id.startswith("$") or ":" in device_id or any(c.isspace() or ord(c) < 32 for c in device_id):
+        return "must not start with '$' nor hold ':' or spaces: it is the box's broker user name (got %r)" % (
+            device_id,)
+    if device_id in RESERVED_NAMES:
+        # a box named so would get the operator's password and rights, or the write rule over group topics
+        return "%r is reserved for the broker setup (%s)" % (device_id, ", ".join(RESERVED_NAMES))
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class SourceConfig:
     name: str = setting(doc="source id, used in the results topic")
     uri: str = setting(doc="image folder, video file, rtsp://... URL, or 'camera:N' for a USB camera")
-    max_fps: float = setting(0.0, ge=0, doc="frame-rate limit; 0 = as fast as frames come")
+    max_fps: float = setting(0.0, ge=0, le=1000, doc="frame-rate limit; 0 = as fast as frames come")
     loop: bool = setting(False, doc="restart a folder or file at its end (demo and soak runs)")
-    reopen_min_s: float = setting(0.5, gt=0, doc="first reopen delay after a lost stream")
-    reopen_max_s: float = setting(30.0, gt=0, doc="longest reopen delay")
+    reopen_min_s: float = setting(0.5, ge=0.01, le=3600, doc="first reopen delay after a lost stream")
+    reopen_max_s: float = setting(30.0, ge=0.01, le=86400, doc="longest reopen delay")
 
     def check(self) -> List[Tuple[str, str]]:
         problem = name_problem(self.name)
@@ -106,28 +146,29 @@ class SourceConfig:
 class BatchingConfig:
     max_batch: int = setting(1, ge=1, le=64, doc="largest batch handed to the backend")
     max_wait_ms: float = setting(DEFAULT_MAX_WAIT_MS, ge=0, le=1000, doc="longest a frame waits for a batch")
-    queue_size: int = setting(32, ge=1, doc="frames waiting for inference before the oldest is dropped")
+    # A 1080p frame is ~6 MB: 1024 waiting frames is already more memory than a small box has.
+    queue_size: int = setting(32, ge=1, le=1024, doc="frames waiting for inference before the oldest is dropped")
 
 
 @dataclass(frozen=True)
 class ThresholdsConfig:
     conf: Optional[float] = setting(None, ge=0, le=1, doc="confidence threshold; default from the bundle")
     iou: Optional[float] = setting(None, ge=0, le=1, doc="NMS IoU threshold; default from the bundle")
-    max_det: Optional[int] = setting(None, ge=1, doc="detections per frame; default from the bundle")
-    top_k: Optional[int] = setting(None, ge=1, doc="classes per frame (classify); default from the bundle")
+    max_det: Optional[int] = setting(None, ge=1, le=10000, doc="detections per frame; default from the bundle")
+    top_k: Optional[int] = setting(None, ge=1, le=1000, doc="classes per frame (classify); default from the bundle")
 
 
 @dataclass(frozen=True)
 class PublishConfig:
-    max_rate_hz: float = setting(0.0, ge=0, doc="per-source result rate limit; 0 = every frame")
-    telemetry_interval_s: float = setting(10.0, gt=0, doc="period of telemetry messages")
+    max_rate_hz: float = setting(0.0, ge=0, le=1000, doc="per-source result rate limit; 0 = every frame")
+    telemetry_interval_s: float = setting(10.0, ge=0.5, le=86400, doc="period of telemetry messages")
 
 
 @dataclass(frozen=True)
 class OutboxConfig:
     path: str = setting("outbox.sqlite", doc="SQLite file of unsent messages (relative to state_dir)")
-    max_bytes: int = setting(64 * 1024 * 1024, ge=1024, doc="byte budget; the oldest are dropped (counted)")
-    replay_rate_hz: float = setting(200.0, gt=0, doc="replay rate after a reconnect")
+    max_bytes: int = setting(64 * 1024 * 1024, ge=1024, le=64 << 30, doc="byte budget; the oldest are dropped")
+    replay_rate_hz: float = setting(200.0, gt=0, le=100000, doc="replay rate after a reconnect")
 
 
 @dataclass(frozen=True)
@@ -136,21 +177,51 @@ class ModelConfig:
     backend: Optional[str] = setting(None, choices=tuple(BACKEND_FORMATS) + (None,),
                                      doc="inference backend; default from the device")
     store: str = setting("bundles", doc="bundle store (relative to state_dir); deploy only reads from here")
-    observation_s: float = setting(60.0, ge=0, doc="a new model is pending this long before it is confirmed")
-    latency_regression: float = setting(2.0, gt=1, doc="roll back when pending p50 latency exceeds this factor")
+    observation_s: float = setting(60.0, ge=0, le=7 * 86400, doc="a new model is pending this long before it is "
+                                   "confirmed")
+    latency_regression: float = setting(2.0, gt=1, le=1e6, doc="roll back when pending p50 latency exceeds this "
+                                        "factor")
     max_error_rate: float = setting(0.05, ge=0, le=1, doc="roll back when pending inference errors exceed this")
     public_key: Optional[str] = setting(None, doc="Ed25519 public key (hex or PEM file): deploys must be signed")
 
 
 @dataclass(frozen=True)
+class FetchConfig:
+    """Where a deploy may download from: local policy, never changed over MQTT (not a live section)."""
+
+    schemes: List[str] = setting(factory=lambda: ["https"], doc="URL schemes deploys may use: https; http "
+                                 "only if listed (anyone on the path can then swap the bytes before the pin check)")
+    hosts: List[str] = setting(factory=list, doc="hosts deploys may download from: a name, '*.domain', an IP "
+                               "or a CIDR network; empty: any public host. Loopback, private and link-local "
+                               "addresses are refused unless their name, address or network is listed here")
+    max_bytes: int = setting(1 << 30, ge=1 << 20, le=16 << 30, doc="largest bundle download and unpack")
+    timeout_s: float = setting(30.0, ge=1, le=600, doc="per-read socket timeout of a download")
+    deadline_s: float = setting(600.0, ge=1, le=7200, doc="a whole download must finish within this")
+
+    def check(self) -> List[Tuple[str, str]]:
+        bad = [s for s in self.schemes if s not in ("http", "https")]
+        return [("schemes", "only http and https can be allowed (got %s)" % bad)] if bad else []
+
+
+@dataclass(frozen=True)
+class RemoteConfigPolicy:
+    """What a remote set-config may do beyond the live fields: local policy, never changed over MQTT."""
+
+    source_uris: List[str] = setting(factory=list, doc="shell patterns (fnmatch) a remote set-config may point a "
+                                     "source at, e.g. 'rtsp://10.1.2.*/stream1'; empty: sources' URIs and the "
+                                     "set of sources change only in this file")
+
+
+@dataclass(frozen=True)
 class WatchdogConfig:
-    interval_s: float = setting(5.0, gt=0, doc="memory sampling period")
-    window_s: float = setting(300.0, gt=0, doc="sliding window for the leak trend")
-    leak_mb_per_hour: float = setting(50.0, gt=0, doc="steady RSS growth above this is a leak")
-    soft_limit_mb: Optional[float] = setting(None, gt=0, doc="restart above this RSS; default 90% of memory.max")
-    inference_deadline_s: float = setting(10.0, gt=0, doc="an inference call longer than this is a hang")
-    shutdown_timeout_s: float = setting(10.0, gt=0, doc="bound on drain + flush at shutdown")
-    leak_min_samples: int = setting(DEFAULT_LEAK_MIN_SAMPLES, ge=MIN_LEAK_SAMPLES,
+    interval_s: float = setting(5.0, ge=0.05, le=3600, doc="memory sampling period")
+    window_s: float = setting(300.0, gt=0, le=7 * 86400, doc="sliding window for the leak trend")
+    leak_mb_per_hour: float = setting(50.0, gt=0, le=1e6, doc="steady RSS growth above this is a leak")
+    soft_limit_mb: Optional[float] = setting(None, gt=0, le=1 << 24, doc="restart above this RSS; default 90% of "
+                                             "memory.max")
+    inference_deadline_s: float = setting(10.0, gt=0, le=3600, doc="an inference call longer than this is a hang")
+    shutdown_timeout_s: float = setting(10.0, gt=0, le=600, doc="bound on drain + flush at shutdown")
+    leak_min_samples: int = setting(DEFAULT_LEAK_MIN_SAMPLES, ge=MIN_LEAK_SAMPLES, le=100000,
                                     doc="samples in the window before a leak trend is trusted")
     restart_on_leak: bool = setting(True, doc="a host RSS leak restarts the daemon (false: alert only)")
 
@@ -168,17 +239,22 @@ class DaemonConfig:
     publish: PublishConfig = setting(factory=PublishConfig, doc="result and telemetry publishing")
     outbox: OutboxConfig = setting(factory=OutboxConfig, doc="durable queue for the broker's absence")
     watchdog: WatchdogConfig = setting(factory=WatchdogConfig, doc="memory and liveness checks")
+    fetch: FetchConfig = setting(factory=FetchConfig, doc="where deploys may download bundles from")
+    remote_config: RemoteConfigPolicy = setting(factory=RemoteConfigPolicy,
+                                                doc="what remote set-config may change beyond live fields")
     log_level: str = setting("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), doc="log level")
 
     def check(self) -> List[Tuple[str, str]]:
         problems = []
-        problem = name_problem(self.device_id)
+        problem = name_problem(self.device_id) or _account_problem(self.device_id)
         if problem:
             problems.append(("device_id", problem))
         if self.mqtt.username is not None and self.mqtt.username != self.device_id:
             # The broker ACL (systemd/mosquitto-acl.example) grants a box its topics by username.
             problems.append(("mqtt.username", "must equal device_id %r for the per-device ACL" % self.device_id))
         names = [s.name for s in self.sources]
+        if len(names) > MAX_SOURCES:
+            problems.append(("sources", "at most %d sources (got %d)" % (MAX_SOURCES, len(names))))
         if len(set(names)) != len(names):
             problems.append(("sources", "source names must be unique (got %s)" % names))
         return problems
@@ -213,13 +289,35 @@ def merge_config(config: DaemonConfig, changes: Mapping[str, Any]) -> DaemonConf
     """Apply a partial change (``{"thresholds": {"conf": 0.4}}``) and validate the result whole.
 
     Only :data:`LIVE_SECTIONS` may change at run time; the whole merged config is re-parsed so cross-field
-    rules hold for the result, and a failure leaves ``config`` untouched (it is immutable).
+    rules hold for the result, and a failure leaves ``config`` untouched (it is immutable). Every change here
+    comes from the broker (set-config, validate, the overrides file they wrote), so a source's URI may change,
+    or a source be added, only to a URI that ``remote_config.source_uris`` in the local file allows.
     """
     errors = [FieldError(k, "cannot change while running (allowed: %s)" % ", ".join(LIVE_SECTIONS))
               for k in changes if k not in LIVE_SECTIONS]
     if errors:
         raise ConfigError(errors)
-    return parse_daemon_config(merge_sections(to_dict(config), changes))
+    merged = parse_daemon_config(merge_sections(to_dict(config), changes))
+    _check_source_uris(config, merged)
+    return merged
+
+
+def _check_source_uris(before: DaemonConfig, after: DaemonConfig) -> None:
+    """A remote change may not point a source anywhere the local file did not already allow.
+
+    Otherwise whoever can publish set-config reads the box's files (a folder source, then ``snapshot``) or
+    makes it a client of the internal network (hundreds of ``http://`` sources).
+    """
+    known = {s.name: s.uri for s in before.sources}
+    patterns = before.remote_config.source_uris
+    errors = [FieldError("sources[%d].uri" % i, "a remote change may not point a source at a new URI unless "
+                         "remote_config.source_uris in the local config allows it (allowed: %s)" % (
+                             ", ".join(patterns) or "none"))
+              for i, source in enumerate(after.sources)
+              if known.get(source.name) != source.uri
+              and not any(fnmatch.fnmatchcase(source.uri, p) for p in patterns)]
+    if errors:
+        raise ConfigError(errors)
 
 
 def merge_sections(base: Mapping[str, Any], changes: Mapping[str, Any]) -> Dict[str, Any]:

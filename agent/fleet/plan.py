@@ -48,6 +48,7 @@ class RolloutSpec:
     bundle: str
     sha256: str
     prefix: str = "atlas-edge"
+    archive_sha256: Optional[str] = None  # the file a box downloads; boxes require it for a URL
     canary: int = 1
     waves: int = 3
     wave_size: Optional[int] = None
@@ -75,6 +76,12 @@ class RolloutSpec:
             problems.append("--bundle must not be empty")
         if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256.lower()):
             problems.append("--sha256 must be 64 hex digits (the manifest's, as 'bundle verify' prints)")
+        if self.archive_sha256 is not None and (len(self.archive_sha256) != 64 or any(
+                c not in "0123456789abcdef" for c in self.archive_sha256.lower())):
+            problems.append("--archive-sha256 must be 64 hex digits (sha256sum of the archive file)")
+        if "://" in self.bundle and self.archive_sha256 is None:
+            problems.append("--archive-sha256 is required for a URL bundle (boxes check the download against it "
+                            "before unpacking)")
         if self.canary < 0 or self.waves < 1 or (self.wave_size is not None and self.wave_size < 1):
             problems.append("--canary must be >= 0, --waves and --wave-size >= 1")
         if self.max_failures is not None and self.max_failures < 0:

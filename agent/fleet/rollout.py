@@ -315,8 +315,10 @@ class Rollout:
     def _send_deploy(self, state: RolloutState, device: str, restart_clock: bool = True) -> None:
         self._pace()
         box = state.boxes[device]
-        self.link.publish(command_topic(self.spec.prefix, "deploy", device=device),
-                          {"request_id": box["request_id"], "bundle": self.spec.bundle, "sha256": self.sha})
+        payload = {"request_id": box["request_id"], "bundle": self.spec.bundle, "sha256": self.sha}
+        if self.spec.archive_sha256 is not None:
+            payload["archive_sha256"] = self.spec.archive_sha256.lower()
+        self.link.publish(command_topic(self.spec.prefix, "deploy", device=device), payload)
         if restart_clock:
             self._anchor[device] = self.monotonic()
         self._sends.append(self.monotonic())

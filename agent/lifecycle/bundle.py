@@ -391,13 +391,18 @@ def load_public_key(text: str) -> bytes:
 
 
 def verify_signature(root: str, public_key: bytes) -> bool:
-    ed25519, _ser = _crypto()
-    from cryptography.exceptions import InvalidSignature
-
     with open(os.path.join(root, MANIFEST), "rb") as handle:
         body = handle.read()
     with open(os.path.join(root, SIGNATURE), "rb") as handle:
         signature = handle.read()
+    return signature_matches(body, signature, public_key)
+
+
+def signature_matches(body: bytes, signature: bytes, public_key: bytes) -> bool:
+    """Whether ``signature`` is ``public_key``'s Ed25519 signature of the manifest bytes ``body``."""
+    ed25519, _ser = _crypto()
+    from cryptography.exceptions import InvalidSignature
+
     try:
         ed25519.Ed25519PublicKey.from_public_bytes(public_key).verify(signature, body)
     except InvalidSignature:

@@ -31,6 +31,7 @@ slot table's ``since``/``at`` fields and in the names of set-aside store entries
 
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -43,12 +44,14 @@ from agent.errors import CommandError
 from agent.lifecycle.bundle import (
     MANIFEST,
     Bundle,
+    Manifest,
     load_public_key,
     select_artifacts,
     sha256_file,
     verify_bundle,
 )
 from agent.lifecycle.fetch import fetch_bundle, redact
+from agent.lifecycle.fetch_policy import FetchPolicy
 from agent.lifecycle.probation import CONFIRM, ROLLBACK, Probation
 from agent.lifecycle.recovery import Recovery
 from agent.lifecycle.slots import (
@@ -66,6 +69,7 @@ from agent.lifecycle.slots import (
     with_swapped,
 )
 from agent.lifecycle.store import BundleStore
+from agent.lifecycle.unpack import Pin, check_manifest_pin
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
 from agent.pipeline.model import LoadedModel, load_model
 from agent.protocol.requests import DeployRequest
@@ -79,6 +83,32 @@ DEFAULT_SWITCH_TIMEOUT_S = 30.0
 # The rollback trigger decided here, as reported in events and acks (the window's own are in probation.py,
 # start-up's in recovery.py).
 TRIGGER_OPERATOR = "operator"
+
+
+def release_key(version: str) -> Optional[Tuple[int, ...]]:
+    """The order of a manifest version: its leading dotted numbers (``2.10.0-rc1`` -> (2, 10, 0)), or None."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(p) for p in match.group(0).split(".")) if match else None
+
+
+def check_succession(serving: Slot, manifest: Manifest, request: DeployRequest) -> None:
+    """Refuse another model, or an older release than the confirmed one, unless the command allows it.
+
+    Both facts come from the manifest, which the command pinned by hash (and a configured key signed): a
+    captured old deploy, or a validly signed bundle of another model, does not silently replace this one.
+    """
+    if serving.name and manifest.name != serving.name and not request.allow_model_change:
+        raise CommandError("model_change", "the bundle is model %r, this box serves %r: send "
+                           "allow_model_change: true to replace it" % (manifest.name, serving.name),
+                           field="allow_model_change")
+    if not serving.version or request.allow_downgrade or manifest.version == serving.version:
+        return
+    new, old = release_key(manifest.version), release_key(serving.version or "")
+    if new is None or old is None or new < old:
+        why = ("is older than" if new is not None and old is not None
+               else "cannot be ordered against (versions compare as dotted numbers)")
+        raise CommandError("downgrade", "release %s %s the confirmed %s: send allow_downgrade: true to deploy "
+                           "it anyway" % (manifest.version, why, serving.version), field="allow_downgrade")
 
 
 @dataclass
@@ -116,6 +146,7 @@ class ModelManager:
         self.clock = clock
         self.switch_timeout_s = switch_timeout_s
         self.public_key = _public_key(config.model.public_key)
+        self.fetch_policy = FetchPolicy.from_config(config.fetch)
         self.store = BundleStore(config.state_path(config.model.store), self.public_key, wall_clock=wall_clock)
         self.state_file = config.state_path(STATE_FILE)
         self.wall_clock = wall_clock
@@ -195,7 +226,7 @@ class ModelManager:
                 raise CommandError("already_serving", "%s %s (manifest %s) is already serving" % (
                     serving.name, serving.version, expected_sha[:12]), field="sha256")
             slot = other_slot(table.serving)
-            model, new_slot = self._prepare(request.bundle, expected_sha, slot, progress)
+            model, new_slot = self._prepare(request, serving, slot, progress)
             try:
                 progress("switching to %s in slot %s" % (model.label, slot))
                 self._switch(model, slot, lambda t: with_pending(t, slot, new_slot), opens_window=True,
@@ -259,20 +290,21 @@ class ModelManager:
 
     # --- deploy steps ------------------------------------------------------------------------------------
 
-    def _prepare(self, source: str, expected_sha: str, slot: str, progress: Callable[[str], None]
+    def _prepare(self, request: DeployRequest, serving: Slot, slot: str, progress: Callable[[str], None]
                  ) -> Tuple[LoadedModel, Slot]:
-        """Fetch into staging, check the pinned hash, verify, install into the store, load and self-test."""
-        shown = redact(source)
+        """Fetch into staging (an archive authenticated before it is unpacked), check the pinned hash, verify,
+        refuse a silent downgrade or model change, install into the store, load and self-test."""
+        shown = redact(request.bundle)
+        expected_sha = request.sha256.lower()
         with self.store.staging() as staging:
             progress("fetching %s" % shown)
-            root = fetch_bundle(source, self.store.root, staging)
+            root = fetch_bundle(request.bundle, self.store.root, staging, self.fetch_policy,
+                                Pin(expected_sha, self.public_key), request.archive_sha256)
             manifest_path = os.path.join(root, MANIFEST)
-            actual = sha256_file(manifest_path) if os.path.isfile(manifest_path) else None
-            if actual != expected_sha:
-                raise CommandError("sha256_mismatch", "the bundle's manifest.json has sha256 %s, the command "
-                                   "pinned %s" % (actual or "(none)", expected_sha), field="sha256")
+            check_manifest_pin(sha256_file(manifest_path) if os.path.isfile(manifest_path) else None, expected_sha)
             progress("verifying %s" % shown)
             bundle = verify_bundle(root, self.public_key)
+            check_succession(serving, bundle.manifest, request)
             select_artifacts(bundle, self.device, self.backend, batch=self.config.batching.max_batch)
             installed = self.store.install(root, slot, bundle)
         bundle = replace(bundle, root=self.store.path(installed))

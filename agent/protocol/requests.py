@@ -30,14 +30,27 @@ class ConfigRequest:
 class DeployRequest:
     bundle: str = setting(doc="bundle directory or .tar/.tar.gz inside the store, or an http(s) URL")
     sha256: str = setting(doc="sha256 (hex) of the bundle's manifest.json, as printed by 'bundle verify'")
+    archive_sha256: Optional[str] = setting(None, doc="sha256 of the archive file itself, checked while it "
+                                            "downloads, before it is opened; required for a URL")
+    allow_downgrade: bool = setting(False, doc="deploy a release older than the confirmed one")
+    allow_model_change: bool = setting(False, doc="deploy a model with another name than the confirmed one")
 
     def check(self) -> List[Tuple[str, str]]:
         problems = []
         if not self.bundle:
             problems.append(("bundle", "must not be empty"))
-        if len(self.sha256) != 64 or any(c not in "0123456789abcdefABCDEF" for c in self.sha256):
-            problems.append(("sha256", "must be 64 hex digits (got %r)" % self.sha256[:80]))
+        for name in ("sha256", "archive_sha256"):
+            value = getattr(self, name)
+            if value is not None and not _is_sha256(value):
+                problems.append((name, "must be 64 hex digits (got %r)" % value[:80]))
+        if "://" in self.bundle and self.archive_sha256 is None:
+            problems.append(("archive_sha256", "required for a URL: the sha256 of the file downloaded, checked "
+                             "before it is unpacked"))
         return problems
+
+
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,226 @@
+"""Unpack a bundle archive in two forward passes: look at everything first, then write.
+
+The first pass (:func:`scan`) reads every header and every byte of data through :mod:`agent.lifecycle.tar`,
+hashing each file and charging the disk budget, without writing anything. A deploy then authenticates what it
+saw (:class:`Pin`: the manifest the command pinned, its signature when the box requires one, every file listed
+in it with the size and hash found) *before* the second pass writes a single member, and the second pass
+refuses any member that differs from what the first saw.
+
+The budget counts what the files cost on disk, not their bytes: each member is charged its size rounded up to
+the file system's block, plus one block for its inode and directory entry, so 50,000 one-byte files cost what
+they really take. The whole unpack (both passes) has a deadline.
+"""
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+from agent._util.disk import RESERVE_BYTES, free_bytes
+from agent.config.schema import FieldError
+from agent.errors import CommandError
+from agent.lifecycle.bundle import MANIFEST, SIGNATURE, BundleError, parse_manifest, signature_matches
+from agent.lifecycle.tar import DIRECTORY, FILE, Member, Reader, TarError, hash_data, members
+
+# A bundle is a few MB to a few hundred MB (several tiers of .om/.ms plus golden files); 1 GiB stops a wrong
+# URL from filling the box's disk while leaving room for big multi-tier detectors.
+DEFAULT_MAX_BYTES = 1 << 30
+# Both passes over a 1 GiB bundle read from an SD card take well under a minute on a 310 board.
+DEFAULT_UNPACK_DEADLINE_S = 120.0
+MAX_MANIFEST_BYTES = 4 << 20  # read into memory to authenticate; a real manifest is a few KB
+MAX_ERRORS = 10  # errors listed in one refusal; the rest are counted
+FIELD = "bundle"
+
+
+class Budget:
+    """How much a fetch may write under ``path``: the cap, or less when the disk cannot spare that much.
+
+    ``reason`` names the binding number for error messages: the cap, or the free space and the reserve.
+    """
+
+    def __init__(self, path: str, cap: int, reserve: int = RESERVE_BYTES) -> None:
+        free = free_bytes(path)
+        spare = max(0, free - reserve)
+        self.limit = min(cap, spare)
+        self.block = max(512, os.statvfs(path).f_frsize or 4096)
+        if cap <= spare:
+            self.reason = "the limit of %d bytes" % cap
+        else:
+            self.reason = "the %d bytes free on %s less the reserve of %d bytes" % (free, path, reserve)
+
+    def cost(self, size: int) -> int:
+        """Disk a member takes: its blocks, plus one block for its inode and directory entry."""
+        return -(-size // self.block) * self.block + self.block
+
+
+@dataclass
+class Scan:
+    """What the first pass saw: every member, each file's sha256, and the manifest and signature bytes."""
+
+    members: Dict[str, Member] = field(default_factory=dict)
+    hashes: Dict[str, str] = field(default_factory=dict)
+    kept: Dict[str, bytes] = field(default_factory=dict)  # manifest.json / manifest.sig at depth 0 or 1
+    prefix: str = ""  # "" or "<top>/": where the bundle root is inside the archive
+    cost: int = 0
+
+    @property
+    def manifest(self) -> bytes:
+        return self.kept[self.prefix + MANIFEST]
+
+    @property
+    def signature(self) -> Optional[bytes]:
+        return self.kept.get(self.prefix + SIGNATURE)
+
+    def files(self) -> Dict[str, Member]:
+        """Files by their path relative to the bundle root."""
+        return {name[len(self.prefix):]: m for name, m in self.members.items() if m.kind == FILE}
+
+
+Check = Callable[[Scan], None]
+
+
+def unpack_archive(archive: str, dest: str, max_bytes: int = DEFAULT_MAX_BYTES,
+                   deadline_s: float = DEFAULT_UNPACK_DEADLINE_S, check: Optional[Check] = None) -> str:
+    """Extract a bundle tar into ``dest``; returns the bundle root (``dest`` or its single top directory).
+
+    ``check`` runs between the passes and may refuse by raising; nothing is written before it returns. On a
+    refusal during the second pass ``dest`` may hold part of the bundle: it is the caller's staging to delete.
+    """
+    os.makedirs(dest, exist_ok=True)
+    budget = Budget(dest, max_bytes)
+    deadline = time.monotonic() + deadline_s
+    try:
+        seen = scan(archive, budget, deadline)
+        if check is not None:
+            check(seen)
+        _extract(archive, dest, seen, budget, deadline)
+    except TarError as exc:
+        raise archive_error(archive, str(exc)) from None
+    return os.path.join(dest, seen.prefix.rstrip("/")) if seen.prefix else dest
+
+
+def scan(archive: str, budget: Budget, deadline: float) -> Scan:
+    """The first pass: headers checked, disk charged, files hashed; nothing written."""
+    seen = Scan()
+    with Reader(archive, deadline) as reader:
+        for member, data in members(reader):
+            if member.name in seen.members:
+                raise TarError("archive member appears twice: %s" % member.name)
+            seen.cost += budget.cost(member.size)
+            if seen.cost > budget.limit:
+                raise TarError("archive unpacks to at least %d bytes, more than %s" % (seen.cost, budget.reason))
+            seen.members[member.name] = member
+            if member.kind != FILE:
+                continue
+            if _is_kept(member, seen):
+                body = b"".join(data)
+                seen.kept[member.name] = body
+                seen.hashes[member.name] = hashlib.sha256(body).hexdigest()
+            else:
+                seen.hashes[member.name] = hash_data(data)
+    seen.prefix = _root_prefix(seen, archive)
+    return seen
+
+
+def _is_kept(member: Member, seen: Scan) -> bool:
+    """Keep the first manifest/signature at the root and at depth one, if small: at most four, bounded."""
+    parts = member.name.split("/")
+    if len(parts) > 2 or parts[-1] not in (MANIFEST, SIGNATURE) or member.size > MAX_MANIFEST_BYTES:
+        return False
+    return not any(k.split("/")[-1] == parts[-1] and k.count("/") == len(parts) - 1 for k in seen.kept)
+
+
+def _root_prefix(seen: Scan, archive: str) -> str:
+    if MANIFEST in seen.kept:
+        return ""
+    tops = {name.split("/", 1)[0] for name in seen.members}
+    if len(tops) == 1:
+        top = tops.pop()
+        if top + "/" + MANIFEST in seen.kept:
+            return top + "/"
+    raise BundleError([FieldError("manifest.json", "missing at the archive's root")], archive)
+
+
+def _extract(archive: str, dest: str, seen: Scan, budget: Budget, deadline: float) -> None:
+    """The second pass: write each member the first pass saw, refusing any that differs from it."""
+    written = 0
+    with Reader(archive, deadline) as reader:
+        for member, data in members(reader):
+            if seen.members.get(member.name) != member:
+                raise TarError("the archive changed between reading and unpacking (%s)" % member.name)
+            target = os.path.join(dest, member.name)
+            if member.kind == DIRECTORY:
+                os.makedirs(target, exist_ok=True)
+                continue
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            digest = hashlib.sha256()
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            with os.fdopen(fd, "wb") as out:
+                for chunk in data:
+                    written += len(chunk)
+                    if written > budget.limit:
+                        raise TarError("archive unpacked past %s while extracting (%d bytes written)" % (
+                            budget.reason, written))
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != seen.hashes[member.name]:
+                raise TarError("the archive changed between reading and unpacking (%s)" % member.name)
+
+
+# --- authentication before extraction ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pin:
+    """What a deploy vouches for, checked against the first pass before a byte is extracted.
+
+    The command pins the manifest's sha256; with a key configured, the manifest must be signed by it; and the
+    manifest then vouches for every other file by size and sha256. So a tampered, foreign or padded archive is
+    refused having written nothing.
+    """
+
+    manifest_sha256: str
+    public_key: Optional[bytes] = None
+
+    def __call__(self, seen: Scan) -> None:
+        check_manifest_pin(hashlib.sha256(seen.manifest).hexdigest(), self.manifest_sha256)
+        if self.public_key is not None:
+            if seen.signature is None:
+                raise BundleError([FieldError("manifest.sig", "missing: this box requires signed bundles")])
+            if not signature_matches(seen.manifest, seen.signature, self.public_key):
+                raise BundleError([FieldError("manifest.sig", "signature does not match the manifest and key")])
+        try:
+            manifest = parse_manifest(json.loads(seen.manifest.decode("utf-8")))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BundleError([FieldError("manifest.json", "not valid JSON: %s" % exc)]) from None
+        listed = {art.file: (art.size, art.sha256) for art in manifest.artifacts}
+        listed.update({name: (entry.size, entry.sha256) for name, entry in manifest.files.items()})
+        errors = []
+        for rel, member in sorted(seen.files().items()):
+            if rel in (MANIFEST, SIGNATURE):
+                continue
+            if rel not in listed:
+                errors.append(FieldError("files", "unlisted file in bundle: %s" % rel))
+            elif listed[rel] != (member.size, seen.hashes[seen.prefix + rel]):
+                errors.append(FieldError("files", "%s does not match the manifest's size and sha256" % rel))
+        errors += [FieldError("files", "file missing: %s" % name) for name in sorted(set(listed) - set(seen.files()))]
+        if errors:
+            raise BundleError(bounded(errors))
+
+
+def check_manifest_pin(actual: Optional[str], pinned: str) -> None:
+    if actual != pinned:
+        raise CommandError("sha256_mismatch", "the bundle's manifest.json has sha256 %s, the command pinned %s" % (
+            actual or "(none)", pinned), field="sha256")
+
+
+def bounded(errors: List[FieldError], limit: int = MAX_ERRORS) -> List[FieldError]:
+    """The first ``limit`` errors and one that counts the rest: a refusal's size does not grow with the input."""
+    if len(errors) <= limit:
+        return errors
+    return errors[:limit] + [FieldError(errors[limit].path, "and %d more" % (len(errors) - limit))]
+
+
+def archive_error(archive: str, message: str) -> BundleError:
+    return BundleError([FieldError(FIELD, message)], archive)
