@@ -39,8 +39,21 @@ PASSWD_TOOL=$(command -v mosquitto_passwd || true)
 for name in "${OPERATORS[@]}" "${DEVICES[@]}"; do
     # a username ends up in topics through the ACL's %u: the same rule as the daemon's device_id
     case "$name" in
-        ""|*/*|*+*|*"#"*|*:*|*[[:space:]]*) die "bad user name '$name' (no / + # : or spaces)" ;;
+        ""|*/*|*+*|*"#"*|*:*|*[[:space:]]*|'$'*) die "bad user name '$name' (no / + # : spaces or leading \$)" ;;
     esac
+done
+for name in "${DEVICES[@]}"; do
+    # 'operator' is the ACL's operator user (a device so named would get its password and rights); 'group' is
+    # the topic level of group commands (a device so named could write every group's command topics)
+    case "$name" in
+        operator|group) die "device name '$name' is reserved (operator, group)" ;;
+    esac
+    for op in "${OPERATORS[@]}"; do
+        [ "$name" != "$op" ] || die "'$name' is named both as an operator and as a device"
+    done
+done
+for op in "${OPERATORS[@]}"; do
+    [ "$op" != group ] || die "operator name 'group' is reserved (the topic level of group commands)"
 done
 
 umask 077

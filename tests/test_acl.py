@@ -21,6 +21,10 @@ from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport
 
 ACL_FILE = os.path.join(REPO_ROOT, "systemd", "mosquitto-acl.example")
+BROKER_CONF = os.path.join(REPO_ROOT, "systemd", "mosquitto.conf.example")
+# Lines of the shipped broker config that name this host's files and ports: the test broker has its own.
+LOCAL_KEYS = ("listener", "cafile", "certfile", "keyfile", "password_file", "acl_file", "allow_anonymous")
+TAKEOVERS = 10
 PASSWD_SCRIPT = os.path.join(REPO_ROOT, "systemd", "make-mosquitto-passwd.sh")
 
 
@@ -36,6 +40,13 @@ def fleet(tmp_path_factory):
     credentials = str(out / "credentials")
     with EmbeddedBroker(password_file=str(out / "mosquitto.passwd"), acl_file=ACL_FILE) as broker:
         yield broker, credentials
+
+
+def shipped_settings():
+    """The shipped mosquitto.conf.example's settings, less those naming files and ports of the broker host."""
+    with open(BROKER_CONF, encoding="utf-8") as handle:
+        lines = [line.strip() for line in handle if line.strip() and not line.lstrip().startswith("#")]
+    return [line for line in lines if line.split()[0] not in LOCAL_KEYS]
 
 
 def find_mosquitto_or_skip() -> None:
@@ -178,6 +189,83 @@ def test_anonymous_clients_are_refused(fleet):
     finally:
         client.disconnect()
         client.loop_stop()
+
+
+# -- one box cannot knock another offline --------------------------------------------------------------------
+
+def _takeover_count(fleet_dir, settings):
+    """How often cam-01 is disconnected while cam-02 logs in 10 times with cam-01's client id."""
+    import paho.mqtt.client as mqtt
+
+    credentials = os.path.join(fleet_dir, "credentials")
+    with EmbeddedBroker(password_file=os.path.join(fleet_dir, "mosquitto.passwd"), acl_file=ACL_FILE,
+                        extra_config=settings) as broker:
+        drops: "queue.Queue[Any]" = queue.Queue()
+        connected: "queue.Queue[Any]" = queue.Queue()
+        victim = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="atlas-edge-cam-01",
+                             reconnect_on_failure=False)
+        victim.username_pw_set("cam-01", password(credentials, "cam-01"))
+        victim.will_set("atlas-edge/cam-01/status", b'{"state": "offline"}', qos=1, retain=True)
+        victim.on_connect = lambda c, u, f, reason, p: connected.put(reason)
+        victim.on_disconnect = lambda c, u, f, reason, p: drops.put(reason)
+        victim.connect(broker.host, broker.port, keepalive=10)
+        victim.loop_start()
+        assert not connected.get(timeout=WAIT_S).is_failure
+        operator = MqttProbe(broker, ["atlas-edge/cam-01/status"], username="operator",
+                             password=password(credentials, "operator"))
+        try:
+            for _ in range(TAKEOVERS):
+                answers: "queue.Queue[Any]" = queue.Queue()
+                thief = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="atlas-edge-cam-01",
+                                    reconnect_on_failure=False)
+                thief.username_pw_set("cam-02", password(credentials, "cam-02"))
+                thief.on_connect = lambda c, u, f, reason, p, answers=answers: answers.put(reason)
+                thief.connect(broker.host, broker.port, keepalive=10)
+                thief.loop_start()
+                assert not answers.get(timeout=WAIT_S).is_failure  # cam-02 is let in, as itself
+                thief.disconnect()
+                thief.loop_stop()
+            if drops.empty():
+                # a marker through the victim's own connection: anything the takeovers caused arrived before it
+                victim.publish("atlas-edge/cam-01/status", b'{"state": "marker"}', qos=1).wait_for_publish(WAIT_S)
+                assert wait_for(lambda: {"state": "marker"} in operator.on("atlas-edge/cam-01/status"))
+            else:  # kicked: its will follows
+                assert wait_for(lambda: {"state": "offline"} in operator.on("atlas-edge/cam-01/status"))
+            offline = sum(1 for m in operator.on("atlas-edge/cam-01/status") if m == {"state": "offline"})
+            return drops.qsize(), offline
+        finally:
+            operator.close()
+            victim.disconnect()
+            victim.loop_stop()
+
+
+def test_with_the_shipped_broker_config_a_box_cannot_disconnect_another(tmp_path):
+    find_mosquitto_or_skip()
+    if shutil.which("mosquitto_passwd") is None:
+        pytest.skip("needs mosquitto_passwd (package mosquitto) to make the password file")
+    subprocess.run([PASSWD_SCRIPT, str(tmp_path), "cam-01", "cam-02"], check=True, capture_output=True,
+                   timeout=WAIT_S)
+    settings = shipped_settings()
+    assert "use_username_as_clientid true" in settings and any(s.startswith("max_packet_size") for s in settings)
+    assert _takeover_count(str(tmp_path), settings) == (0, 0)
+    # the same broker without the shipped settings: the first takeover kicks cam-01 and fires its will
+    drops, offline = _takeover_count(str(tmp_path), [])
+    assert drops >= 1 and offline >= 1
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["cam-01", "operator"], "device name 'operator' is reserved"),
+    (["cam-01", "group"], "device name 'group' is reserved"),
+    (["$SYS"], "bad user name '$SYS'"),
+    (["cam/01"], "bad user name 'cam/01'"),
+    (["--operator", "group", "cam-01"], "operator name 'group' is reserved"),
+    (["--operator", "cam-01", "cam-01"], "'cam-01' is named both as an operator and as a device"),
+])
+def test_the_passwd_script_refuses_reserved_and_topic_special_names(tmp_path, argv, reason):
+    done = subprocess.run([PASSWD_SCRIPT, str(tmp_path / "out"), *argv], capture_output=True, text=True,
+                          timeout=WAIT_S)
+    assert done.returncode == 2 and reason in done.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 # -- TLS ----------------------------------------------------------------------------------------------------
