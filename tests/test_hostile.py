@@ -159,6 +159,8 @@ def test_deploy_urls_outside_the_fetch_policy_are_refused_with_a_coarse_cause(bo
     ({"sources": [{"name": "spy", "uri": "http://127.0.0.1:1/"}]}, "sources[0].uri"),
     ({"batching": {"queue_size": 1000000000}}, "batching.queue_size"),
     ({"publish": {"telemetry_interval_s": 1e-6}}, "publish.telemetry_interval_s"),
+    ({"thresholds": {"conf": float("nan")}}, "thresholds.conf"),
+    ({"publish": {"max_rate_hz": float("inf")}}, "publish.max_rate_hz"),
 ])
 def test_a_remote_set_config_outside_its_lane_is_refused_as_invalid(box, change, field):
     ack = box.wait_final(box.command("set-config", config=change))
