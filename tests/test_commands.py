@@ -514,3 +514,22 @@ def test_fuzzed_commands_each_fail_or_are_dropped_and_status_still_works(system_
     assert totals["messages"] >= 2400  # 60 batches of 40 to 80
     system.send("status", {"request_id": "after-fuzz"})
     assert system.final("after-fuzz")["state"] == "succeeded"
+
+
+def test_a_refusal_with_thousands_of_errors_is_bounded_in_the_ack_and_the_record(system, tmp_path):
+    """An archive of 200,000 unlisted files once made a 3.45 MB ack, stored whole in the request record."""
+    from agent.config.schema import ConfigError, FieldError
+
+    def refuse(request, progress):
+        raise ConfigError([FieldError("files", "unlisted file in bundle: f/%06d " % i + "x" * 500)
+                           for i in range(5000)])
+
+    system.dispatcher.handlers["deploy"] = refuse
+    system.send("deploy", {"request_id": "many-1", "bundle": "b", "sha256": SHA})
+    final = system.final("many-1")
+    errors = final["error"]["errors"]
+    assert len(errors) == 11 and errors[-1] == {"field": "files", "message": "and 4990 more"}
+    assert all(len(e["message"]) <= 300 for e in errors)
+    assert len(json.dumps(final)) < 8192
+    system.settle(1)
+    assert system.dispatcher._record.get("many-1")["error"]["errors"] == errors

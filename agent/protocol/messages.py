@@ -40,6 +40,7 @@ REQUEST_ID_RULE = "1-%d characters of A-Z a-z 0-9 _ . : -" % REQUEST_ID_MAX
 _REQUEST_ID_PEEK = re.compile(rb'"request_id"\s*:\s*"([A-Za-z0-9_.:-]{1,%d})"' % REQUEST_ID_MAX)
 PEEK_BYTES = 4096
 MESSAGE_MAX_CHARS = 300  # error messages are cut to this in acks
+ERRORS_MAX = 10  # entries of error.errors in an ack (and so in the request record); the rest are counted
 
 
 def is_request_id(value: Any) -> bool:
@@ -54,10 +55,19 @@ def peek_request_id(payload: bytes) -> Optional[str]:
 
 def error_body(code: str, message: str, field: Optional[str] = None,
                errors: Optional[List[Dict[str, str]]] = None) -> Dict[str, Any]:
-    """The ``error`` object of a failed ack."""
+    """The ``error`` object of a failed ack.
+
+    ``errors`` keeps its first :data:`ERRORS_MAX` entries (each message cut short) and one that counts the rest:
+    a refusal's size must not grow with the input (an archive of 200,000 unlisted files made a 3.45 MB ack,
+    stored whole in the request record).
+    """
     body: Dict[str, Any] = {"code": code, "field": field, "message": message[:MESSAGE_MAX_CHARS]}
     if errors is not None:
-        body["errors"] = errors
+        kept = [{"field": str(e.get("field"))[:MESSAGE_MAX_CHARS], "message": str(e.get("message"))[
+            :MESSAGE_MAX_CHARS]} for e in errors[:ERRORS_MAX]]
+        if len(errors) > ERRORS_MAX:
+            kept.append({"field": kept[-1]["field"], "message": "and %d more" % (len(errors) - ERRORS_MAX)})
+        body["errors"] = kept
     return body
 
 
