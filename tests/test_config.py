@@ -172,6 +172,27 @@ def test_example_daemon_config_is_valid():
     assert config.device == "cpu-dev" and config.batching.max_batch == 4
 
 
+def test_relative_source_paths_are_relative_to_the_config_file(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    uris = {"folder": "frames", "video": "../clips/gate.mp4", "absolute": "/srv/frames", "usb": "camera:0",
+            "stream": "rtsp://10.0.0.5/live"}
+    path = site / "daemon.yaml"
+    path.write_text(yaml.safe_dump({"device_id": "cam-01", "model": {"bundle": "b"},
+                                    "sources": [{"name": k, "uri": v} for k, v in uris.items()]}))
+    resolved = {s.name: s.uri for s in load_daemon_config(str(path)).sources}
+    assert resolved == {"folder": str(site / "frames"), "video": str(site / "../clips/gate.mp4"),
+                        "absolute": "/srv/frames", "usb": "camera:0", "stream": "rtsp://10.0.0.5/live"}
+
+
+def test_an_unknown_device_name_is_a_config_error_listing_the_known_ones():
+    with pytest.raises(ConfigError) as info:
+        parse_daemon_config({"device_id": "cam-01", "model": {"bundle": "b"}, "device": "no-such-box"})
+    [error] = info.value.errors
+    assert error.path == "device" and "'no-such-box'" in error.message
+    assert all(name in error.message for name in known_devices())
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, timeout=60)
 
@@ -207,6 +228,17 @@ def test_validate_refuses_names_some_broker_reads_as_separators_or_wildcards(tmp
         "mqtt.groups[2]": "must not contain '+': an MQTT wildcard (got 'x+y')"}
     assert parse_daemon_config(dict(GOOD, mqtt={"prefix": "plant/atlas-edge", "groups": ["line-1"]}))
     assert "'$'" in errors_of(dict(GOOD, mqtt={"prefix": "$SYS/x"}))["mqtt.prefix"]
+
+
+def test_validate_prints_each_value_on_its_own_line():
+    result = _cli("validate", "examples/daemon.yaml")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert not [line for line in lines if line.strip() in ("...", "---")]
+    [conf] = [line.split() for line in lines if line.split()[:1] == ["thresholds.conf"]]
+    assert conf[1] == "0.3"
+    [device_id] = [line.split() for line in lines if line.split()[:1] == ["device_id"]]
+    assert device_id[1] == '"cam-01"'
 
 
 # --- overrides: remote set-config changes in the state directory --------------------------------------------

@@ -237,7 +237,7 @@ def run_daemon_cli(config_path, notify_path):
                           env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("case", ["bad-config", "missing-bundle"])
+@pytest.mark.parametrize("case", ["bad-config", "missing-bundle", "unknown-device"])
 def test_unfixable_start_failures_exit_with_a_status_the_unit_does_not_restart(tmp_path, case):
     from agent.cli.main import EXIT_CANNOT_START
     from agent.daemon import EXIT_RESTART
@@ -252,6 +252,8 @@ def test_unfixable_start_failures_exit_with_a_status_the_unit_does_not_restart(t
               "mqtt": {"host": "127.0.0.1", "port": 1}}
     if case == "bad-config":
         config["batching"] = {"max_batch": 0}
+    if case == "unknown-device":
+        config["device"] = "no-such-box"
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     directory = tempfile.mkdtemp(prefix="sdn-", dir="/tmp")  # AF_UNIX paths are limited to 108 bytes
@@ -265,7 +267,8 @@ def test_unfixable_start_failures_exit_with_a_status_the_unit_does_not_restart(t
         notify.close()
         shutil.rmtree(directory)
     assert result.returncode == EXIT_CANNOT_START, result.stderr[-2000:]
-    why = "batching.max_batch" if case == "bad-config" else "no-such-bundle"
+    why = {"bad-config": "batching.max_batch", "missing-bundle": "no-such-bundle",
+           "unknown-device": "no device config 'no-such-box' (known: atlas-200dk, "}[case]
     assert result.stderr.count("cannot start") == 1 and why in result.stderr
     assert "Traceback" not in result.stderr
     assert status.startswith("STATUS=cannot start: ") and why in status

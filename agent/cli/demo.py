@@ -24,8 +24,9 @@ import numpy as np
 
 from agent.config.device_config import BACKEND_FORMATS
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEMO_BUNDLE = os.path.join(REPO_ROOT, "examples", "demo-bundle")
+# Package data: a link to examples/demo-bundle in a checkout, a copy of it in the wheel (read next to this
+# module: importlib.resources.files() needs Python 3.9, the box has 3.7).
+DEMO_BUNDLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_bundle")
 # Sizes a box meets: 1080p and 720p cameras, VGA in both orientations, a square crop.
 SAMPLE_SIZES_HW: Tuple[Tuple[int, int], ...] = ((1080, 1920), (720, 1280), (480, 640), (640, 480), (800, 800),
                                                  (1080, 1920))
@@ -128,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="inference backend (default: cpu-dev's order: mslite when it imports and the "
                              "bundle has a .ms, else mindspore, else opencv); mslite converts the bundle first "
                              "when it has no .ms")
-    parser.add_argument("--bundle", default=DEMO_BUNDLE, help="model bundle (default: examples/demo-bundle)")
+    parser.add_argument("--bundle", default=DEMO_BUNDLE,
+                        help="model bundle (default: examples/demo-bundle, shipped in the package)")
     parser.add_argument("--frames-dir", default=None,
                         help="folder of images to serve (default: generated sample frames)")
     parser.add_argument("--max-batch", type=int, default=1, help="dynamic batching: largest batch")

@@ -119,8 +119,8 @@ def _validate(args: argparse.Namespace) -> int:
         for part in path.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         marked = any(path == key or path.startswith(key + ".") for key in from_overrides)
-        print("%s %-34s %-28s %s" % ("*" if marked else " ", path,
-                                     yaml.safe_dump(value, default_flow_style=True).strip()[:28], doc))
+        # JSON, not yaml.safe_dump: that ends a lone scalar with a document-end line ("...")
+        print("%s %-34s %-28s %s" % ("*" if marked else " ", path, json.dumps(value)[:28], doc))
     if overrides is not None:
         _print_overrides(overrides)
     return 0
@@ -159,6 +159,10 @@ def _load(name: str):
         reason = str(exc)
 
         def explain(args: argparse.Namespace) -> int:
+            if missing == module_name.split(".")[0] == "benchmarks":  # not in the wheel (pyproject.toml)
+                print("atlas-edge %s runs from a source checkout (make bench): the benchmarks package is not "
+                      "installed with atlas-edge." % name, file=sys.stderr)
+                return 2
             print("atlas-edge %s needs %s, which is not installed (%s).\n"
                   "Install the '%s' extra: pip install 'atlas-edge[%s]'%s" % (
                       name, missing, reason, extra, extra,

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from agent.config.device_config import BACKEND_FORMATS
+from agent.config.device_config import BACKEND_FORMATS, device_config_path, unknown_device
 from agent.config.names import name_problem
 from agent.config.schema import ConfigError, FieldError, parse, setting, to_dict
 
@@ -131,7 +131,8 @@ def _is_loopback(host: str) -> bool:
 @dataclass(frozen=True)
 class SourceConfig:
     name: str = setting(doc="source id, used in the results topic")
-    uri: str = setting(doc="image folder, video file, rtsp://... URL, or 'camera:N' for a USB camera")
+    uri: str = setting(doc="image folder or video file (relative to the config file), rtsp://... URL, or "
+                             "'camera:N' for a USB camera")
     max_fps: float = setting(0.0, ge=0, le=1000, doc="frame-rate limit; 0 = as fast as frames come")
     loop: bool = setting(False, doc="restart a folder or file at its end (demo and soak runs)")
     reopen_min_s: float = setting(0.5, ge=0.01, le=3600, doc="first reopen delay after a lost stream")
@@ -252,6 +253,10 @@ class DaemonConfig:
         if self.mqtt.username is not None and self.mqtt.username != self.device_id:
             # The broker ACL (systemd/mosquitto-acl.example) grants a box its topics by username.
             problems.append(("mqtt.username", "must equal device_id %r for the per-device ACL" % self.device_id))
+        if device_config_path(self.device) != self.device:  # a name: judged here; a path when it is loaded
+            problem = unknown_device(self.device)
+            if problem:
+                problems.append(("device", problem))
         names = [s.name for s in self.sources]
         if len(names) > MAX_SOURCES:
             problems.append(("sources", "at most %d sources (got %d)" % (MAX_SOURCES, len(names))))
@@ -281,8 +286,14 @@ def load_daemon_config(path: str) -> DaemonConfig:
     key = model.public_key
     if key and os.path.isfile(os.path.join(base, key)):
         model = replace(model, public_key=os.path.join(base, key))
-    return replace(config, state_dir=os.path.join(base, config.state_dir),
+    sources = [replace(s, uri=os.path.join(base, s.uri)) if is_local_path(s.uri) else s for s in config.sources]
+    return replace(config, state_dir=os.path.join(base, config.state_dir), sources=sources,
                    model=replace(model, bundle=os.path.join(base, model.bundle)))
+
+
+def is_local_path(uri: str) -> bool:
+    """A source URI naming a folder or a video file (not ``rtsp://...``, not ``camera:N``)."""
+    return not (uri.startswith("camera:") or "://" in uri)
 
 
 def merge_config(config: DaemonConfig, changes: Mapping[str, Any]) -> DaemonConfig:

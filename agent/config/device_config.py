@@ -3,6 +3,10 @@
 One YAML file per box kind under ``device_configs/``, named by its stem everywhere (``--device atlas-200dk``).
 The converters read the SoC and precision from here; the agent reads the backend, the memory budget and
 batching defaults, and refuses a bundle whose artifacts do not match.
+
+The files are package data: ``agent/config/device_configs`` is a link to the repository's top-level
+``device_configs/`` (the documented place to edit them), and building the wheel copies them into the package,
+so an installed box reads them next to this module, never from a checkout.
 """
 
 import os
@@ -11,8 +15,8 @@ from typing import List, Optional, Tuple
 
 from agent.config.schema import ConfigError, FieldError, load_yaml, setting
 
-DEVICE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                 "device_configs")
+# next to this module (importlib.resources.files() would need Python 3.9; the box has 3.7)
+DEVICE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "device_configs")
 
 # backend -> artifact formats it reads: the one list of backend names (the registry in agent.pipeline.backends
 # imports ``agent.pipeline.backends.<name>_backend`` for each; configs and CLIs take their choices from here)
@@ -77,11 +81,18 @@ def known_devices() -> List[str]:
     return sorted(f[:-5] for f in os.listdir(DEVICE_CONFIG_DIR) if f.endswith(".yaml"))
 
 
+def unknown_device(name_or_path: str) -> Optional[str]:
+    """Why ``name_or_path`` names no device config (listing the known names), or None when it does."""
+    if os.path.exists(device_config_path(name_or_path)):
+        return None
+    return "no device config %r (known: %s)" % (name_or_path, ", ".join(known_devices()))
+
+
 def load_device_config(name_or_path: str) -> DeviceConfig:
     path = device_config_path(name_or_path)
-    if not os.path.exists(path):
-        raise ConfigError([FieldError("device", "no device config %r (known: %s)" % (
-            name_or_path, ", ".join(known_devices())))], path)
+    problem = unknown_device(name_or_path)
+    if problem:
+        raise ConfigError([FieldError("device", problem)], name_or_path)
     config = load_yaml(DeviceConfig, path)
     stem = os.path.splitext(os.path.basename(path))[0]
     if config.name != stem:
