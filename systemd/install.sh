@@ -2,7 +2,7 @@
 # Install atlas-edge as a systemd service on a box. Idempotent: run it again to upgrade; it never overwrites
 # the operator's config.yaml, atlas-edge.env or mqtt-password.
 #
-#   sudo systemd/install.sh [--device NAME] [--wheels DIR] [--enable] [--dry-run]
+#   sudo systemd/install.sh [--device NAME] [--wheels DIR] [--instance N]... [--enable] [--dry-run]
 #
 # What it does (docs/operations.md explains each step):
 #   1. system user and group `atlas-edge` (home /var/lib/atlas-edge, no login shell), added to HwHiAiUser
@@ -10,7 +10,10 @@
 #   2. a virtual environment at /opt/atlas-edge/venv with this checkout (or wheels from --wheels DIR, offline)
 #      and the `edge` extra; NPU runtimes are not on PyPI: pyACL comes from CANN via PYTHONPATH in the env file,
 #      a mindspore_lite wheel is installed into the venv by hand (docs/operations.md)
-#   3. the unit, the env and config examples, an empty root-only mqtt-password (LoadCredential= needs the file)
+#   3. the units (atlas-edge.service and the per-NPU template atlas-edge@.service), the env and config
+#      examples, an empty root-only mqtt-password (LoadCredential= needs the file); /etc/atlas-edge is not
+#      readable by other users (configs may hold stream passwords); with --instance N, the same for
+#      /etc/atlas-edge/N (the config, credential and state of atlas-edge@N)
 #   4. with --device NAME: a drop-in sizing MemoryHigh=/MemoryMax= from device_configs/NAME.yaml
 #   5. systemctl daemon-reload (and enable with --enable); it does not start the service: write the config first
 #
@@ -21,7 +24,9 @@
 #   --wheels DIR   pip install from DIR only (--no-index): a box without internet
 #   --no-venv      leave the virtual environment alone
 #   --python PY    interpreter for the venv (default python3; the box needs >= 3.8)
-#   --enable       systemctl enable atlas-edge (starts at boot)
+#   --instance N   prepare atlas-edge@N (NPU N): /etc/atlas-edge/N/ with its examples and mqtt-password;
+#                  repeat for each NPU
+#   --enable       systemctl enable atlas-edge (starts at boot), or atlas-edge@N for each --instance
 set -euo pipefail
 
 SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,6 +40,8 @@ WHEELS=""
 DRY_RUN=0
 MAKE_VENV=1
 ENABLE=0
+INSTANCES=()
+TEMPLATE=atlas-edge@.service
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "install.sh: $*" >&2; exit 2; }
@@ -47,6 +54,9 @@ while [ $# -gt 0 ]; do
         --wheels) WHEELS=${2:?--wheels needs a directory}; shift ;;
         --no-venv) MAKE_VENV=0 ;;
         --python) PYTHON=${2:?--python needs an interpreter}; shift ;;
+        --instance)
+            [[ ${2:-} =~ ^[0-9]+$ ]] || die "--instance needs an NPU number (got '${2:-}')"
+            INSTANCES+=("$2"); shift ;;
         --enable) ENABLE=1 ;;
         -h|--help) usage; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
@@ -59,7 +69,7 @@ ETC=$ROOT/etc/atlas-edge
 OPT=$ROOT/opt/atlas-edge
 VENV=$OPT/venv
 SYSTEMD_DIR=$ROOT/etc/systemd/system
-DROPIN_DIR=$SYSTEMD_DIR/$UNIT.d
+DROPIN_DIRS=("$SYSTEMD_DIR/$UNIT.d" "$SYSTEMD_DIR/$TEMPLATE.d")
 
 # Every change goes through run/write_file, so --dry-run shows exactly what a real run would do.
 run() {
@@ -118,17 +128,27 @@ else
 fi
 
 # 2. virtual environment ---------------------------------------------------------------------------------
-run install -d -m 0755 "$OPT" "$OPT/share" "$ETC" "$SYSTEMD_DIR"
+run install -d -m 0755 "$OPT" "$OPT/share" "$SYSTEMD_DIR"
+# configs may hold secrets (an RTSP URL's password): root and the daemon's group only
+if live_system; then
+    run install -d -m 0750 -g "$USER_NAME" "$ETC"
+else
+    run install -d -m 0750 "$ETC"
+fi
 if [ "$MAKE_VENV" = 1 ]; then
     if [ -x "$VENV/bin/python" ]; then
         echo "= venv $VENV exists: upgrading atlas-edge in it"
     else
         run "$PYTHON" -m venv "$VENV"
     fi
+    # the package itself is always reinstalled (a rebuilt wheel keeps its version number); its dependencies
+    # only when the new one needs others
     if [ -n "$WHEELS" ]; then
         run "$VENV/bin/pip" install --no-index --find-links "$WHEELS" --upgrade "atlas-edge[edge]"
+        run "$VENV/bin/pip" install --no-index --find-links "$WHEELS" --force-reinstall --no-deps atlas-edge
     else
         run "$VENV/bin/pip" install --upgrade "$SRC[edge]"
+        run "$VENV/bin/pip" install --force-reinstall --no-deps "$SRC"
     fi
 else
     echo "= --no-venv: $VENV left as it is"
@@ -136,6 +156,8 @@ fi
 
 # 3. unit, examples, credentials -------------------------------------------------------------------------
 run install -m 0644 "$SRC/systemd/$UNIT" "$SYSTEMD_DIR/$UNIT"
+run install -m 0644 "$SRC/systemd/$TEMPLATE" "$SYSTEMD_DIR/$TEMPLATE"
+run install -m 0644 "$SRC/systemd/ip-allow.conf.example" "$OPT/share/ip-allow.conf.example"
 run install -m 0644 "$SRC/systemd/atlas-edge.env.example" "$ETC/atlas-edge.env.example"
 if [ -f "$SRC/examples/daemon.yaml" ]; then
     run install -m 0644 "$SRC/examples/daemon.yaml" "$ETC/config.yaml.example"
@@ -149,35 +171,55 @@ if [ -e "$ETC/atlas-edge.env" ]; then
 else
     run install -m 0600 "$SRC/systemd/atlas-edge.env.example" "$ETC/atlas-edge.env"
 fi
-if [ -e "$ETC/mqtt-password" ]; then
-    echo "= $ETC/mqtt-password exists: kept"
-else
-    run install -m 0600 /dev/null "$ETC/mqtt-password"
-fi
+keep_or_create_password() {  # the credential LoadCredential= reads: root-only, never overwritten
+    if [ -e "$1" ]; then
+        echo "= $1 exists: kept"
+    else
+        run install -m 0600 /dev/null "$1"
+    fi
+}
+keep_or_create_password "$ETC/mqtt-password"
+for N in "${INSTANCES[@]}"; do
+    if live_system; then
+        run install -d -m 0750 -g "$USER_NAME" "$ETC/$N"
+    else
+        run install -d -m 0750 "$ETC/$N"
+    fi
+    if [ -f "$SRC/examples/daemon.yaml" ]; then
+        run install -m 0644 "$SRC/examples/daemon.yaml" "$ETC/$N/config.yaml.example"
+    fi
+    keep_or_create_password "$ETC/$N/mqtt-password"
+done
 
 # 4. drop-ins --------------------------------------------------------------------------------------------
-if [ "$HAVE_NPU_GROUP" = 0 ] || [ -n "$DEVICE" ]; then
-    run install -d -m 0755 "$DROPIN_DIR"
-fi
-if [ "$HAVE_NPU_GROUP" = 0 ]; then
-    write_file "$DROPIN_DIR/no-npu-group.conf" 0644 "# written by install.sh: this box has no $NPU_GROUP group (no Ascend driver)
+# the same drop-ins for the single unit and the per-NPU template
+for DROPIN_DIR in "${DROPIN_DIRS[@]}"; do
+    if [ "$HAVE_NPU_GROUP" = 0 ] || [ -n "$DEVICE" ]; then
+        run install -d -m 0755 "$DROPIN_DIR"
+    fi
+    if [ "$HAVE_NPU_GROUP" = 0 ]; then
+        write_file "$DROPIN_DIR/no-npu-group.conf" 0644 "# written by install.sh: this box has no $NPU_GROUP group (no Ascend driver)
 [Service]
 SupplementaryGroups="
-fi
-if [ -n "$DEVICE" ]; then
-    # soft limit (watchdog: the budget) < MemoryHigh (reclaim pressure) < MemoryMax (OOM kill)
-    HIGH=$((BUDGET * 5 / 4))
-    MAX=$((BUDGET * 3 / 2))
-    write_file "$DROPIN_DIR/memory.conf" 0644 "# written by install.sh --device $DEVICE (memory_budget_mb $BUDGET)
+    fi
+    if [ -n "$DEVICE" ]; then
+        # soft limit (watchdog: the budget) < MemoryHigh (reclaim pressure) < MemoryMax (OOM kill)
+        HIGH=$((BUDGET * 5 / 4))
+        MAX=$((BUDGET * 3 / 2))
+        write_file "$DROPIN_DIR/memory.conf" 0644 "# written by install.sh --device $DEVICE (memory_budget_mb $BUDGET)
 [Service]
 MemoryHigh=${HIGH}M
 MemoryMax=${MAX}M"
-fi
+    fi
+done
 
 # 5. systemd ---------------------------------------------------------------------------------------------
 if live_system; then
     run systemctl daemon-reload
-    if [ "$ENABLE" = 1 ]; then run systemctl enable "$UNIT"; fi
+    if [ "$ENABLE" = 1 ] && [ ${#INSTANCES[@]} = 0 ]; then run systemctl enable "$UNIT"; fi
+    for N in "${INSTANCES[@]}"; do
+        if [ "$ENABLE" = 1 ]; then run systemctl enable "atlas-edge@$N.service"; fi
+    done
 else
     echo "= --root: systemctl daemon-reload is left to the target system"
 fi
@@ -189,4 +231,6 @@ cat <<EOF
    2. NPU boxes: check $ETC/atlas-edge.env against your CANN install's set_env.sh
    3. MQTT password: put it in $ETC/mqtt-password and use 'password: cred:mqtt-password'
    4. systemctl start atlas-edge && journalctl -u atlas-edge -f
+   One daemon per NPU instead: the same in $ETC/N/ for each NPU N, then systemctl start atlas-edge@N
+   Which addresses the daemon may reach: $OPT/share/ip-allow.conf.example (a drop-in)
 EOF

@@ -2,6 +2,9 @@
 
 import json
 import os
+import stat
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -173,3 +176,14 @@ def test_any_sequence_of_legal_steps_keeps_a_valid_table_that_round_trips(tmp_pa
         assert list(states(table).values()).count(CONFIRMED) == 1
         assert table.slots[table.serving].state in (CONFIRMED, PENDING)
         assert len(table.bundles()) <= 2
+
+
+def test_atomic_writes_follow_the_umask_like_open(tmp_path):
+    """Under the unit's UMask=0027 a written file (an overrides file may hold a stream's password) is 0640,
+    not world-readable; under the usual 022 it is 0644 like open() makes it."""
+    script = ("import os, sys; os.umask(int(sys.argv[1], 8)); from agent._util.atomic import atomic_write; "
+              "atomic_write(sys.argv[2], 'x')")
+    for umask, expected in (("027", 0o640), ("022", 0o644)):
+        path = str(tmp_path / ("f" + umask))
+        subprocess.run([sys.executable, "-c", script, umask, path], check=True, timeout=60)
+        assert stat.S_IMODE(os.stat(path).st_mode) == expected

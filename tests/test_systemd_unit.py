@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from agent.config.device_config import load_device_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT = os.path.join(ROOT, "systemd", "atlas-edge.service")
+TEMPLATE = os.path.join(ROOT, "systemd", "atlas-edge@.service")
 ENV_EXAMPLE = os.path.join(ROOT, "systemd", "atlas-edge.env.example")
 INSTALL = os.path.join(ROOT, "systemd", "install.sh")
 EXEC_START = "/opt/atlas-edge/venv/bin/atlas-edge"
@@ -143,6 +145,68 @@ def env_lines() -> Dict[str, str]:
     return values
 
 
+# what differs between atlas-edge@N and atlas-edge: the instance's config, state, logs, credential and NPU
+PER_INSTANCE = {"Description", "ExecStart", "WorkingDirectory", "LoadCredential", "StateDirectory",
+                "LogsDirectory", "ReadWritePaths", "DeviceAllow", "Environment"}
+
+
+def test_the_per_npu_template_is_the_unit_with_its_own_config_state_credential_and_device():
+    with open(TEMPLATE, encoding="utf-8") as handle:
+        template = directives(handle.read())
+    single = directives(unit_text())
+    assert template.keys() == single.keys()
+    for section in single:
+        assert template[section].keys() == single[section].keys(), section
+        for key, values in single[section].items():
+            if key not in PER_INSTANCE:
+                assert template[section][key] == values, key
+    service = template["Service"]
+    assert one(service, "ExecStart").endswith("run --config /etc/atlas-edge/%i/config.yaml")
+    assert one(service, "StateDirectory") == "atlas-edge/%i" and one(service, "LoadCredential") == (
+        "mqtt-password:/etc/atlas-edge/%i/mqtt-password")
+    assert "/dev/davinci%i rw" in service["DeviceAllow"] and "/dev/davinci0 rw" not in service["DeviceAllow"]
+    assert "ASCEND_RT_VISIBLE_DEVICES=%i" in service["Environment"]
+
+
+def exposure(unit: str) -> float:
+    """``systemd-analyze security --offline=yes``'s overall exposure (0 = locked down, 10 = none)."""
+    done = subprocess.run(["systemd-analyze", "security", "--offline=yes", unit], capture_output=True, text=True,
+                          timeout=60)
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", done.stdout)
+    assert found, done.stdout[-2000:] + done.stderr[-2000:]
+    return float(found.group(1))
+
+
+def _analyze_offline() -> bool:
+    if shutil.which("systemd-analyze") is None:
+        return False
+    version = subprocess.run(["systemd-analyze", "--version"], capture_output=True, text=True, timeout=30).stdout
+    found = re.match(r"systemd (\d+)", version)
+    return bool(found) and int(found.group(1)) >= 250  # --offline= arrived in systemd 250
+
+
+@pytest.mark.skipif(not _analyze_offline(), reason="needs systemd-analyze >= 250 (security --offline=yes)")
+@pytest.mark.parametrize("unit", [UNIT, TEMPLATE])
+def test_unit_exposure_is_at_most_2(unit):
+    assert exposure(unit) <= 2.0
+    service = directives(open(unit, encoding="utf-8").read())["Service"]
+    assert not [d for d in service["DeviceAllow"] if d.startswith("/dev/upgrade")]  # firmware writes: not ours
+
+
+@pytest.mark.skipif(not _analyze_offline(), reason="needs systemd-analyze >= 250 (security --offline=yes)")
+def test_exposure_sees_a_weaker_unit(tmp_path):
+    weaker = tmp_path / "atlas-edge.service"
+    weaker.write_text(re.sub(r"^(CapabilityBoundingSet|SystemCallFilter|RestrictAddressFamilies)=.*$", "",
+                             unit_text(), flags=re.M))
+    assert exposure(str(weaker)) > exposure(UNIT) + 1.0
+
+
+def test_the_ip_allow_example_denies_by_default():
+    with open(os.path.join(ROOT, "systemd", "ip-allow.conf.example"), encoding="utf-8") as handle:
+        service = directives(handle.read())["Service"]
+    assert service["IPAddressDeny"] == ["any"] and "localhost" in service["IPAddressAllow"]
+
+
 def test_env_example_has_the_cann_variables_spelled_out():
     env = env_lines()
     for key in ("ASCEND_HOME", "ASCEND_TOOLKIT_HOME", "ASCEND_OPP_PATH", "LD_LIBRARY_PATH", "PYTHONPATH"):
@@ -178,14 +242,14 @@ def test_install_dry_run_prints_every_step_and_changes_nothing():
     shipped = os.path.join(ROOT, "systemd", "atlas-edge.service")
     assert "+ install -m 0644 %s /etc/systemd/system/atlas-edge.service" % shipped in out
     assert "MemoryHigh=1920M" in out and "MemoryMax=2304M" in out  # atlas-200dk: budget 1536 x 1.25, x 1.5
-    assert out.rstrip().splitlines()[-1].strip().startswith("4. systemctl start atlas-edge")
+    assert "4. systemctl start atlas-edge" in out.split("== done. Next:")[1]
     assert "+ systemctl daemon-reload" in out
     assert {path: os.path.exists(path) for path in watched} == before
 
 
 def test_install_into_a_root_twice_is_idempotent_and_keeps_operator_files(tmp_path):
     target = tmp_path / "image"
-    first = run_install("--root", str(target), "--no-venv", "--device", "atlas-200i-dk-a2")
+    first = run_install("--root", str(target), "--no-venv", "--device", "atlas-200i-dk-a2", "--instance", "1")
     assert first.returncode == 0, first.stderr
 
     def tree() -> Dict[str, bytes]:
@@ -203,12 +267,18 @@ def test_install_into_a_root_twice_is_idempotent_and_keeps_operator_files(tmp_pa
     assert "etc/atlas-edge/atlas-edge.env 600" in installed
     with open(UNIT, "rb") as handle:
         assert installed["etc/systemd/system/atlas-edge.service 644"] == handle.read()
-    memory = installed["etc/systemd/system/atlas-edge.service.d/memory.conf 644"].decode()
-    assert "MemoryHigh=1280M" in memory and "MemoryMax=1536M" in memory  # budget 1024
+    with open(TEMPLATE, "rb") as handle:
+        assert installed["etc/systemd/system/atlas-edge@.service 644"] == handle.read()
+    for unit in ("atlas-edge.service", "atlas-edge@.service"):
+        memory = installed["etc/systemd/system/%s.d/memory.conf 644" % unit].decode()
+        assert "MemoryHigh=1280M" in memory and "MemoryMax=1536M" in memory  # budget 1024
+    assert installed["etc/atlas-edge/1/mqtt-password 600"] == b""
+    assert stat.S_IMODE(os.stat(str(target / "etc/atlas-edge")).st_mode) == 0o750  # configs may hold secrets
+    assert stat.S_IMODE(os.stat(str(target / "etc/atlas-edge/1")).st_mode) == 0o750
 
     (target / "etc/atlas-edge/atlas-edge.env").write_text("ASCEND_HOME=/opt/ascend\n")
     (target / "etc/atlas-edge/mqtt-password").write_text("s3cret\n")
-    second = run_install("--root", str(target), "--no-venv", "--device", "atlas-200i-dk-a2")
+    second = run_install("--root", str(target), "--no-venv", "--device", "atlas-200i-dk-a2", "--instance", "1")
     assert second.returncode == 0, second.stderr
     again = tree()
     assert again["etc/atlas-edge/atlas-edge.env 600"] == b"ASCEND_HOME=/opt/ascend\n"
@@ -222,6 +292,7 @@ def test_install_into_a_root_twice_is_idempotent_and_keeps_operator_files(tmp_pa
     (["--device", "atlas-9000"], "no device config"),
     (["--wheels", "/nonexistent-wheels"], "is not a directory"),
     (["--frobnicate"], "unknown option --frobnicate"),
+    (["--instance", "first"], "--instance needs an NPU number"),
 ])
 def test_install_rejects_bad_options_before_doing_anything(args, message):
     done = run_install("--dry-run", *args)

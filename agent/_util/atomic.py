@@ -6,16 +6,34 @@ then fsync the directory so the rename itself survives a power cut (without that
 
 import os
 import tempfile
-from typing import Union
+from typing import Optional, Union
 
-# What open(path, "w") gives under the usual umask 022. mkstemp makes 0600, and the rename keeps it: a bundle's
-# manifest would then be unreadable to the user that serves or copies the bundle, unlike its artifacts.
-DEFAULT_MODE = 0o644
+_umask: Optional[int] = None
 
 
-def atomic_write(path: str, data: Union[str, bytes], durable: bool = True, mode: int = DEFAULT_MODE) -> None:
-    """Replace ``path`` with ``data`` atomically, as a file of ``mode``; ``durable`` adds the two fsyncs (skip
-    them for scratch files)."""
+def default_mode() -> int:
+    """What ``open(path, "w")`` gives: 0666 less the process umask (0644 under the usual 022; 0640 under the
+    unit's UMask=0027, so an overrides file holding a stream's password is not world-readable). mkstemp makes
+    0600 and the rename keeps it: a bundle's manifest would then be unreadable to the user that serves it.
+    The umask is read from /proc (os.umask can only read it by changing it, which races other threads)."""
+    global _umask
+    if _umask is None:
+        _umask = 0o022
+        try:
+            with open("/proc/self/status", encoding="ascii") as handle:
+                for line in handle:
+                    if line.startswith("Umask:"):
+                        _umask = int(line.split()[1], 8)
+        except (OSError, ValueError):
+            pass
+    return 0o666 & ~_umask
+
+
+def atomic_write(path: str, data: Union[str, bytes], durable: bool = True, mode: Optional[int] = None) -> None:
+    """Replace ``path`` with ``data`` atomically, as a file of ``mode`` (default: as ``open`` would make it);
+    ``durable`` adds the two fsyncs (skip them for scratch files)."""
+    if mode is None:
+        mode = default_mode()
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     payload = data.encode("utf-8") if isinstance(data, str) else data
