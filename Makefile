@@ -6,7 +6,8 @@ BIN := $(VENV)/bin
 MINDSPORE_GS := mindspore-gs==1.3.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo test lint imports pycompat mosquitto rabbitmq demo-bundle bench bench-quick install-service clean lite test-lite
+.PHONY: venv demo test lint imports pycompat mosquitto rabbitmq demo-bundle bench bench-quick install-service clean lite \
+	test-lite test-wheel systemd-tools test-systemd
 
 # The Lite lane: a Python 3.7 venv with mindspore-lite 2.0.0 (PyPI's only wheel of it is for CPython 3.7), the
 # box package and the test runner. The box's oldest Python is 3.7 (CANN on the Atlas 200 DK), so the whole
@@ -70,6 +71,35 @@ test: venv mosquitto rabbitmq lint imports pycompat $(if $(PYTHON37),lite)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc
 	@if [ -n "$(PYTHON37)" ]; then $(MAKE) --no-print-directory test-lite; \
 	else echo "Lite lane skipped: no Python 3.7"; fi
+	@$(MAKE) --no-print-directory test-wheel
+	@$(MAKE) --no-print-directory test-systemd
+
+# The box as a user installs it (tests/installed/lane.sh): the wheel built from this tree, installed into a fresh
+# venv under /tmp (from a wheelhouse cached in ~/.cache/atlas-edge), the daemon run from another directory, and
+# box tests run against site-packages, never the tree. Python 3.11, and the box's 3.7 where there is one.
+test-wheel: venv mosquitto
+	@start=$$(date +%s); tests/installed/lane.sh $(PY) || exit $$?; \
+	echo "wheel lane (Python 3.11): $$(( $$(date +%s) - start )) s"
+	@if [ -n "$(PYTHON37)" ]; then start=$$(date +%s); tests/installed/lane.sh $(PYTHON37) || exit $$?; \
+	echo "wheel lane (Python 3.7): $$(( $$(date +%s) - start )) s"; else echo "wheel lane on 3.7 skipped: no Python 3.7"; fi
+
+# The shipped units and install.sh under a real systemd 252 (tests/systemd): a Debian 12 container booted with
+# systemd-nspawn, its tree cached in ~/.cache/atlas-edge. Needs root; the tools come from Debian's packages.
+SYSTEMD_LANE_TIMEOUT ?= 600
+systemd-tools:
+	@command -v systemd-nspawn >/dev/null && command -v debootstrap >/dev/null && command -v nsenter >/dev/null || \
+		($(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			systemd-container debootstrap util-linux)
+
+# SIGINT at the limit: pytest's session teardown still powers the container off (it also has its own limit).
+test-systemd: venv
+	@if [ "$$(id -u)" != 0 ]; then echo "systemd lane skipped: systemd-nspawn boots containers as root only"; \
+	elif ! command -v systemd-nspawn >/dev/null && ! command -v apt-get >/dev/null; then \
+		echo "systemd lane skipped: no systemd-nspawn, and no apt-get to install systemd-container"; \
+	else $(MAKE) --no-print-directory systemd-tools || exit $$?; start=$$(date +%s); \
+		timeout -s INT -k 60 $(SYSTEMD_LANE_TIMEOUT) $(BIN)/pytest -q -rP -p no:cacheprovider tests/systemd; \
+		rc=$$?; echo "systemd lane: $$(( $$(date +%s) - start )) s"; \
+		if [ $$rc -eq 5 ]; then echo "systemd lane collected no tests" >&2; exit 1; fi; exit $$rc; fi
 
 # The whole suite on the box's oldest Python with the real mindspore_lite; host-only tests skip themselves
 # (no MindSpore there) and tests/conftest.py does not collect quant/'s.

@@ -43,18 +43,27 @@ SLOT_EVENTS = ("switched", "confirmed", "rollback")
 
 
 def choose_backend(config: DaemonConfig, device: DeviceConfig) -> str:
-    """The configured backend, else the device's order (docs/backends.md) against the configured bundle."""
-    from agent.lifecycle.bundle import BundleError, load_manifest
-    from agent.pipeline.backends import backend_for
+    """The configured backend, else the device's order (docs/backends.md) against the configured bundle.
 
-    if config.model.backend:
-        return config.model.backend
-    manifest = None
-    try:
-        manifest = load_manifest(config.model.bundle)
-    except (BundleError, OSError) as exc:  # start-up reports the bundle itself; choose by runtimes alone
-        log.info("choosing the backend without the bundle's formats: %s", exc)
-    return backend_for(device, manifest)
+    A backend whose runtime does not import here is refused at once (BackendUnavailable: exit 78), naming the
+    runtime and where it comes from, before the bundle is judged against it: that is the problem to fix.
+    """
+    from agent.lifecycle.bundle import BundleError, load_manifest
+    from agent.pipeline.backends import BackendUnavailable, backend_for, backend_status
+
+    chosen = config.model.backend
+    if not chosen:
+        manifest = None
+        try:
+            manifest = load_manifest(config.model.bundle)
+        except (BundleError, OSError) as exc:  # start-up reports the bundle itself; choose by runtimes alone
+            log.info("choosing the backend without the bundle's formats: %s", exc)
+        chosen = backend_for(device, manifest)
+    problem = backend_status().get(chosen, "ok")
+    if problem != "ok":
+        raise BackendUnavailable("backend %s (device %s) cannot run on this machine: %s" % (
+            chosen, device.name, problem))
+    return chosen
 
 
 class Daemon:

@@ -26,6 +26,19 @@ WAIT_S = 20.0  # bound on every wait for a broker round trip; generous for a loa
 HOST_ONLY_TESTS = ["test_quant_*.py"]
 HAS_MINDSPORE = importlib.util.find_spec("mindspore") is not None
 collect_ignore_glob = [] if HAS_MINDSPORE else list(HOST_ONLY_TESTS)
+# Lanes with a make target of their own (they boot a container, or need the package installed from its wheel):
+# collected only when a path inside them is named on the command line, not by a plain `pytest`.
+OWN_LANES = ("systemd", "installed")
+
+
+def pytest_ignore_collect(collection_path: "os.PathLike[str]", config: pytest.Config) -> Optional[bool]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.abspath(str(collection_path))
+    lane = next((os.path.join(here, name) for name in OWN_LANES if path == os.path.join(here, name)), None)
+    if lane is None:
+        return None
+    named = [os.path.abspath(str(arg).split("::")[0]) for arg in config.args]
+    return not any(arg == lane or arg.startswith(lane + os.sep) for arg in named)
 
 
 @pytest.fixture(autouse=True)

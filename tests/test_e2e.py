@@ -5,6 +5,7 @@ presence is retained online and turns offline through the last will when the pro
 loses nothing; a bad bundle is refused with its reason.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -197,9 +198,15 @@ def test_bundle_for_another_soc_is_refused_naming_both(tmp_path, mosquitto):
         if art["file"] not in keep:
             os.remove(bundle / art["file"])
     write_manifest(str(bundle), manifest)
-    code, output = run_to_exit(write_config(tmp_path, mosquitto, tmp_path, bundle=bundle, device="atlas-200dk"))
-    assert code != 0
+    # what the box checks before loading, and run without pyACL (this machine): the runtime is named first
+    verify = subprocess.run([sys.executable, "-m", "agent", "bundle", "verify", str(bundle), "--device",
+                             "atlas-200dk"], capture_output=True, text=True, timeout=120)
+    assert verify.returncode != 0
+    output = verify.stdout + verify.stderr
     assert "Ascend310P3" in output and "Ascend310" in output.replace("Ascend310P3", "")
+    if importlib.util.find_spec("acl") is None:
+        code, output = run_to_exit(write_config(tmp_path, mosquitto, tmp_path, bundle=bundle, device="atlas-200dk"))
+        assert code == 78 and "backend acl (device atlas-200dk) cannot run on this machine" in output
 
 
 def test_unknown_config_key_is_refused_before_start(tmp_path, mosquitto):

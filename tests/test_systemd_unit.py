@@ -74,7 +74,7 @@ def test_service_directives():
         "ReadWritePaths": "/var/lib/atlas-edge", "StateDirectory": "atlas-edge",
         "EnvironmentFile": "-/etc/atlas-edge/atlas-edge.env",
         "LoadCredential": "mqtt-password:/etc/atlas-edge/mqtt-password",
-        "ExecReload": "/bin/kill -HUP $MAINPID",
+        "ExecReload": "/bin/sh -c 'kill -HUP $MAINPID'",
         "ExecStart": EXEC_START + " run --config /etc/atlas-edge/config.yaml",
         "DevicePolicy": "closed",
     }
