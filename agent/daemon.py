@@ -48,7 +48,7 @@ def choose_backend(config: DaemonConfig, device: DeviceConfig) -> str:
     A backend whose runtime does not import here is refused at once (BackendUnavailable: exit 78), naming the
     runtime and where it comes from, before the bundle is judged against it: that is the problem to fix.
     """
-    from agent.lifecycle.bundle import BundleError, load_manifest
+    from agent.bundle.manifest import BundleError, load_manifest
     from agent.pipeline.backends import BackendUnavailable, backend_for, backend_status
 
     chosen = config.model.backend

@@ -83,8 +83,8 @@ class _Counter:
 
 
 def run(context: RunContext) -> Dict[str, Any]:
+    from agent.bundle.verify import sha256_file
     from agent.devtools.broker import EmbeddedBroker
-    from agent.lifecycle.bundle import sha256_file
     from benchmarks.fleet_sim import BundleServer, SimulatedFleet, build_bundles
 
     root = os.path.join(context.work_dir, "fleet")

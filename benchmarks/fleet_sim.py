@@ -29,9 +29,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from agent.bundle.manifest import MANIFEST
+from agent.bundle.verify import sha256_file, write_manifest
 from agent.config.daemon_config import parse_daemon_config
 from agent.daemon import Daemon
-from agent.lifecycle.bundle import MANIFEST, sha256_file, write_manifest
 from agent.pipeline import backends
 from agent.pipeline.backends.opencv_backend import OpenCvBackend
 from agent.pipeline.sources import Frame

@@ -43,13 +43,13 @@ def delegated(context: Any) -> bool:
 
 def converted_bundle(bundle_dir: str, work_dir: str, python: str) -> str:
     """A copy of ``bundle_dir`` with a ``.ms`` per tier (unchanged when it already has them)."""
-    from agent.lifecycle.bundle import load_manifest
+    from agent.bundle.manifest import load_manifest
 
     if any(a.format == "ms" and a.target == "cpu" for a in load_manifest(bundle_dir).artifacts):
         return bundle_dir
     if bundle_dir in _CONVERTED:
         return _CONVERTED[bundle_dir]
-    from agent.cli.demo import copy_writable
+    from agent.bundle.verify import copy_writable
     from converters import cli as convert_cli
     from converters import toolrun
 

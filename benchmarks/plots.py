@@ -4,7 +4,7 @@ import logging
 import os
 from typing import Any, Callable, Dict, List
 
-from benchmarks.report import format_value
+from benchmarks.formatting import format_value
 
 log = logging.getLogger(__name__)
 

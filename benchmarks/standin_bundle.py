@@ -60,8 +60,8 @@ def build_standin_bundle(root: str) -> str:
     """Export the stand-in detector into a new bundle directory ``root`` and return it."""
     import mindspore as ms
 
+    from agent.bundle.verify import write_manifest
     from agent.devtools.scenes import generate_scene
-    from agent.lifecycle.bundle import write_manifest
     from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
 
     os.makedirs(os.path.join(root, "golden"), exist_ok=True)

@@ -52,7 +52,7 @@ def camera_frames(count: int, hw: Tuple[int, int] = CAMERA_HW, seed: int = FRAME
 
 
 def load_bundle(bundle_dir: str) -> Any:
-    from agent.lifecycle.bundle import verify_bundle
+    from agent.bundle.verify import verify_bundle
 
     return verify_bundle(bundle_dir)
 

@@ -140,9 +140,9 @@ class ConvertPlan:
 # --- planning -----------------------------------------------------------------------------------------------
 
 def _load_inputs(request: ConvertRequest, errors: List[str]) -> Tuple[Any, Any]:
+    from agent.bundle.manifest import BundleError, load_manifest
     from agent.config.device_config import load_device_config
     from agent.config.schema import ConfigError
-    from agent.lifecycle.bundle import BundleError, load_manifest
 
     manifest = device = None
     try:
@@ -422,10 +422,10 @@ def plan_conversion(request: ConvertRequest, mindir_limit: Optional[MindIrLimit]
 # --- execution ----------------------------------------------------------------------------------------------
 
 def bundle_accepts_input_color(value: str) -> bool:
-    """Whether agent/lifecycle/bundle.py's artifact schema takes ``input_color: value`` (yuv420sp needs a change)."""
+    """Whether agent/bundle/manifest.py's artifact schema takes ``input_color: value`` (yuv420sp needs a change)."""
     import dataclasses
 
-    from agent.lifecycle.bundle import Artifact
+    from agent.bundle.manifest import Artifact
 
     for f in dataclasses.fields(Artifact):
         if f.name == "input_color":
@@ -551,7 +551,8 @@ def _share_golden(golden: Optional[Dict[str, Any]], jobs: List[Job]) -> None:
 
 def _commit(plan: ConvertPlan, work: str, toolchain: Dict[str, str]) -> List[Dict[str, Any]]:
     """Copy outputs, configs and logs into the bundle and rewrite the manifest; all or nothing."""
-    from agent.lifecycle.bundle import MANIFEST, write_manifest
+    from agent.bundle.manifest import MANIFEST
+    from agent.bundle.verify import write_manifest
 
     with open(os.path.join(plan.bundle, MANIFEST), encoding="utf-8") as handle:
         manifest = json.load(handle)  # the raw dict: other entries are written back exactly as they were
@@ -587,7 +588,7 @@ def execute(plan: ConvertPlan, env: Mapping[str, str], timeout_s: float,
     ConvertError for what the bundle schema cannot hold; the bundle is unchanged in every failing case.
     """
     if plan.input_format and not bundle_accepts_input_color(plan.input_format):
-        raise ConvertError(["--input-format %s: the bundle schema (agent/lifecycle/bundle.py Artifact.input_color) "
+        raise ConvertError(["--input-format %s: the bundle schema (agent/bundle/manifest.py Artifact.input_color) "
                             "does not accept %r yet, so the artifact could not be recorded; --dry-run prints "
                             "the commands" % (plan.input_format, plan.input_format)])
     located = toolrun.locate(plan.tool, env)

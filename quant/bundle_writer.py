@@ -6,7 +6,7 @@
   every runnable batch-1 artifact of that tier, produced by the runtime that consumes the artifact (cv2.dnn
   for ONNX, ``mindspore.load`` + ``nn.GraphCell`` for MindIR) after the box's own preprocessing. A box replays
   these to prove its preprocessing and runtime give the same numbers.
-* The manifest, through :func:`agent.lifecycle.bundle.write_manifest`, which hashes every file; it must come last.
+* The manifest, through :func:`agent.bundle.verify.write_manifest`, which hashes every file; it must come last.
 """
 
 import dataclasses
@@ -150,7 +150,7 @@ def write_manifest_for(
 
     ``source`` records where an imported model came from (``bundle create``); trained bundles have none.
     """
-    from agent.lifecycle.bundle import write_manifest
+    from agent.bundle.verify import write_manifest
 
     manifest = {
         "schema": 1,

@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from agent.bundle.manifest import Postprocessing, Preprocessing  # the manifest's own schema: one definition
 from agent.config.schema import load_yaml, setting
-from agent.lifecycle.bundle import Postprocessing, Preprocessing  # the manifest's own schema: one definition
 
 TASKS = ("classify", "detect-yolov8")
 DATA_KINDS = ("digits", "shapes", "imagefolder", "yolo")

@@ -9,7 +9,7 @@ Order matters in three places:
   ``apply()`` of the same network loaded from the QAT checkpoint (``convert(net, ckpt_path)``), because
   MindSpore caches the compiled export graph per network object and would otherwise export the stale graph
   (the "Parameter that wasn't created in nn.Cell" error, naming a quantizer's min/max).
-* The manifest is written last, by :func:`agent.lifecycle.bundle.write_manifest`, which hashes every file on disk.
+* The manifest is written last, by :func:`agent.bundle.verify.write_manifest`, which hashes every file on disk.
 """
 
 import dataclasses

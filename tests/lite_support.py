@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import Dict, Optional, Tuple
 
-from agent.cli.demo import copy_writable
+from agent.bundle.verify import copy_writable
 from converters import toolrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -584,7 +584,7 @@ def lite_ms(lite_bundle: str) -> str:
 
 
 def _detections(bundle: str, backend: str, images: List[np.ndarray]) -> List[np.ndarray]:
-    from agent.lifecycle.bundle import verify_bundle
+    from agent.bundle.verify import verify_bundle
     from agent.pipeline.model import load_model
 
     model = load_model(verify_bundle(bundle), load_device_config("cpu-dev"), backend)
@@ -612,7 +612,7 @@ def test_mslite_real_matches_opencv_on_the_same_onnx_within_box_and_score_tolera
 
 @needs_mslite
 def test_mslite_real_reproduces_the_bundles_golden_set(lite_bundle: str) -> None:
-    from agent.lifecycle.bundle import verify_bundle
+    from agent.bundle.verify import verify_bundle
     from agent.pipeline.model import LoadedModel
 
     bundle = verify_bundle(lite_bundle)

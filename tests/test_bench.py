@@ -220,7 +220,8 @@ def test_straightforward_preprocess_matches_the_agent_on_a_720p_frame():
 
 def demo_like_bundle():
     """A parsed manifest shaped like the demo bundle's (no files: only the artifact table is read)."""
-    from agent.lifecycle.bundle import Bundle, parse_manifest
+    from agent.bundle.manifest import parse_manifest
+    from agent.bundle.verify import Bundle
 
     def art(file, fmt, tier, batch, role="serve"):
         return {"file": file, "format": fmt, "target": "cpu", "tier": list(tier), "batch": batch,

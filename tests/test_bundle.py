@@ -1,4 +1,4 @@
-"""agent/lifecycle/bundle.py and `atlas-edge bundle`: every refusal names its field or file, and nothing bad passes.
+"""agent/bundle/ and `atlas-edge bundle`: every refusal names its field or file, and nothing bad passes.
 
 The bundles here hold stand-in artifact bytes (the verifier hashes files, it does not run them); loading and
 golden checks with real backends are covered in test_model_manager.py.
@@ -17,21 +17,13 @@ import tarfile
 import numpy as np
 import pytest
 
+from agent.bundle.manifest import MANIFEST, SIGNATURE, BundleError
+from agent.bundle.signing import load_public_key, sign_bundle
+from agent.bundle.verify import sha256_file, verify_bundle, write_manifest
 from agent.cli import bundle as bundle_cli
 from agent.config.device_config import load_device_config
-from agent.lifecycle.bundle import (
-    MANIFEST,
-    SIGNATURE,
-    BundleError,
-    load_public_key,
-    pick_tier,
-    select_artifacts,
-    sha256_file,
-    sign_bundle,
-    verify_bundle,
-    write_manifest,
-)
 from agent.lifecycle.fetch import unpack_archive
+from agent.pipeline.artifacts import pick_tier, select_artifacts
 from tests.needs import needs_cryptography
 
 

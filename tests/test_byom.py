@@ -20,9 +20,9 @@ import pytest
 pytest.importorskip("mindspore")
 onnx = pytest.importorskip("onnx")
 
+from agent.bundle.verify import verify_bundle  # noqa: E402
 from agent.cli.main import main as cli_main  # noqa: E402
 from agent.config.device_config import load_device_config  # noqa: E402
-from agent.lifecycle.bundle import verify_bundle  # noqa: E402
 from agent.pipeline.model import load_model  # noqa: E402
 from quant.byom import CreateError, read_labels_file  # noqa: E402
 
@@ -212,7 +212,7 @@ def test_dfl_conv_after_a_softmax_keeps_its_values_and_the_tensors_others_read()
 LITE_SERVE = """
 import json, sys, cv2
 from agent.config.device_config import load_device_config
-from agent.lifecycle.bundle import verify_bundle
+from agent.bundle.verify import verify_bundle
 from agent.pipeline.model import load_model
 model = load_model(verify_bundle(sys.argv[1]), load_device_config("cpu-dev"), "mslite")
 t = json.loads(sys.argv[2])

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from agent.lifecycle.bundle import verify_bundle, write_manifest
+from agent.bundle.verify import verify_bundle, write_manifest
 from converters import cli, toolrun
 from converters.convert import (
     DEFAULT_TIMEOUT_S,
@@ -278,7 +278,7 @@ def test_yuv420sp_run_is_recorded_or_refused_per_bundle_schema(bundle, tmp_path,
         assert status == cli.EXIT_OK
         added = [a for a in manifest_of(bundle)["artifacts"] if a["format"] == "om"]
         assert {a["input_color"] for a in added} == {"yuv420sp"}
-    else:  # agent/lifecycle/bundle.py's Artifact.input_color is rgb|bgr: refuse before running, bundle unchanged
+    else:  # agent/bundle/manifest.py's Artifact.input_color is rgb|bgr: refuse before running, bundle unchanged
         assert status == cli.EXIT_BAD_INPUT
         assert "input_color" in capsys.readouterr().err
         assert tree(bundle) == before and calls(tmp_path) == []
@@ -361,7 +361,7 @@ def test_failure_while_writing_the_manifest_restores_every_byte(bundle, tmp_path
             handle.write("{half a manifest")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("agent.lifecycle.bundle.write_manifest", broken_write_manifest)
+    monkeypatch.setattr("agent.bundle.verify.write_manifest", broken_write_manifest)
     plan = plan_conversion(ConvertRequest(bundle=bundle, device="atlas-200dk", to="om"))
     with pytest.raises(OSError):
         execute(plan, dict(env, ATLAS_EDGE_STANDIN_RECORD=str(tmp_path / "second.jsonl")), STANDIN_TIMEOUT_S,

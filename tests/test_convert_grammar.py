@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.bundle.verify import write_manifest
 from agent.config.device_config import known_devices, load_device_config
-from agent.lifecycle.bundle import write_manifest
 from converters import grammar
 from converters.convert import ConvertError, ConvertRequest, plan_conversion
 

@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from agent.lifecycle.bundle import load_manifest, verify_bundle, write_manifest
+from agent.bundle.manifest import load_manifest
+from agent.bundle.verify import verify_bundle, write_manifest
 from converters import cli, mindir, toolrun
 from tests import lite_support
 from tests.lite_support import DEMO_BUNDLE, convert_args, copy_demo, lite_env

@@ -39,14 +39,14 @@ def wait_status(broker, deadline_s=90):
 
 def new_version(tmp_path, store, version):
     """A copy of the demo bundle with another version, placed in the store's incoming/ area."""
-    from agent.lifecycle.bundle import write_manifest
+    from agent.bundle.verify import write_manifest
 
     target = os.path.join(store, "incoming", "shapes-%s" % version)
     shutil.copytree(DEMO_BUNDLE, target)
     manifest = json.load(open(os.path.join(target, "manifest.json")))
     manifest["version"] = version
     write_manifest(target, manifest)
-    from agent.lifecycle.bundle import sha256_file
+    from agent.bundle.verify import sha256_file
 
     return "incoming/shapes-%s" % version, sha256_file(os.path.join(target, "manifest.json"))
 

@@ -183,7 +183,7 @@ def test_bundle_with_wrong_hash_is_refused_naming_the_file(tmp_path, mosquitto):
 
 
 def test_bundle_for_another_soc_is_refused_naming_both(tmp_path, mosquitto):
-    from agent.lifecycle.bundle import write_manifest
+    from agent.bundle.verify import write_manifest
 
     bundle = copy_bundle(tmp_path)
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -243,9 +243,9 @@ def test_corrupt_frame_is_counted_and_serving_goes_on(tmp_path, mosquitto):
 
 def test_detections_numeric_sanity_on_demo_model():
     """The demo model's boxes are finite and inside the image (guards against a mis-mapped letterbox)."""
+    from agent.bundle.verify import verify_bundle
     from agent.config.device_config import load_device_config
     from agent.devtools.scenes import generate_scene
-    from agent.lifecycle.bundle import verify_bundle
     from agent.pipeline.model import load_model
 
     model = load_model(verify_bundle(DEMO_BUNDLE), load_device_config("cpu-dev"), "opencv")

@@ -16,9 +16,11 @@ import time
 
 import pytest
 
+from agent.bundle.manifest import MANIFEST, BundleError
+from agent.bundle.signing import sign_bundle
+from agent.bundle.verify import sha256_file
 from agent.config.schema import ConfigError
 from agent.errors import CommandError
-from agent.lifecycle.bundle import MANIFEST, BundleError, sha256_file, sign_bundle
 from agent.lifecycle.fetch import FetchError, download, fetch_bundle
 from agent.lifecycle.fetch_policy import FetchPolicy
 from agent.lifecycle.store import STAGING_DIR

@@ -16,6 +16,7 @@ import threading
 
 import pytest
 
+from agent.bundle.verify import sha256_file
 from agent.cli import fleet as fleet_cli
 from agent.cli.ctl import EXIT_OK, EXIT_USAGE
 from agent.devtools.broker import EmbeddedBroker
@@ -39,7 +40,6 @@ from agent.fleet.plan import (
 from agent.fleet.report import EXIT_ABORTED, EXIT_PARTIAL
 from agent.fleet.rollout import Rollout
 from agent.fleet.status import FleetView, render_table
-from agent.lifecycle.bundle import sha256_file
 from agent.protocol.messages import FAILED, REQUEST_ID_RE, SUCCEEDED
 from benchmarks.fleet_sim import GOLDEN, SLOW, BundleServer, SimulatedFleet, build_bundles, slot_summary
 from tests.conftest import REPO_ROOT, wait_for

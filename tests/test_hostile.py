@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from agent.bundle.verify import sha256_file
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
-from agent.lifecycle.bundle import sha256_file
 from tests.conftest import MqttProbe, wait_for
 from tests.test_e2e import SIZES, start_daemon, write_config
 from tests.test_fetch import (

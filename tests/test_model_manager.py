@@ -24,12 +24,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from agent.bundle.manifest import MANIFEST, BundleError
+from agent.bundle.signing import sign_bundle
+from agent.bundle.verify import sha256_file, write_manifest
 from agent.cli.bundle import make_key_pair
 from agent.config.daemon_config import parse_daemon_config
 from agent.config.device_config import load_device_config
 from agent.config.schema import ConfigError, parse
 from agent.errors import CommandError
-from agent.lifecycle.bundle import MANIFEST, BundleError, sha256_file, sign_bundle, write_manifest
 from agent.lifecycle.fetch import FetchError
 from agent.lifecycle.model_manager import ModelManager, release_key
 from agent.lifecycle.probation import Window

@@ -16,7 +16,7 @@ import pytest
 ms = pytest.importorskip("mindspore")
 pytest.importorskip("mindspore_gs")
 
-from agent.lifecycle.bundle import verify_bundle  # noqa: E402
+from agent.bundle.verify import verify_bundle  # noqa: E402
 from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec  # noqa: E402
 from quant.config import load_config  # noqa: E402
 from quant.export import read_fake_quant_params, run_mindir, run_onnx_opencv  # noqa: E402

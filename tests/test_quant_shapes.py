@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from agent.lifecycle.bundle import verify_bundle
+from agent.bundle.verify import verify_bundle
 from agent.pipeline.postprocess import decode_yolov8
 from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, scale_boxes
 

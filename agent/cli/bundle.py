@@ -4,8 +4,8 @@ and sign it for boxes that ask.
 ``create`` is a host command (its logic is :mod:`quant.byom`, which needs the ``host`` extra: MindSpore, onnx); it
 is imported only when ``create`` runs, so the box's ``verify`` never loads host code.
 
-``verify`` runs exactly the box's checks (:func:`agent.lifecycle.bundle.verify_bundle`, then, with ``--device``,
-:func:`agent.lifecycle.bundle.select_artifacts`, and with ``--run-golden`` the load + warm-up + golden self-test of
+``verify`` runs exactly the box's checks (:func:`agent.bundle.verify.verify_bundle`, then, with ``--device``,
+:func:`agent.pipeline.artifacts.select_artifacts`, and with ``--run-golden`` the load + warm-up + golden self-test of
 :func:`agent.pipeline.model.load_model`), so a bundle that passes here is refused on a box only for a reason the box
 alone can see (its runtime, its memory). ``keygen`` and ``sign`` need the ``cryptography`` package (the
 ``edge`` extra); ``verify`` needs it only for a signed bundle with ``--public-key``.
@@ -20,17 +20,12 @@ import sys
 import tempfile
 from typing import Any, Optional, Tuple
 
+from agent.bundle.manifest import BundleError, Preprocessing
+from agent.bundle.signing import load_public_key, sign_bundle
+from agent.bundle.verify import Bundle, verify_bundle
 from agent.config.schema import ConfigError
-from agent.lifecycle.bundle import (
-    Bundle,
-    BundleError,
-    Preprocessing,
-    load_public_key,
-    select_artifacts,
-    sign_bundle,
-    verify_bundle,
-)
 from agent.lifecycle.fetch import ARCHIVE_SUFFIXES, unpack_archive
+from agent.pipeline.artifacts import select_artifacts
 from agent.pipeline.postprocess import TASKS
 from agent.pipeline.preprocess import COLOR_ORDERS
 
@@ -290,9 +285,9 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def make_key_pair() -> Tuple[bytes, bytes, str]:
     """(private PEM, public PEM, public hex) of a fresh Ed25519 key."""
-    from agent.lifecycle.bundle import _crypto
+    from agent.bundle.signing import crypto
 
-    ed25519, serialization = _crypto()
+    ed25519, serialization = crypto()
     key = ed25519.Ed25519PrivateKey.generate()
     private_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                     serialization.NoEncryption())

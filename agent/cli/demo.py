@@ -153,19 +153,11 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def copy_writable(source: str, destination: str) -> str:
-    """A copy of a bundle folder whose files can be replaced (MindSpore writes its exports read-only)."""
-    shutil.copytree(source, destination)
-    for dirpath, _dirs, names in os.walk(destination):
-        for name in names:
-            os.chmod(os.path.join(dirpath, name), 0o644)
-    return destination
-
-
 def _with_lite_artifacts(bundle: str, work: str) -> str:
     """``bundle`` when it has a CPU ``.ms``, else a copy in ``work`` converted by ``atlas-edge convert --to ms``
     (MindSpore Lite's converter in this interpreter, or as converters/toolrun.py finds it)."""
-    from agent.lifecycle.bundle import load_manifest
+    from agent.bundle.manifest import load_manifest
+    from agent.bundle.verify import copy_writable
 
     if any(a.format == "ms" and a.target == "cpu" for a in load_manifest(bundle).artifacts):
         return bundle

@@ -1,5 +1,6 @@
-"""A model's life on the box: bundle schema and verification, fetch and unpack, A/B slots, the bundle store,
-the probation window, start-up recovery and the model manager that hot-swaps between batches.
+"""A model's life on the box: fetch and unpack, A/B slots, the bundle store, the probation window, start-up
+recovery and the model manager that hot-swaps between batches. The bundle format itself is :mod:`agent.bundle`.
 
-May import ``pipeline``, ``config``, ``_util`` and ``errors``; never ``ops``, ``health``, ``cli`` or ``devtools``.
+May import ``pipeline`` and the layers below it (``bundle``, ``protocol``, ``config``, ``_util``, ``errors``);
+never its siblings ``ops``, ``health``, ``devtools``. Layers: docs/architecture.md.
 """

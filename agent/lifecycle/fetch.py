@@ -30,9 +30,10 @@ import urllib.error
 import urllib.parse
 from typing import Optional
 
+from agent.bundle.manifest import MANIFEST, BundleError
+from agent.bundle.verify import sha256_file
 from agent.config.schema import FieldError
 from agent.errors import CommandError
-from agent.lifecycle.bundle import MANIFEST, BundleError, sha256_file
 from agent.lifecycle.fetch_policy import FetchPolicy, Refused
 from agent.lifecycle.unpack import DEFAULT_MAX_BYTES, Budget, Check, unpack_archive
 

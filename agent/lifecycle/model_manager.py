@@ -37,19 +37,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from agent.bundle.manifest import MANIFEST, Manifest
+from agent.bundle.signing import load_public_key
+from agent.bundle.verify import Bundle, sha256_file, verify_bundle
 from agent.config.daemon_config import DaemonConfig, ThresholdsConfig
 from agent.config.device_config import DeviceConfig
 from agent.config.schema import ConfigError, FieldError
 from agent.errors import CommandError
-from agent.lifecycle.bundle import (
-    MANIFEST,
-    Bundle,
-    Manifest,
-    load_public_key,
-    select_artifacts,
-    sha256_file,
-    verify_bundle,
-)
 from agent.lifecycle.fetch import fetch_bundle, redact
 from agent.lifecycle.fetch_policy import FetchPolicy
 from agent.lifecycle.probation import CONFIRM, ROLLBACK, Probation
@@ -70,6 +64,7 @@ from agent.lifecycle.slots import (
 )
 from agent.lifecycle.store import BundleStore
 from agent.lifecycle.unpack import Pin, check_manifest_pin
+from agent.pipeline.artifacts import select_artifacts
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
 from agent.pipeline.model import LoadedModel, load_model
 from agent.protocol.requests import DeployRequest

@@ -13,8 +13,9 @@ from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from agent._util.quarantine import move_aside
+from agent.bundle.manifest import SIGNATURE, BundleError
+from agent.bundle.verify import Bundle, verify_bundle
 from agent.config.schema import FieldError
-from agent.lifecycle.bundle import SIGNATURE, Bundle, BundleError, verify_bundle
 from agent.lifecycle.fetch import copy_local
 from agent.lifecycle.slots import (
     CONFIRMED,

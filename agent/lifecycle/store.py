@@ -21,8 +21,9 @@ import time
 from typing import Callable, Iterable, Iterator, List, Optional, Set
 
 from agent._util.quarantine import move_aside
+from agent.bundle.manifest import MANIFEST, BundleError
+from agent.bundle.verify import Bundle, verify_bundle
 from agent.config.schema import FieldError
-from agent.lifecycle.bundle import MANIFEST, Bundle, BundleError, verify_bundle
 from agent.lifecycle.slots import Slot
 
 log = logging.getLogger(__name__)

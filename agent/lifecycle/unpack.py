@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 from agent._util.disk import RESERVE_BYTES, free_bytes
+from agent.bundle.manifest import MANIFEST, SIGNATURE, BundleError, parse_manifest
+from agent.bundle.signing import signature_matches
 from agent.config.schema import FieldError
 from agent.errors import CommandError
-from agent.lifecycle.bundle import MANIFEST, SIGNATURE, BundleError, parse_manifest, signature_matches
 from agent.lifecycle.tar import DIRECTORY, FILE, Member, Reader, TarError, hash_data, members
 
 # A bundle is a few MB to a few hundred MB (several tiers of .om/.ms plus golden files); 1 GiB stops a wrong

@@ -13,9 +13,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from agent.bundle.manifest import Artifact, BundleError, Tier
+from agent.bundle.verify import Bundle
 from agent.config.device_config import DeviceConfig
 from agent.config.schema import FieldError
-from agent.lifecycle.bundle import Artifact, Bundle, BundleError, Tier, pick_tier, select_artifacts
+from agent.pipeline.artifacts import pick_tier, select_artifacts
 from agent.pipeline.backends import create_backend
 from agent.pipeline.backends.base import Backend, BackendOptions, TensorSpec
 from agent.pipeline.postprocess import decode

@@ -14,9 +14,9 @@ from typing import Any, List, Mapping, Tuple, Union
 import cv2
 import numpy as np
 
+from agent.bundle.manifest import TASKS  # the manifest's task values: one decoder each here
 from agent.pipeline.preprocess import is_int
 
-TASKS = ("classify", "detect-yolov5", "detect-yolov8")  # the manifest's task values: one decoder each
 DETECTION_COLUMNS = 6  # x1, y1, x2, y2, score, class_id
 YOLOV8_BOX_CHANNELS = 4  # cx, cy, w, h, then one score per class
 YOLOV5_LEADING_CHANNELS = 5  # cx, cy, w, h, objectness, then one probability per class

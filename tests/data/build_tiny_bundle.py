@@ -15,7 +15,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for agent.*
 
-from agent.lifecycle.bundle import write_manifest  # noqa: E402
+from agent.bundle.verify import write_manifest  # noqa: E402
 
 BUNDLE_DIR = os.path.join(HERE, "tiny-classify")
 TIER = 32
