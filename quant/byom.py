@@ -27,10 +27,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from agent.bundle.manifest import TASKS as MANIFEST_TASKS
 from agent.bundle.manifest import Postprocessing, Preprocessing
 from agent.bundle.verify import sha256_file
 from agent.config.schema import ConfigError, parse, to_dict
-from agent.pipeline.postprocess import TASKS as MANIFEST_TASKS
 from agent.pipeline.postprocess import YOLOV5_LEADING_CHANNELS, YOLOV8_BOX_CHANNELS
 from agent.pipeline.preprocess import PreprocessSpec, letterbox
 from quant.bundle_writer import ArtifactPlan, write_calibration, write_golden, write_manifest_for

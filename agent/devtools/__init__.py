@@ -1,4 +1,5 @@
 """Tools for demos, tests and benchmarks, not for serving: the embedded Mosquitto and the synthetic scenes.
 
-May import ``config``, ``_util`` and ``errors``; nothing in ``pipeline``, ``lifecycle`` or ``ops`` imports it.
+May import ``pipeline`` and the layers below it; never its siblings ``lifecycle``, ``ops``, ``health`` (and they
+never import it). Layers: docs/architecture.md.
 """

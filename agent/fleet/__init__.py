@@ -5,7 +5,7 @@ plans canary and waves, sends ``deploy`` with request ids derived from the rollo
 box by the slot states in its retained status, aborts on a failure threshold, optionally rolls moved boxes
 back, and keeps its progress in a local state file so that a re-run continues where it stopped.
 
-Topics and the protocol's names come from :mod:`agent.protocol`. May import ``protocol``, ``config``,
-``_util`` and ``errors``; never ``ops``, ``commands``, ``pipeline``, ``lifecycle``, ``health``, ``devtools`` or
-``cli`` (the CLI builds the MQTT client and hands it in).
+Topics, acks and statuses are built and read by :mod:`agent.protocol`. May import ``protocol``, ``config``,
+``_util`` and ``errors``; never ``commands``, ``ops``, ``pipeline``, ``bundle``, ``lifecycle``, ``health``,
+``devtools`` or ``cli`` (the CLI builds the MQTT client and hands it in). Layers: docs/architecture.md.
 """

@@ -1,6 +1,6 @@
 """The frame path: sources → letterbox → batcher → backend → decode → result payloads, plus stage stats, the
 serving loop (``serving``) and the between-batches handover (``handover``), the one way into that loop.
 
-May import ``config``, ``lifecycle`` (a bundle's manifest), ``_util`` and ``errors``; never ``ops``, ``health``,
-``cli`` or ``devtools``: the loop reaches them through the Protocols in ``serving``.
+May import ``bundle``, ``protocol``, ``config``, ``_util`` and ``errors``; never ``lifecycle``, ``ops``, ``health``,
+``devtools`` or above: the loop reaches them through the Protocols in ``serving``. Layers: docs/architecture.md.
 """
