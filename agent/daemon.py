@@ -107,7 +107,7 @@ class Daemon:
                                        extra_subscriptions=[HA_STATUS_TOPIC] if discovery else [],
                                        on_connected=self._publish_discovery if discovery else None,
                                        on_alert=self._publish_alert)
-        self.models = ModelManager(cfg, self.device, self.backend, on_event=self._publish_event,
+        self.models = ModelManager(lambda: self.config, self.device, self.backend, on_event=self._publish_event,
                                    handover=self.handover, on_phase=self._start_step)
         self.notifier = SystemdNotifier()
         self.progress = ProgressMonitor(cfg.watchdog.inference_deadline_s)
@@ -215,7 +215,7 @@ class Daemon:
         old = self.config
         self.config = new
         self.loop.configure(new.batching.max_batch, new.batching.max_wait_ms, new.publish)
-        self.models.set_thresholds(new.thresholds)  # the serving model, the kept confirmed one, later deploys
+        self.models.apply_thresholds()  # the serving model and the kept confirmed one; later loads read the config
         if new.sources != old.sources:
             self.loop.sources.stop(timeout=1.0)
             self.loop.sources = SourceSet(list(new.sources), self.loop.frames)

@@ -94,6 +94,35 @@ def test_ctl_status_config_and_deploy_against_the_daemon(tmp_path, mosquitto):
         results.close()
 
 
+def _status(broker):
+    return json.loads(ctl(broker, "status").stdout.strip().splitlines()[-1])["result"]
+
+
+def test_set_config_batching_reaches_the_next_deploy(tmp_path, mosquitto):
+    """The daemon owns the live config and the model manager reads it through the daemon: after set-config
+    changes ``batching.max_batch``, the next deploy loads the artifacts built for the new batch."""
+    frames = tmp_path / "frames"
+    write_sample_frames(str(frames), sizes_hw=SIZES[:2], seed=5)
+    config = write_config(tmp_path, mosquitto, frames, loop=True,
+                          model={"bundle": DEMO_BUNDLE, "observation_s": 0, "backend": "opencv"})
+    proc = start_daemon(config)
+    try:
+        wait_status(mosquitto)
+        # max_batch 2 at start: the demo bundle has no batch-2 ONNX, so the smallest batch (1) serves
+        assert _status(mosquitto)["model"]["artifacts"]["256x256"] == "model_256x256.onnx"
+        changed = ctl(mosquitto, "set-config", "--json", '{"config": {"batching": {"max_batch": 4}}}')
+        assert changed.returncode == 0, changed.stdout + changed.stderr
+        source, sha = new_version(tmp_path, str(tmp_path / "state" / "bundles"), "1.1.0")
+        deployed = ctl(mosquitto, "deploy", "--json", json.dumps({"bundle": source, "sha256": sha}), "--timeout",
+                       "120", timeout=120)
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        model = _status(mosquitto)["model"]
+        assert model["version"] == "1.1.0" and model["artifacts"]["256x256"] == "model_256x256_b4.onnx"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+
+
 def outbox_rows(path):
     if not os.path.exists(path):
         return 0

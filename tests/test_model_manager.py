@@ -103,7 +103,8 @@ class Harness:
         self.device = load_device_config(device) if isinstance(device, str) else device
         self.events = []
         self.handover = BetweenBatches()
-        self.manager = ModelManager(self.config, self.device, backend, on_event=self.events.append,
+        # The daemon's part: it owns the live config and the manager reads it through this callable.
+        self.manager = ModelManager(lambda: self.config, self.device, backend, on_event=self.events.append,
                                     handover=self.handover, switch_timeout_s=switch_timeout_s, clock=clock)
         self.store = os.path.join(str(tmp_path / "state"), "bundles")
         self.state_file = os.path.join(str(tmp_path / "state"), "slots.json")
@@ -833,9 +834,10 @@ def test_a_config_change_a_swap_and_a_rollback_at_once_apply_in_order_between_ba
         h.manager.record_batch(BATCH, results[0].timings_ms["infer"], failed=False)
         served.append((model.label, len(results)))
 
-    def config_change():  # what the daemon's set-config hands over: thresholds for the models in memory
+    def config_change():  # what the daemon's set-config hands over: its new config, then the models in memory
         h.events.append({"event": "config", "serving": h.manager.current.label})
-        h.manager.set_thresholds(replace(h.config.thresholds, top_k=2))
+        h.config = replace(h.config, thresholds=replace(h.config.thresholds, top_k=2))
+        h.manager.apply_thresholds()
 
     batch()
     out = {}
@@ -1049,7 +1051,7 @@ from agent.protocol.requests import parse_request
 
 deploy_request = functools.partial(parse_request, "deploy")
 config = parse_daemon_config(json.loads(sys.argv[1]))
-manager = ModelManager(config, load_device_config("cpu-dev"), "opencv", on_event=lambda event: None,
+manager = ModelManager(lambda: config, load_device_config("cpu-dev"), "opencv", on_event=lambda event: None,
                        handover=BetweenBatches())
 manager.start()
 frame = np.zeros((32, 32, 3), np.uint8)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from agent.bundle.manifest import MANIFEST, Manifest
 from agent.bundle.signing import load_public_key
 from agent.bundle.verify import Bundle, sha256_file, verify_bundle
-from agent.config.daemon_config import DaemonConfig, ThresholdsConfig
+from agent.config.daemon_config import DaemonConfig
 from agent.config.device_config import DeviceConfig
 from agent.config.schema import ConfigError, FieldError
 from agent.errors import CommandError
@@ -125,12 +125,16 @@ def _identity(model: Optional[LoadedModel]) -> Optional[Dict[str, Any]]:
 class ModelManager:
     """The serving model, its A/B slots, deploys, the probation window and rollbacks (see module doc)."""
 
-    def __init__(self, config: DaemonConfig, device: DeviceConfig, backend: str,
+    def __init__(self, config: Callable[[], DaemonConfig], device: DeviceConfig, backend: str,
                  on_event: Callable[[Dict[str, Any]], None], handover: BetweenBatches,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  switch_timeout_s: float = DEFAULT_SWITCH_TIMEOUT_S,
                  on_phase: Optional[Callable[[str], None]] = None) -> None:
-        self.config = config
+        """``config`` returns the daemon's config each time it is called: the daemon owns the live config
+        (set-config and SIGHUP replace it between batches), so a deploy or a rollback reads the batching and
+        thresholds in effect then. The store, the key and the fetch policy are restart-only: read here once."""
+        self._config = config
+        start = config()
         # Called as each loading step begins ("verify", "load", "warm-up", "golden check"): the daemon extends
         # systemd's start-up timeout per step.
         self.on_phase: Callable[[str], None] = on_phase or (lambda name: None)
@@ -140,12 +144,11 @@ class ModelManager:
         self.handover = handover
         self.clock = clock
         self.switch_timeout_s = switch_timeout_s
-        self.public_key = _public_key(config.model.public_key)
-        self.fetch_policy = FetchPolicy.from_config(config.fetch)
-        self.store = BundleStore(config.state_path(config.model.store), self.public_key, wall_clock=wall_clock)
-        self.state_file = config.state_path(STATE_FILE)
+        self.public_key = _public_key(start.model.public_key)
+        self.fetch_policy = FetchPolicy.from_config(start.fetch)
+        self.store = BundleStore(start.state_path(start.model.store), self.public_key, wall_clock=wall_clock)
+        self.state_file = start.state_path(STATE_FILE)
         self.wall_clock = wall_clock
-        self._thresholds: ThresholdsConfig = config.thresholds
         self._lock = threading.Lock()  # table, current/fallback models, probation, swap_queued, closed
         self._operation = threading.Lock()  # one deploy or standby restore at a time
         self._table: Optional[SlotTable] = None
@@ -191,9 +194,14 @@ class ModelManager:
         with self._lock:
             self._probation.record(frames, infer_ms_per_frame, failed)
 
-    def set_thresholds(self, thresholds: ThresholdsConfig) -> None:
-        """Post-processing overrides from the config, for the models in memory and every one loaded later."""
-        self._thresholds = thresholds
+    @property
+    def config(self) -> DaemonConfig:
+        """The daemon's config now (see ``__init__``)."""
+        return self._config()
+
+    def apply_thresholds(self) -> None:
+        """The live config's post-processing overrides, to the models in memory (a model loaded later reads
+        them at load); the daemon calls it after it switched the live config."""
         for model in (self._current, self._fallback):
             if model is not None:
                 self._apply_thresholds(model)
@@ -479,7 +487,7 @@ class ModelManager:
         return model
 
     def _apply_thresholds(self, model: LoadedModel) -> None:
-        th = self._thresholds
+        th = self.config.thresholds
         model.set_thresholds(conf=th.conf, iou=th.iou, max_det=th.max_det, top_k=th.top_k)
 
     def _gc(self) -> None:
