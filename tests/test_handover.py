@@ -95,3 +95,31 @@ def test_post_runs_without_a_waiting_caller() -> None:
     ran = []
     queue.post(lambda: ran.append(1), what="reload")
     assert queue.run_pending() == 1 and ran == [1]
+
+
+def test_a_failed_item_logs_a_warning_with_its_cause(caplog) -> None:
+    """A SIGHUP reload that fails to apply has no caller to answer: the warning (with the traceback) is its
+    only trace. A submitted item's failure is logged too, besides reaching its caller."""
+    queue = BetweenBatches()
+
+    def reload() -> None:
+        raise ValueError("sources[0].uri: no such folder")
+
+    queue.post(reload, what="SIGHUP reload")
+    with caplog.at_level("WARNING", logger="agent.pipeline.handover"):
+        assert queue.run_pending() == 1
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert "SIGHUP reload failed: ValueError: sources[0].uri: no such folder" in record.getMessage()
+    assert record.exc_info is not None and record.exc_info[0] is ValueError
+
+    caplog.clear()
+    out: dict = {}
+    thread = _submit_in_thread(queue, reload, 5.0, out, "config change")
+    _wait_pending(queue, 1)
+    with caplog.at_level("WARNING", logger="agent.pipeline.handover"):
+        queue.run_pending()
+    thread.join(5)
+    assert isinstance(out["config change"], ValueError)
+    [record] = caplog.records
+    assert "config change failed: ValueError" in record.getMessage() and not record.exc_info

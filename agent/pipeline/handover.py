@@ -21,11 +21,12 @@ class HandoverTimeout(TimeoutError):
 
 
 class _Item:
-    __slots__ = ("fn", "what", "taken", "withdrawn", "done", "result", "error", "lock")
+    __slots__ = ("fn", "what", "waited", "taken", "withdrawn", "done", "result", "error", "lock")
 
-    def __init__(self, fn: Callable[[], Any], what: str) -> None:
+    def __init__(self, fn: Callable[[], Any], what: str, waited: bool = True) -> None:
         self.fn = fn
         self.what = what
+        self.waited = waited  # a caller waits for the outcome (submit), or nobody does (post)
         self.lock = threading.Lock()
         self.taken = False
         self.withdrawn = False
@@ -59,7 +60,7 @@ class BetweenBatches:
 
     def post(self, fn: Callable[[], Any], what: str = "change") -> None:
         """Queue ``fn`` without waiting (for callers that must not block, such as the SIGHUP reload)."""
-        self._items.put(_Item(fn, what))
+        self._items.put(_Item(fn, what, waited=False))
 
     def run_pending(self) -> int:
         """Run every queued item in submission order (serving thread only); returns how many ran."""
@@ -75,9 +76,10 @@ class BetweenBatches:
                 item.taken = True
             try:
                 item.result = item.fn()
-            except BaseException as exc:  # handed back to the caller, who reports it
+            except BaseException as exc:  # handed back to a waiting caller too; a posted item has no other report
                 item.error = exc
-                logger.debug("between batches: %s failed: %s", item.what, exc)
+                logger.warning("between batches: the %s failed: %s: %s", item.what, type(exc).__name__, exc,
+                               exc_info=not item.waited)
             finally:
                 item.done.set()
             ran += 1
