@@ -186,7 +186,7 @@ def _analyze_offline() -> bool:
 
 
 @pytest.mark.skipif(not _analyze_offline(), reason="needs systemd-analyze >= 250 (security --offline=yes)")
-@pytest.mark.parametrize("unit", [UNIT, TEMPLATE])
+@pytest.mark.parametrize("unit", [UNIT, TEMPLATE], ids=["unit", "template"])
 def test_unit_exposure_is_at_most_2(unit):
     assert exposure(unit) <= 2.0
     service = directives(open(unit, encoding="utf-8").read())["Service"]
