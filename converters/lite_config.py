@@ -16,7 +16,7 @@ Shapes are fixed with ``--inputShape`` (``[ascend_context] input_shape`` is for 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from agent.pipeline.backends.mslite_backend import lite_precision_mode
+from agent.config.device_config import lite_precision_mode
 
 TOOL = "converter_lite"
 SUCCESS_LINE = "CONVERT RESULT SUCCESS:0"

@@ -187,7 +187,13 @@ def test_registry_names_and_formats_match_device_config() -> None:
     assert set(BACKENDS) == set(BACKEND_FORMATS)
     for name, cls in BACKENDS.items():
         assert cls.name == name
-        assert cls.formats == BACKEND_FORMATS[name]
+        assert cls.formats is BACKEND_FORMATS[name]  # the table's own tuple: declared once
+
+
+def test_a_backend_named_outside_the_table_is_refused_when_defined() -> None:
+    with pytest.raises(TypeError, match="'tflite' is not in BACKEND_FORMATS"):
+        class TfLiteBackend(Backend):  # noqa: F841 - defining it is the test
+            name = "tflite"
 
 
 def test_backend_status_reports_ok_or_the_missing_module_and_its_provider() -> None:

@@ -11,7 +11,7 @@ so an installed box reads them next to this module, never from a checkout.
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from agent.config.schema import ConfigError, FieldError, load_yaml, setting
 
@@ -21,9 +21,29 @@ DEVICE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "de
 # backend -> artifact formats it reads: the one list of backend names (the registry in agent.pipeline.backends
 # imports ``agent.pipeline.backends.<name>_backend`` for each; configs and CLIs take their choices from here)
 BACKEND_FORMATS = {"mindspore": ("mindir",), "opencv": ("onnx",), "mslite": ("ms", "mindir"), "acl": ("om",)}
+# ATC / device-config precision names -> MindSpore Lite's, as mindspore_lite.Context's own docstring pairs them
+# (mindspore/lite/python/api/context.py: "enforce_fp16: ACL option is force_fp16", ...)
+PRECISION_MODES: Dict[str, str] = {
+    "force_fp32": "enforce_fp32",
+    "allow_fp32_to_fp16": "preferred_fp32",
+    "force_fp16": "enforce_fp16",
+    "must_keep_origin_dtype": "enforce_origin",
+    "allow_mix_precision": "preferred_optimal",
+}
+LITE_PRECISION_MODES = tuple(PRECISION_MODES.values())
 ARCHES = ("x86_64", "aarch64")  # ATC --host_env_cpu values for the boxes we know
 ARTIFACT_FORMATS = tuple(sorted({fmt for formats in BACKEND_FORMATS.values() for fmt in formats}))
 SOC_VERSIONS = ("Ascend310", "Ascend310B1", "Ascend310B4", "Ascend310P1", "Ascend310P3")
+
+
+def lite_precision_mode(mode: str) -> str:
+    """``force_fp16`` (ATC spelling, as in device configs) or ``enforce_fp16`` -> ``enforce_fp16``."""
+    if mode in LITE_PRECISION_MODES:
+        return mode
+    if mode in PRECISION_MODES:
+        return PRECISION_MODES[mode]
+    raise ValueError("precision_mode %r is not one of %s" % (mode, sorted(PRECISION_MODES) + sorted(
+        LITE_PRECISION_MODES)))
 
 
 @dataclass(frozen=True)
@@ -38,9 +58,7 @@ class DeviceConfig:
     fallback_backends: List[str] = setting(factory=list, doc="tried in order when the preferred one is missing")
     device_id: int = setting(0, ge=0, doc="NPU index (acl / mslite ascend)")
     cpu_threads: int = setting(2, ge=1, le=256, doc="inference threads on CPU backends")
-    precision_mode: str = setting(
-        "force_fp16", choices=("force_fp16", "force_fp32", "allow_fp32_to_fp16", "must_keep_origin_dtype",
-                               "allow_mix_precision"), doc="ATC --precision_mode")
+    precision_mode: str = setting("force_fp16", choices=tuple(PRECISION_MODES), doc="ATC --precision_mode")
     npu_memory_budget_mb: Optional[int] = setting(None, ge=64, doc="NPU memory budget, when the box has one")
     max_batch: int = setting(1, ge=1, le=64, doc="default batching.max_batch")
     max_wait_ms: float = setting(10.0, ge=0, le=1000, doc="default batching.max_wait_ms")

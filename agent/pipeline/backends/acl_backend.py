@@ -135,7 +135,6 @@ class _HostOutput:
 
 class AclBackend(Backend):
     name = "acl"
-    formats = ("om",)
     runtime_module = "acl"
     runtime_provider = ("pyACL from the Ascend CANN toolkit (source <ascend-toolkit>/set_env.sh so that "
                         "acl is on PYTHONPATH)")

@@ -24,6 +24,8 @@ from typing import Any, ClassVar, List, Optional, Tuple
 
 import numpy as np
 
+from agent.config.device_config import BACKEND_FORMATS
+
 logger = logging.getLogger(__name__)
 
 TARGETS = ("cpu", "ascend")
@@ -115,10 +117,18 @@ def module_status(module: str, provider: str) -> str:
 class Backend(abc.ABC):
     """One model on one runtime. Not shared between processes; one lock serialises infer against close."""
 
-    name: ClassVar[str]
-    formats: ClassVar[Tuple[str, ...]]
+    name: ClassVar[str]  # a key of BACKEND_FORMATS, the one declaration of backends and the formats they read
+    formats: ClassVar[Tuple[str, ...]]  # set from BACKEND_FORMATS[name] when the subclass is defined
     runtime_module: ClassVar[str]  # imported lazily in load()
     runtime_provider: ClassVar[str]  # the package that provides it, for error messages
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:  # a concrete backend: its formats are the table's, never a second list
+            if cls.name not in BACKEND_FORMATS:
+                raise TypeError("backend %s: name %r is not in BACKEND_FORMATS (%s)" % (
+                    cls.__name__, cls.name, ", ".join(BACKEND_FORMATS)))
+            cls.formats = BACKEND_FORMATS[cls.name]
 
     def __init__(self, artifact_path: str, input_spec: TensorSpec, options: Optional[BackendOptions] = None
                  ) -> None:

@@ -102,7 +102,6 @@ class MindSporeBackend(Backend):
     """MindIR on the CPU. ``infer`` wraps the batch with ``Tensor.from_numpy`` (no copy)."""
 
     name = "mindspore"
-    formats = ("mindir",)
     runtime_module = "mindspore"
     runtime_provider = "the mindspore wheel (pip install mindspore)"
 

@@ -13,35 +13,16 @@ The model is built once at load and its input tensors are fetched once; ``infer`
 """
 
 import logging
-from typing import Any, Dict, List
+from typing import Any, List
 
 import numpy as np
 
+from agent.config.device_config import lite_precision_mode
 from agent.pipeline.backends.base import Backend, BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
-# ATC / device-config precision names -> MindSpore Lite's, as mindspore_lite.Context's own docstring pairs them
-# (mindspore/lite/python/api/context.py: "enforce_fp16: ACL option is force_fp16", ...)
-PRECISION_MODES: Dict[str, str] = {
-    "force_fp32": "enforce_fp32",
-    "allow_fp32_to_fp16": "preferred_fp32",
-    "force_fp16": "enforce_fp16",
-    "must_keep_origin_dtype": "enforce_origin",
-    "allow_mix_precision": "preferred_optimal",
-}
-LITE_PRECISION_MODES = tuple(PRECISION_MODES.values())
 MODEL_TYPE_BY_FORMAT = {"ms": "MINDIR_LITE", "mindir": "MINDIR"}
-
-
-def lite_precision_mode(mode: str) -> str:
-    """``force_fp16`` (ATC spelling, as in device configs) or ``enforce_fp16`` -> ``enforce_fp16``."""
-    if mode in LITE_PRECISION_MODES:
-        return mode
-    if mode in PRECISION_MODES:
-        return PRECISION_MODES[mode]
-    raise ValueError("precision_mode %r is not one of %s" % (mode, sorted(PRECISION_MODES) + sorted(
-        LITE_PRECISION_MODES)))
 
 
 def _dtype_name(lite_dtype: Any) -> str:
@@ -51,7 +32,6 @@ def _dtype_name(lite_dtype: Any) -> str:
 
 class MindSporeLiteBackend(Backend):
     name = "mslite"
-    formats = ("ms", "mindir")
     runtime_module = "mindspore_lite"
     runtime_provider = ("the MindSpore Lite 2.x Python wheel or tarball for this Python and CPU "
                         "(Huawei's download server; PyPI only has 2.0.0 for CPython 3.7)")

@@ -22,7 +22,6 @@ FIRST_INPUT = ""  # cv2.dnn: an empty input name means the network's first input
 
 class OpenCvBackend(Backend):
     name = "opencv"
-    formats = ("onnx",)
     runtime_module = "cv2"
     runtime_provider = "opencv-python or opencv-python-headless (pip), with the dnn module"
 
