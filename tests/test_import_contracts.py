@@ -1,7 +1,7 @@
 """The import rules hold, and each one fails on a planted violation.
 
 The contracts are in pyproject.toml ([tool.importlinter]); ``make test`` runs ``lint-imports`` too. Beside them,
-the whole tree (agent, quant, converters, benchmarks) has no import circle between modules: import-linter's
+the whole tree (agent, byom, quant, converters, benchmarks) has no import circle between modules: import-linter's
 layers order groups, a circle inside one group is what this file's own check finds. Every check runs on a copy
 of the packages in a temporary directory, so a planted import never touches the tree; ``lint-imports`` comes
 from the dev extra.
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("agent", "quant", "converters", "benchmarks")
+PACKAGES = ("agent", "byom", "quant", "converters", "benchmarks")
 
 pytest.importorskip("importlinter", reason="import-linter is not installed (dev extra: pip install -e '.[dev]')")
 

@@ -1,9 +1,10 @@
 """``atlas-edge bundle create``: a bundle from a model trained elsewhere (an ONNX or MindIR file).
 
-It lives in ``quant/`` beside the other bundle producer (``atlas-edge qat``) because it reuses exactly that
-machinery: :mod:`quant.bundle_writer` for the golden set, calibration set and manifest, and the read-back runners
-of :mod:`quant.export` (cv2.dnn for ONNX, ``mindspore.load`` + ``nn.GraphCell`` for MindIR). ``converters/``
-consumes bundles; this makes them.
+Importing a model is not quantization, so it has a host package of its own; it reuses the other bundle
+producer's machinery (``atlas-edge qat``): :mod:`quant.bundle_writer` for the golden set, calibration set and
+manifest, and the read-back runners of :mod:`quant.export` (cv2.dnn for ONNX, ``mindspore.load`` +
+``nn.GraphCell`` for MindIR). The ONNX graph edits are :mod:`byom.onnx_graph`. ``converters/`` consumes
+bundles; this makes them.
 
 Order matters:
 
@@ -33,6 +34,8 @@ from agent.bundle.verify import sha256_file
 from agent.config.schema import ConfigError, parse, to_dict
 from agent.pipeline.postprocess import YOLOV5_LEADING_CHANNELS, YOLOV8_BOX_CHANNELS
 from agent.pipeline.preprocess import PreprocessSpec, letterbox
+from byom.model_file import CreateError, ModelInfo, Tier, inspect_model
+from byom.onnx_graph import fixed_onnx
 from quant.bundle_writer import ArtifactPlan, write_calibration, write_golden, write_manifest_for
 from quant.config import CalibrationConfig, GoldenConfig
 from quant.pipeline import tier_name
@@ -40,12 +43,9 @@ from quant.report import toolchain_versions
 
 log = logging.getLogger(__name__)
 
-Tier = Tuple[int, int]
 
 TASKS = ("auto",) + MANIFEST_TASKS  # --task: the manifest's tasks, or decide from metadata and output shape
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
-ONNX_FLOAT = 1  # onnx.TensorProto.FLOAT
-MINDIR_FLOAT = 1  # mind_ir DataType FLOAT32
 DEFAULT_STRIDE = 32  # YOLO's largest stride (P5) when the model does not say; P6 models say 64
 YOLO_STRIDE_SETS = ((8, 16, 32), (8, 16, 32, 64))  # P3-P5 and P3-P6 heads
 YOLOV5_ANCHORS_PER_CELL = 3
@@ -58,31 +58,6 @@ CALIBRATION_SEED = 7
 # is served with the thresholds its users validated it with.
 ULTRALYTICS_POSTPROCESSING = {"conf": 0.25, "iou": 0.7, "max_det": 300}
 ULTRALYTICS_TASKS = {"detect": "detect-yolov8", "classify": "classify"}
-
-
-class CreateError(ValueError):
-    """Input that cannot become a bundle; the message names the cause and, where one exists, the flag to fix it."""
-
-
-@dataclasses.dataclass
-class ModelInfo:
-    """What the model file says about itself, read without running it."""
-
-    path: str
-    format: str  # onnx | mindir
-    input_name: str
-    input_shape: List[Optional[int]]  # None: a dynamic axis
-    output_names: List[str]
-    metadata: Dict[str, str]
-    producer: str
-
-    @property
-    def dynamic(self) -> bool:
-        return any(d is None for d in self.input_shape)
-
-    @property
-    def from_ultralytics(self) -> bool:
-        return self.metadata.get("author", "").startswith("Ultralytics")
 
 
 @dataclasses.dataclass
@@ -103,101 +78,6 @@ class CreateOptions:
     calibration: Optional[int] = None
     golden: Optional[int] = None
 
-
-# --- reading the model -------------------------------------------------------------------------------------
-
-def _import_onnx() -> Any:
-    # MindSpore selects the pure-Python protobuf when it is imported (its generated code needs it); importing onnx
-    # first would fix the C implementation for the whole process and break MindSpore ("Descriptors cannot be
-    # created directly"). So MindSpore goes first, whenever onnx is used in a host process.
-    import mindspore  # noqa: F401
-
-    try:
-        import onnx
-    except ImportError:
-        raise CreateError("reading an ONNX model needs the onnx package: pip install 'atlas-edge[host]'") from None
-    return onnx
-
-
-def inspect_model(path: str) -> ModelInfo:
-    """Read inputs, outputs and exporter metadata of an ONNX or MindIR file; CreateError if it is neither."""
-    if not os.path.isfile(path):
-        raise CreateError("--model %s: no such file" % path)
-    if path.lower().endswith(".mindir"):
-        return _inspect_mindir(path)
-    try:
-        return _inspect_onnx(path)
-    except CreateError as onnx_error:
-        if path.lower().endswith(".onnx"):
-            raise
-        try:
-            return _inspect_mindir(path)
-        except CreateError:
-            raise CreateError("--model %s: not an ONNX or MindIR model (%s)" % (path, onnx_error)) from None
-
-
-def _dims(value_info: Any) -> List[Optional[int]]:
-    shape = value_info.type.tensor_type.shape
-    return [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in shape.dim]
-
-
-def _inspect_onnx(path: str) -> ModelInfo:
-    onnx = _import_onnx()
-    from google.protobuf.message import DecodeError
-
-    try:
-        model = onnx.load(path, load_external_data=False)
-    except (DecodeError, ValueError, RuntimeError) as exc:
-        raise CreateError("--model %s: not an ONNX model (%s)" % (path, str(exc) or type(exc).__name__)) from None
-    graph = model.graph
-    initializers = {t.name for t in graph.initializer}
-    inputs = [i for i in graph.input if i.name not in initializers]
-    if not graph.node or not inputs or not graph.output:
-        raise CreateError("--model %s: not an ONNX model (no graph: %d nodes, %d inputs, %d outputs)" % (
-            path, len(graph.node), len(inputs), len(graph.output)))
-    if len(inputs) != 1:
-        raise CreateError("--model %s has %d inputs (%s); the agent feeds one image tensor" % (
-            path, len(inputs), ", ".join(i.name for i in inputs)))
-    elem_type = inputs[0].type.tensor_type.elem_type
-    if elem_type != ONNX_FLOAT:
-        raise CreateError("--model %s: input %s is %s, the agent feeds float32 (export without half/int8)" % (
-            path, inputs[0].name, onnx.TensorProto.DataType.Name(elem_type)))
-    info = ModelInfo(path=path, format="onnx", input_name=inputs[0].name, input_shape=_dims(inputs[0]),
-                     output_names=[o.name for o in graph.output],
-                     metadata={p.key: p.value for p in model.metadata_props},
-                     producer=" ".join(x for x in (model.producer_name, model.producer_version) if x) or "unknown")
-    if info.from_ultralytics:  # the exporter, not the framework underneath it ("pytorch 2.x")
-        info.producer = "Ultralytics %s" % info.metadata.get("version", "?")
-    return info
-
-
-def _inspect_mindir(path: str) -> ModelInfo:
-    from google.protobuf.message import DecodeError
-    from mindspore.train import mind_ir_pb2
-
-    model = mind_ir_pb2.ModelProto()
-    try:
-        with open(path, "rb") as handle:
-            model.ParseFromString(handle.read())
-    except DecodeError as exc:
-        raise CreateError("--model %s: not a MindIR model (%s)" % (path, exc)) from None
-    graph = model.graph
-    if not graph.node or not graph.input or not graph.output:
-        raise CreateError("--model %s: not a MindIR model (no graph)" % path)
-    if len(graph.input) != 1:
-        raise CreateError("--model %s has %d inputs (%s); the agent feeds one image tensor" % (
-            path, len(graph.input), ", ".join(i.name for i in graph.input)))
-    tensor = graph.input[0].tensor[0]
-    if tensor.data_type != MINDIR_FLOAT:
-        raise CreateError("--model %s: input %s is not float32 (MindIR data type %d)" % (
-            path, graph.input[0].name, tensor.data_type))
-    producer = " ".join(x for x in (model.producer_name, model.producer_version) if x) or "unknown"
-    return ModelInfo(path=path, format="mindir", input_name=graph.input[0].name,
-                     input_shape=[d if d > 0 else None for d in tensor.dims],
-                     output_names=[o.name for o in graph.output], metadata={}, producer=producer)
-
-
-# --- deciding tiers, task and labels ------------------------------------------------------------------------
 
 def parse_tiers(text: str) -> List[Tier]:
     """``"640x640,384x640"`` -> [(640, 640), (384, 640)] (each HxW)."""
@@ -467,207 +347,6 @@ def load_images(directory: Optional[str], count: int) -> Tuple[List[np.ndarray],
 
 # --- artifacts ----------------------------------------------------------------------------------------------
 
-def fixed_onnx(info: ModelInfo, tier: Tier, path: str) -> None:
-    """Write the model with its input fixed at (1, 3, h, w): the input's dims are set and shapes re-inferred.
-
-    A fixed-shape model already at ``tier`` keeps its graph apart from what the converters refuse: every model
-    loses the default-valued attributes (:func:`drop_default_pool_dilations`) and gets a YOLOv8 DFL's expectation
-    as a MatMul (:func:`dfl_conv_as_matmul`), and a classifier loses its final softmax (:func:`drop_final_softmax`).
-    """
-    onnx = _import_onnx()
-    model = onnx.load(info.path)
-    drop_default_pool_dilations(model)
-    if dfl_conv_as_matmul(model):
-        log.info("%s: the DFL's 1x1 Conv is computed as a MatMul (MindSpore Lite's converter refuses the Conv)",
-                 info.path)
-    if drop_final_softmax(model):
-        log.info("%s ends in a softmax: the artifact outputs its logits (the agent applies the softmax)", info.path)
-    if not info.dynamic:
-        onnx.save(model, path)
-        return
-    graph = model.graph
-    graph_input = next(i for i in graph.input if i.name == info.input_name)
-    for dim, value in zip(graph_input.type.tensor_type.shape.dim, (1, 3) + tuple(tier)):
-        dim.Clear()
-        dim.dim_value = value
-    del graph.value_info[:]  # intermediate shapes were inferred for the symbolic input: stale now
-    for output in graph.output:  # symbolic output dims ("anchors") become unknown, for inference to fill in
-        for dim in output.type.tensor_type.shape.dim:
-            dim.Clear()
-    try:
-        model = onnx.shape_inference.infer_shapes(model)
-        model = fold_shape_constants(model)
-        model = onnx.shape_inference.infer_shapes(model)
-        onnx.checker.check_model(model)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        raise CreateError("--model %s: fixing the input at %dx%d failed: %s" % (
-            info.path, tier[0], tier[1], exc)) from None
-    onnx.save(model, path)
-
-
-def drop_final_softmax(model: Any) -> bool:
-    """Make a classifier that ends in ``Softmax`` over its class axis output the logits instead; True if it did.
-
-    The agent's classify decoding applies the softmax itself (postprocess.classify_topk), so a network that already
-    ends in one (Ultralytics' classify exports do) would report the softmax of probabilities: the right order, but
-    flattened scores. Removing the last node gives exactly the network's probabilities again on the box.
-    """
-    graph = model.graph
-    if len(graph.output) != 1:
-        return False
-    output = graph.output[0]
-    producers = [n for n in graph.node if output.name in n.output]
-    if len(producers) != 1 or producers[0].op_type != "Softmax" or len(_dims(output)) != 2:
-        return False
-    softmax = producers[0]
-    axis = next((a.i for a in softmax.attribute if a.name == "axis"), -1 if _opset(model) >= 13 else 1)
-    if axis not in (1, -1) or any(softmax.output[0] in n.input for n in graph.node):
-        return False
-    logits = softmax.input[0]
-    for node in graph.node:  # the logits tensor takes the graph output's name, so the output keeps its name
-        node.output[:] = [output.name if name == logits else name for name in node.output]
-        node.input[:] = [output.name if name == logits else name for name in node.input]
-    graph.node.remove(softmax)
-    return True
-
-
-def _opset(model: Any) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-
-
-def drop_default_pool_dilations(model: Any) -> int:
-    """Remove ``dilations`` of all ones (the ONNX default) from pooling nodes; returns how many were removed.
-
-    torch's exporter writes them on every MaxPool (Ultralytics' SPPF has three), and MindSpore Lite 2.0.0's
-    converter refuses any pooling node that carries the attribute ("pooling op not support dilations now",
-    measured), so a bundle that keeps them cannot be converted to .ms. Dropping a default changes nothing else.
-    """
-    removed = 0
-    for node in model.graph.node:
-        if node.op_type not in ("MaxPool", "AveragePool"):
-            continue
-        for attribute in list(node.attribute):
-            if attribute.name == "dilations" and all(v == 1 for v in attribute.ints):
-                node.attribute.remove(attribute)
-                removed += 1
-    return removed
-
-
-CHANNELS_LAST = [0, 2, 3, 1]  # NCHW -> NHWC: the 1x1 Conv's channel axis last, where MatMul contracts
-CHANNELS_FIRST = [0, 3, 1, 2]  # and back
-
-
-def dfl_conv_as_matmul(model: Any) -> int:
-    """Compute each DFL expectation Conv (1x1, one output channel, no bias, weights ``arange(reg_max)``) as
-    ``Transpose -> MatMul -> Transpose``; returns how many were rewritten.
-
-    Ultralytics' YOLOv8 head decodes each box side as the expectation of a softmax over ``reg_max`` bins with
-    such a Conv on a Transpose's output. MindSpore Lite 2.0.0's converter cannot infer that Conv's shape ("Unexpected
-    input format 0" -> ``InferShape failed, name: /model.22/dfl/conv/Conv``, measured): its layout pass expects a
-    Conv's input in the layout it assigns itself. A MatMul has no layout, and the sum over the bins is the same
-    one (outputs equal to the Conv's within float rounding, tests/test_byom.py). Adjacent Transposes are merged.
-    """
-    from onnx import helper, numpy_helper
-
-    graph = model.graph
-    weights = {t.name: t for t in graph.initializer}
-    replaced, rewritten = set(), 0
-    for conv in [n for n in graph.node if n.op_type == "Conv" and n.domain in ("", "ai.onnx")]:
-        if len(conv.input) != 2 or conv.input[1] not in weights or not _is_pointwise(conv):
-            continue
-        weight = numpy_helper.to_array(weights[conv.input[1]])
-        if weight.shape[0] != 1 or weight.shape[2:] != (1, 1) or \
-                not np.array_equal(weight.ravel(), np.arange(weight.shape[1])):
-            continue
-        name = conv.name or conv.output[0]
-        bins = graph.initializer.add()
-        bins.CopyFrom(numpy_helper.from_array(weight.reshape(1, -1).T.copy(), name + "/bins"))
-        source, perm = _absorb_transpose(graph, conv.input[0], CHANNELS_LAST)
-        nodes = [helper.make_node("Transpose", [source], [name + "/channels_last"], name=name + "/channels_last",
-                                  perm=perm),
-                 helper.make_node("MatMul", [name + "/channels_last", bins.name], [name + "/expectation"],
-                                  name=name + "/expectation"),
-                 helper.make_node("Transpose", [name + "/expectation"], [conv.output[0]],
-                                  name=name + "/channels_first", perm=CHANNELS_FIRST)]
-        at = list(graph.node).index(conv)
-        graph.node.remove(conv)
-        for offset, node in enumerate(nodes):
-            graph.node.insert(at + offset, node)
-        replaced.add(conv.input[1])
-        rewritten += 1
-    used = {name for node in graph.node for name in node.input}
-    for tensor in [t for t in graph.initializer if t.name in replaced and t.name not in used]:
-        graph.initializer.remove(tensor)
-    return rewritten
-
-
-def _is_pointwise(conv: Any) -> bool:
-    """A Conv with a 1x1 kernel, unit strides and dilations, no padding and one group: a per-pixel dot product."""
-    attrs = {a.name: a for a in conv.attribute}
-    ones = all(all(v == 1 for v in attrs[k].ints) for k in ("kernel_shape", "strides", "dilations") if k in attrs)
-    pads = all(v == 0 for v in attrs["pads"].ints) if "pads" in attrs else True
-    auto_pad = attrs["auto_pad"].s in (b"", b"NOTSET", b"VALID") if "auto_pad" in attrs else True
-    group = attrs["group"].i == 1 if "group" in attrs else True
-    return ones and pads and auto_pad and group
-
-
-def _absorb_transpose(graph: Any, tensor: str, perm: List[int]) -> Tuple[str, List[int]]:
-    """``Transpose(tensor, perm)`` as ``(source, perm)``: when ``tensor`` is itself a Transpose's output that nothing
-    else reads, that Transpose is removed and the two permutations composed (x.transpose(p).transpose(q) is
-    x.transpose([p[i] for i in q]))."""
-    producer = next((n for n in graph.node if tensor in n.output), None)
-    readers = [n for n in graph.node if tensor in n.input]
-    if producer is None or producer.op_type != "Transpose" or len(readers) != 1 or \
-            any(o.name == tensor for o in graph.output):
-        return tensor, perm
-    inner = next((list(a.ints) for a in producer.attribute if a.name == "perm"), None)
-    if inner is None or len(inner) != len(perm):
-        return tensor, perm
-    graph.node.remove(producer)
-    return producer.input[0], [inner[i] for i in perm]
-
-
-def fold_shape_constants(model: Any) -> Any:
-    """Evaluate, once, every node whose value no longer depends on the image: ``Shape`` of a tensor whose shape
-    is now static, and any node whose inputs are all constants (the anchor grids a dynamic YOLO export computes
-    from its input size at run time). Runtimes such as cv2.dnn cannot run those shape subgraphs; the folded graph
-    computes the same outputs. Evaluation is the ``onnx`` package's own reference implementation."""
-    _import_onnx()
-    from onnx import numpy_helper
-    from onnx.reference import ReferenceEvaluator
-
-    graph = model.graph
-    opsets = list(model.opset_import)  # each op is evaluated at the model's own opset version
-    static = {}
-    for value in list(graph.input) + list(graph.value_info) + list(graph.output):
-        dims = _dims(value)
-        if dims and all(d is not None for d in dims):
-            static[value.name] = dims
-    known = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
-    kept = []
-    for node in graph.node:
-        inputs = [name for name in node.input if name]
-        if node.op_type == "Shape" and node.domain in ("", "ai.onnx") and node.input[0] in static:
-            attrs = {a.name: a.i for a in node.attribute}
-            dims = static[node.input[0]][attrs.get("start", 0):attrs.get("end", None)]
-            known[node.output[0]] = np.array(dims, np.int64)
-        elif node.domain in ("", "ai.onnx") and all(name in known for name in inputs) and \
-                not node.op_type.startswith("Random"):
-            results = ReferenceEvaluator(_single_node_model(node, known, opsets)).run(
-                None, {name: known[name] for name in inputs})
-            known.update(zip(node.output, results))
-        else:
-            kept.append(node)
-    used = {name for node in kept for name in node.input} | {o.name for o in graph.output}
-    del graph.node[:]
-    graph.node.extend(kept)
-    del graph.initializer[:]
-    graph.initializer.extend(numpy_helper.from_array(np.asarray(known[name]), name)
-                             for name in sorted(used) if name in known)
-    del graph.value_info[:]
-    return model
-
-
 def run_artifact(path: str, fmt: str, tier: Tier) -> Tuple[int, ...]:
     """Output 0's shape at ``tier`` through the runtime that will consume the artifact."""
     from quant.export import run_mindir, run_onnx_opencv
@@ -794,19 +473,6 @@ def _produce(staging: str, plan: _Plan) -> Dict[str, Any]:
     return write_manifest_for(staging, name, options.version, task, labels, tiers, plan.preprocessing,
                               plan.postprocessing, artifacts, calibration, golden, toolchain_versions(),
                               source=source, input_name=info.input_name)
-
-
-def _single_node_model(node: Any, known: Dict[str, np.ndarray], opsets: List[Any]) -> Any:
-    from onnx import helper
-
-    def value(name: str, array: Optional[np.ndarray] = None) -> Any:
-        if array is None:
-            return helper.make_empty_tensor_value_info(name)
-        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), array.shape)
-
-    graph = helper.make_graph([node], "fold", [value(n, known[n]) for n in node.input if n],
-                              [value(n) for n in node.output if n])
-    return helper.make_model(graph, opset_imports=opsets)
 
 
 def _missing_parents(directory: str) -> List[str]:
