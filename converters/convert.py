@@ -20,7 +20,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from converters import aipp, atc, grammar, lite_config, mindir, toolrun
+from converters import aipp, grammar, lite_config, mindir, toolrun
+from converters.tools import TOOLS
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ def _artifact_entry(output: str, fmt: str, device: Any, tier: Tier, batch: int, 
     }
 
 
-def _self_check(job_cmd: List[str], files: List[GeneratedFile], tool: toolrun.ToolInfo) -> None:
+def _self_check(job_cmd: List[str], files: List[GeneratedFile], tool: Any) -> None:
     """Generated text must pass the documented grammar; a failure here is a bug in this package."""
     try:
         for generated in files:
@@ -287,10 +288,7 @@ def _self_check(job_cmd: List[str], files: List[GeneratedFile], tool: toolrun.To
                 grammar.check_aipp(generated.text)
             else:
                 grammar.check_lite_config(generated.text)
-        if tool.name == toolrun.ATC.name:
-            grammar.check_atc_args(job_cmd[1:])
-        else:
-            grammar.check_converter_args(job_cmd[1:])
+        tool.check_args(job_cmd[1:])
     except grammar.GrammarError as exc:
         raise ConvertError(["internal error, generated %s breaks the documented grammar: %s" % (
             exc.what, "; ".join(exc.errors))]) from None
@@ -303,8 +301,8 @@ def plan_conversion(request: ConvertRequest, mindir_limit: Optional[MindIrLimit]
     converter is found) makes a MindIR source it cannot read give way to the tier's ONNX.
     """
     errors: List[str] = []
-    if request.to not in ("om", "ms"):
-        errors.append("--to: must be om or ms (got %r)" % request.to)
+    if request.to not in TOOLS:
+        errors.append("--to: must be %s (got %r)" % (" or ".join(TOOLS), request.to))
     if request.input_format is not None and request.input_format not in aipp.INPUT_FORMATS:
         errors.append("--input-format: must be one of %s (got %r)" % ("|".join(aipp.INPUT_FORMATS),
                                                                       request.input_format))
@@ -316,12 +314,8 @@ def plan_conversion(request: ConvertRequest, mindir_limit: Optional[MindIrLimit]
 
     warnings: List[str] = []
     uses_aipp = device.target == "ascend"
-    if request.to == "om":
-        if device.target != "ascend":
-            errors.append("--to om: ATC builds for an Ascend NPU; device %s is a %s box (use --to ms)" % (
-                device.name, device.target))
-        if request.ptq:
-            errors.append("--ptq: ATC does not quantize (int8 .om needs CANN AMCT); use --to ms --ptq")
+    tool = TOOLS[request.to]
+    errors.extend(tool.refusals(device, request.ptq))
     if request.input_format is not None and not uses_aipp:
         errors.append("--input-format: applies to AIPP on Ascend targets only; device %s is %s" % (
             device.name, device.target))
@@ -331,9 +325,7 @@ def plan_conversion(request: ConvertRequest, mindir_limit: Optional[MindIrLimit]
     if errors:
         raise ConvertError(errors)
 
-    tool = toolrun.ATC if request.to == "om" else toolrun.CONVERTER_LITE
-    target = lite_config.lite_target(device.target)
-    out_format = "om" if request.to == "om" else target.format
+    out_format = tool.out_format(device)
     if out_format not in device.formats():
         warnings.append("device %s serves %s, not %s: the artifact suits only boxes that read %s" % (
             device.name, "/".join(device.formats()), out_format, out_format))
@@ -350,8 +342,7 @@ def plan_conversion(request: ConvertRequest, mindir_limit: Optional[MindIrLimit]
     jobs: List[Job] = []
     inputs: List[str] = []
     for tier in tiers:
-        formats = ("onnx",) if request.to == "om" else ("mindir", "onnx")
-        source = _pick_source(manifest, tier, formats, errors, request.bundle, mindir_limit, warnings)
+        source = _pick_source(manifest, tier, tool.source_formats, errors, request.bundle, mindir_limit, warnings)
         if source is None:
             continue
         stem = "%s_%dx%d_%s%s" % (manifest.name, tier[0], tier[1], tag, "_int8" if request.ptq else "")
@@ -367,37 +358,21 @@ def plan_conversion(request: ConvertRequest, mindir_limit: Optional[MindIrLimit]
             aipp_path = "%s/aipp_%dx%d_%s.cfg" % (CONVERT_DIR, tier[0], tier[1], input_format)
             files.append(GeneratedFile(aipp_path, aipp.render_aipp(
                 params, aipp.describe(prep.color, prep.mean, prep.std, input_format))))
-        if request.to == "om":
-            output = stem + ".om"
-            if manifest.input.layout not in atc.ONNX_INPUT_FORMATS:
-                errors.append("--to om: the bundle's input.layout is %s, but ATC reads an ONNX model's input as %s "
-                              "only (and AIPP needs NCHW): export the ONNX with an NCHW input" % (
-                                  manifest.input.layout, "/".join(atc.ONNX_INPUT_FORMATS)))
-                continue
-            cmd = atc.atc_args(source.file, stem, manifest.input.name, shape, device.soc_version,
-                               aipp_path or "", device.precision_mode, device.arch)
-        else:
-            output = stem + target.suffix
-            lite_calibration = None
-            if calibration is not None:
-                lite_calibration = lite_config.Calibration(manifest.input.name, calibration.dir,
-                                                           calibration.count)
-            sections = lite_config.config_sections(target, device.precision_mode, aipp_path, lite_calibration)
-            config_path = None
-            if sections:
-                config_path = "%s/converter_%s.ini" % (CONVERT_DIR, stem)
-                files.append(GeneratedFile(config_path, lite_config.render_ini(
-                    sections, ["converter_lite config written by atlas-edge convert for %s" % output,
-                               "paths are relative to the bundle root (the converter's working directory)"])))
-            cmd = lite_config.converter_args(source.format, source.file, stem, config_path,
-                                             manifest.input.name, shape, target, manifest.input.layout)
+        lite_calibration = None
+        if calibration is not None:
+            lite_calibration = lite_config.Calibration(manifest.input.name, calibration.dir, calibration.count)
+        planned = tool.command(manifest, device, source, stem, shape, aipp_path, lite_calibration, CONVERT_DIR,
+                               errors)
+        if planned is None:
+            continue
+        output, cmd, generated = planned
+        files.extend(GeneratedFile(path, text) for path, text in generated)
         _self_check(cmd, files, tool)
         entry = _artifact_entry(output, out_format, device, tier, source.batch,
                                 _precision(device, request.ptq), input_format, prep.color,
                                 [f.path for f in files])
-        job_toolchain = {"arch": device.arch} if request.to == "om" and device.arch else {}
         jobs.append(Job(tier=tier, source=source.file, output=output, cmd=cmd, files=files, artifact=entry,
-                        toolchain=job_toolchain))
+                        toolchain=tool.toolchain(device)))
         inputs.append(source.file)
     if errors:
         raise ConvertError(errors)
@@ -414,7 +389,7 @@ def plan_conversion(request: ConvertRequest, mindir_limit: Optional[MindIrLimit]
                                 calibration.dir, calibration.layout, manifest.input.layout))
     return ConvertPlan(bundle=os.path.abspath(request.bundle),
                        label="%s %s" % (manifest.name, manifest.version), device_name=device.name,
-                       soc_version=device.soc_version, tool=tool, jobs=jobs,
+                       soc_version=device.soc_version, tool=tool.info, jobs=jobs,
                        inputs=sorted(set(inputs)), warnings=warnings, input_format=input_format,
                        request=request, relayout=relayout)
 
@@ -436,7 +411,7 @@ def bundle_accepts_input_color(value: str) -> bool:
 
 def _toolchain(plan: ConvertPlan, located: toolrun.LocatedTool, env: Mapping[str, str]) -> Dict[str, str]:
     versions = dict(located.toolchain)
-    if plan.tool.name != toolrun.ATC.name and plan.soc_version:  # the Ascend converter uses the host's CANN
+    if TOOLS[plan.request.to].records_host_cann and plan.soc_version:
         versions["cann"] = _cann_near(env)
     return versions
 
@@ -616,9 +591,9 @@ def execute(plan: ConvertPlan, env: Mapping[str, str], timeout_s: float,
             echo("tier %dx%d: %s" % (job.tier[0], job.tier[1], toolrun.join_command(cmd)))
             run = toolrun.run_tool(cmd, cwd=work, env=tool_env, timeout_s=timeout_s,
                                    log_path=os.path.join(work, job.log))
-            if plan.tool.name == toolrun.ATC.name:
-                renamed = atc.adopt_output(work, job.output)
-                if renamed:
-                    echo("tier %dx%d: atc wrote %s; kept as %s" % (job.tier[0], job.tier[1], renamed, job.output))
+            renamed = TOOLS[plan.request.to].adopt_output(work, job.output)
+            if renamed:
+                echo("tier %dx%d: %s wrote %s; kept as %s" % (job.tier[0], job.tier[1], plan.tool.name, renamed,
+                                                              job.output))
             toolrun.check_run(plan.tool, run, os.path.join(work, job.output), timeout_s)
         return _commit(plan, work, toolchain)
