@@ -6,8 +6,8 @@ BIN := $(VENV)/bin
 MINDSPORE_GS := mindspore-gs==1.3.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo test lint imports pycompat mosquitto rabbitmq demo-bundle bench bench-quick install-service clean lite \
-	test-lite test-wheel systemd-tools test-systemd
+.PHONY: venv demo test lint imports pycompat mosquitto rabbitmq camera-rig demo-bundle bench bench-quick \
+	install-service clean lite test-lite test-wheel systemd-tools test-systemd
 
 # The Lite lane: a Python 3.7 venv with mindspore-lite 2.0.0 (PyPI's only wheel of it is for CPython 3.7), the
 # box package and the test runner. The box's oldest Python is 3.7 (CANN on the Atlas 200 DK), so the whole
@@ -50,6 +50,15 @@ rabbitmq:
 	@[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends rabbitmq-server)
 
+# The tests' camera rig (tests/camera_rig.py) is a real RTSP server: GStreamer's gst-rtsp-server with x264,
+# scripted from the system Python through PyGObject (the venvs do not carry gi; the box never needs it).
+CAMERA_RIG_PACKAGES := gstreamer1.0-rtsp gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-ugly \
+	gstreamer1.0-plugins-good gstreamer1.0-plugins-base python3-gi
+camera-rig:
+	@/usr/bin/python3 -c 'import gi; gi.require_version("GstRtspServer", "1.0"); from gi.repository import Gst; \
+		Gst.init(None); assert Gst.ElementFactory.find("x264enc")' 2>/dev/null || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends $(CAMERA_RIG_PACKAGES))
+
 demo: venv mosquitto
 	$(BIN)/atlas-edge demo --frames 24
 
@@ -66,7 +75,7 @@ pycompat: venv
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 # With a Python 3.7 the Lite venv is built first, so the host lane's conversion tests find it too.
-test: venv mosquitto rabbitmq lint imports pycompat $(if $(PYTHON37),lite)
+test: venv mosquitto rabbitmq camera-rig lint imports pycompat $(if $(PYTHON37),lite)
 	$(BIN)/pytest -m "not slow" -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc
 	@if [ -n "$(PYTHON37)" ]; then $(MAKE) --no-print-directory test-lite; \
@@ -103,14 +112,14 @@ test-systemd: venv
 
 # The whole suite on the box's oldest Python with the real mindspore_lite; host-only tests skip themselves
 # (no MindSpore there) and tests/conftest.py does not collect quant/'s.
-test-lite: lite mosquitto rabbitmq
+test-lite: lite mosquitto rabbitmq camera-rig
 	$(LITE_PY) -m pytest -m "not slow" -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest (Lite lane) collected no tests" >&2; exit 1; fi; exit $$rc
 
 demo-bundle: venv
 	$(BIN)/atlas-edge qat --config quant/examples/shapes.yaml --out examples/demo-bundle
 
-bench: venv mosquitto
+bench: venv mosquitto camera-rig
 	$(BIN)/atlas-edge bench --json benchmarks/results.json --plots benchmarks/plots --update-readme
 
 bench-quick: venv mosquitto

@@ -40,6 +40,9 @@ STARTUP_STEP_TIMEOUT_S = 120.0
 # Model events after which the retained status is republished, so that an operator (``atlas-edge fleet``) who
 # subscribes later, or resumes a rollout, reads the slot states there instead of having missed the event.
 SLOT_EVENTS = ("switched", "confirmed", "rollback")
+# Bound on stopping every source reader together: a reader notices stop within a poll (0.1 s) and its camera's
+# worker process gets 0.5 s to exit before it is killed.
+SOURCES_STOP_S = 2.0
 
 
 def choose_backend(config: DaemonConfig, device: DeviceConfig) -> str:
@@ -117,8 +120,9 @@ class Daemon:
         self.watchdog = Watchdog(cfg.watchdog, self.memory, self.progress, self.notifier,
                                  on_alert=self._publish_alert, request_restart=self._restart_requested)
         frames: queue.Queue = queue.Queue(maxsize=cfg.batching.queue_size)
-        self.loop = ServingLoop(frames, SourceSet(list(cfg.sources), frames), self.models, self.transport,
-                                self.progress, self.handover, self.stop_event, cfg.batching.max_batch,
+        sources = SourceSet(list(cfg.sources), frames, self._publish_alert)
+        self.loop = ServingLoop(frames, sources, self.models, self.transport, self.progress, self.handover,
+                                self.stop_event, cfg.batching.max_batch,
                                 cfg.batching.max_wait_ms, cfg.publish, on_event=self._publish_event,
                                 telemetry_extras=self._telemetry_extras, on_result=on_result,
                                 numbering=SequenceCounter(cfg.state_path("sequence.json")))
@@ -196,7 +200,7 @@ class Daemon:
     def shutdown(self) -> None:
         timeout = self.config.watchdog.shutdown_timeout_s
         self.notifier.stopping()
-        self.loop.sources.stop(timeout=1.0)
+        self.loop.sources.stop(timeout=SOURCES_STOP_S)
         self.watchdog.stop()
         self.dispatcher.stop()
         self.dispatcher.close()
@@ -217,8 +221,8 @@ class Daemon:
         self.loop.configure(new.batching.max_batch, new.batching.max_wait_ms, new.publish)
         self.models.apply_thresholds()  # the serving model and the kept confirmed one; later loads read the config
         if new.sources != old.sources:
-            self.loop.sources.stop(timeout=1.0)
-            self.loop.sources = SourceSet(list(new.sources), self.loop.frames)
+            self.loop.sources.stop(timeout=SOURCES_STOP_S)
+            self.loop.sources = SourceSet(list(new.sources), self.loop.frames, self._publish_alert)
             self.loop.sources.start()
         self.notifier.ready()  # ends a SIGHUP's RELOADING=1 (harmless otherwise)
 

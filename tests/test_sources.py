@@ -38,14 +38,14 @@ def write_images(folder, n, size=(48, 64)):
         cv2.imwrite(os.path.join(folder, "img_%02d.png" % i), np.full(size + (3,), i * 10, np.uint8))
 
 
-def test_folder_skips_corrupt_image_and_counts_it(tmp_path):
+def test_folder_skips_corrupt_image_and_counts_it(tmp_path, caplog):
     write_images(tmp_path, 3)
     (tmp_path / "img_01b.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
     reader, frames = run_reader(SourceConfig(name="cam", uri=str(tmp_path)))
     assert [f.name for f in frames] == ["img_00.png", "img_01.png", "img_02.png"]
     assert [f.frame_id for f in frames] == [0, 1, 2]
-    assert reader.counters.decode_errors == 1
-    assert "img_01b.png" in reader.counters.last_error
+    assert reader.health.decode_errors == 1
+    assert "img_01b.png" in caplog.text
 
 
 def test_missing_folder_is_retried_until_it_appears(tmp_path):
@@ -54,16 +54,19 @@ def test_missing_folder_is_retried_until_it_appears(tmp_path):
     threading.Timer(0.4, write_images, args=(str(folder), 2)).start()
     reader, frames = run_reader(config)
     assert len(frames) == 2
-    assert reader.counters.open_failures >= 2
-    assert "not found" in reader.counters.last_error and str(folder) in reader.counters.last_error
+    assert reader.health.open_failures >= 2
+    assert reader.health.last_error is None  # cleared once the folder appeared and frames went through
+    assert reader.health.state == "up"
 
 
 def test_missing_video_file_is_named_and_does_not_crash(tmp_path):
     missing = str(tmp_path / "nope.mp4")
     config = SourceConfig(name="cam", uri=missing, reopen_min_s=0.05, reopen_max_s=0.05)
-    reader, frames = run_reader(config, timeout=0.5)
-    assert frames == [] and reader.counters.open_failures >= 2
-    assert missing in reader.counters.last_error
+    reader, frames = run_reader(config, timeout=0.5)  # not found: retried every reopen_max_s
+    assert frames == [] and reader.health.open_failures >= 2
+    error = reader.health.last_error
+    assert error["cause"] == "not_found" and missing in error["message"]
+    assert reader.health.state == "failed"
 
 
 def write_video(path, n, size=(64, 96)):
@@ -97,7 +100,7 @@ def test_queue_full_drops_oldest_and_counts(tmp_path):
     reader.run()  # synchronously: a folder ends by itself
     kept = [out.get().name for _ in range(2)]
     assert kept == ["img_04.png", "img_05.png"]
-    assert reader.counters.dropped_queue_full == 4
+    assert reader.health.dropped_queue_full == 4
 
 
 def test_max_fps_limits_the_rate(tmp_path):

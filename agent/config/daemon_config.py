@@ -24,6 +24,11 @@ MIN_LEAK_SAMPLES = 6  # each half of the leak window needs >= 3 points for its o
 RESERVED_NAMES = ("operator", "group")
 # One reader thread and one decoder per source: a 310 box serves a handful of cameras, not hundreds.
 MAX_SOURCES = 16
+# A camera that sends no new picture for this long is stalled: seconds, where OpenCV's own read timeout (30 s,
+# three times over before the old reader gave up) let a stall go unseen for 90 s.
+DEFAULT_STALL_TIMEOUT_S = 5.0
+# Stream decoders: OpenCV's FFmpeg, or Ascend's DVPP through pyACL (docs/sources.md: tested at its boundary only).
+DECODERS = ("opencv", "dvpp")
 
 
 @dataclass(frozen=True)
@@ -131,16 +136,36 @@ def _is_loopback(host: str) -> bool:
 @dataclass(frozen=True)
 class SourceConfig:
     name: str = setting(doc="source id, used in the results topic")
-    uri: str = setting(doc="image folder or video file (relative to the config file), rtsp://... URL, or "
-                             "'camera:N' for a USB camera")
-    max_fps: float = setting(0.0, ge=0, le=1000, doc="frame-rate limit; 0 = as fast as frames come")
+    uri: str = setting(doc="image folder or video file (relative to the config file), rtsp(s):// or http(s):// URL, "
+                           "or 'camera:N' for a USB camera; a stream's password may be 'env:VAR' or 'cred:NAME' "
+                           "(docs/sources.md)")
+    max_fps: float = setting(0.0, ge=0, le=1000,
+                             doc="frame-rate limit; 0 = as fast as frames come (live: frames skipped)")
     loop: bool = setting(False, doc="restart a folder or file at its end (demo and soak runs)")
-    reopen_min_s: float = setting(0.5, ge=0.01, le=3600, doc="first reopen delay after a lost stream")
-    reopen_max_s: float = setting(30.0, ge=0.01, le=86400, doc="longest reopen delay")
+    reopen_min_s: float = setting(0.5, ge=0.01, le=3600,
+                                  doc="first reopen delay after a lost stream; doubles per failure")
+    reopen_max_s: float = setting(30.0, ge=0.01, le=86400,
+                                  doc="longest reopen delay (and the delay after an auth failure)")
+    transport: str = setting("tcp", choices=("tcp", "udp"), doc="RTSP transport (udp loses packets on busy links)")
+    open_timeout_s: float = setting(5.0, gt=0, le=600, doc="a stream that does not open within this is down")
+    read_timeout_s: float = setting(5.0, gt=0, le=600, doc="a blocked read of a stream gives up after this")
+    stall_timeout_s: float = setting(DEFAULT_STALL_TIMEOUT_S, gt=0, le=600,
+                                     doc="no new picture for this long: stalled, alerted and reopened")
+    input_options: Dict[str, str] = setting(factory=dict, doc="extra FFmpeg input options of this stream only")
+    decoder: str = setting("opencv", choices=DECODERS, doc="video decoder of a stream (docs/sources.md)")
 
     def check(self) -> List[Tuple[str, str]]:
+        from agent.config.source_uri import source_kind
+
         problem = name_problem(self.name)
-        return [("name", problem)] if problem else []
+        problems = [("name", problem)] if problem else []
+        try:
+            source_kind(self.uri)
+        except ValueError as exc:
+            problems.append(("uri", str(exc)))
+        if self.reopen_max_s < self.reopen_min_s:
+            problems.append(("reopen_max_s", "must be >= reopen_min_s"))
+        return problems
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Result messages and annotated pictures: the one place a frame's result becomes JSON or pixels.
 
-Each result carries ``ts`` (wall time, for people) and ``seq``, a per-source sequence number that never goes
+Each result carries ``ts``, when its frame was captured (wall time; ``ts_source`` says whether from the stream's
+own timestamps or from when the frame was read), ``frame_age_ms`` (how old the frame was when its result was
+handed over for publishing), and ``seq``, a per-source sequence number that never goes
 backwards, also across restarts and wall-clock steps, so consumers can order results when the clock jumps
 (:class:`SequenceCounter`).
 """
@@ -37,12 +39,14 @@ _PALETTE = ((56, 56, 255), (151, 157, 255), (31, 112, 255), (29, 178, 255), (49,
 
 
 def result_payload(frame: Frame, result: FrameResult, model: Dict[str, str], labels: Sequence[str],
-                   timings_ms: Dict[str, float], seq: Optional[int] = None) -> Dict[str, Any]:
+                   timings_ms: Dict[str, float], seq: Optional[int] = None,
+                   frame_age_ms: Optional[float] = None) -> Dict[str, Any]:
     """One frame's JSON result: boxes are in the original image's pixels (x1, y1, x2, y2)."""
     payload: Dict[str, Any] = {
         "frame_id": frame.frame_id,
         "source": frame.source,
         "ts": round(frame.ts, 6),
+        "ts_source": frame.ts_source,
         "image_hw": [int(frame.image.shape[0]), int(frame.image.shape[1])],
         "model": model,
         "tier": list(result.tier),
@@ -50,6 +54,8 @@ def result_payload(frame: Frame, result: FrameResult, model: Dict[str, str], lab
     }
     if seq is not None:
         payload["seq"] = seq
+    if frame_age_ms is not None:
+        payload["frame_age_ms"] = round(frame_age_ms, 1)
     if frame.name:
         payload["name"] = frame.name
     if result.detections is not None:

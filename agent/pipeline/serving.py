@@ -452,8 +452,10 @@ class ServingLoop:
             timings["queue"] = (batch.taken - frame.enqueued) * 1e3
             started = time.monotonic()
             timings["total"] = (started - frame.enqueued) * 1e3  # up to the hand-over to the sink
+            age_ms = (time.time() - frame.ts) * 1e3  # capture to hand-over, on the wall clock the capture used
+            self.sources.published(frame, age_ms)
             payload = result_payload(frame, result, identity, manifest.labels, timings,
-                                     seq=self.numbering.next(frame.source))
+                                     seq=self.numbering.next(frame.source), frame_age_ms=age_ms)
             if self._rate_allows(frame.source):
                 if self._hand_over(frame, self.sink.publish_result, frame.source, payload):
                     self.published += 1

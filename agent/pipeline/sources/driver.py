@@ -1,0 +1,201 @@
+"""The reader thread around each source, and the set of them a daemon runs.
+
+One thread per source opens its reader, moves captured pictures into the shared bounded frame queue
+(dropping the oldest when inference falls behind: live video wants fresh frames, not a backlog), and
+handles everything that goes wrong the same way for every kind: a failure is classified, shown in the
+source's health, alerted once, and retried with exponential backoff (to ``reopen_max_s`` at once for causes
+a retry cannot fix). A live source that sends no new picture for ``stall_timeout_s`` is ``stalled`` and
+reopened; a frame older than that when it arrives is dropped, never served as fresh. A folder or file ends
+(or loops); its ``max_fps`` paces reading, where a live source's skips frames in its worker.
+"""
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+from agent.config.daemon_config import SourceConfig
+from agent.pipeline.sources.base import (
+    PERMANENT_CAUSES,
+    Captured,
+    EndOfSource,
+    Frame,
+    Reader,
+    SourceUnavailable,
+    reader_for,
+)
+from agent.pipeline.sources.health import Alert, SourceHealth
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # a reader waits at most this long per read, so stop, pause and stall timers stay prompt
+# Causes after which a source reopens at once: the camera itself is fine (an in-stream resolution change).
+REOPEN_AT_ONCE = ("frozen",)
+
+
+class SourceReader(threading.Thread):
+    """Reads one source into the shared frame queue until stopped or (for a finite source) exhausted."""
+
+    def __init__(self, config: SourceConfig, out: "queue.Queue", stop_event: threading.Event,
+                 on_alert: Optional[Alert] = None, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(name="source-%s" % config.name, daemon=True)
+        self.config = config
+        self.out = out
+        self.stop_event = stop_event
+        self.health = SourceHealth(config.name, config.uri, on_alert)
+        self.clock = clock
+        self.finished = threading.Event()
+        self.paused = threading.Event()
+        self.reader: Optional[Reader] = None
+        self._next_id = 0
+        self._delay = config.reopen_min_s
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.is_set() and self._session():
+                pass
+        except Exception as exc:  # a bug here must not take the daemon down, and must not vanish
+            log.exception("source %s failed", self.config.name)
+            self.health.failure("unavailable", "reader failed: %s: %s" % (type(exc).__name__, exc), 0.0)
+        finally:
+            self.finished.set()
+
+    def _session(self) -> bool:
+        """One open-read-close cycle; False when a finite source has ended for good."""
+        reader = reader_for(self.config)
+        self.reader = reader
+        self.health.connecting()
+        try:
+            reader.open(self.stop_event)
+            self._pump(reader)
+            return True
+        except EndOfSource:
+            if not reader.live:
+                return self.config.loop
+            self._retry(SourceUnavailable("the stream ended", "ended"))
+        except SourceUnavailable as exc:
+            self._retry(exc)
+        finally:
+            reader.close()
+            self.health.reopens += 1
+            self._collect_decode_errors(reader)
+        return True
+
+    def _retry(self, exc: SourceUnavailable) -> None:
+        """Show the failure, then wait the backoff (cut short by stop)."""
+        if self.stop_event.is_set():
+            return  # stopped while opening or reading: not the source's failure
+        if exc.cause in REOPEN_AT_ONCE:
+            log.info("source %s: %s", self.config.name, exc)
+            return
+        delay = self.config.reopen_max_s if exc.cause in PERMANENT_CAUSES else self._delay
+        if exc.cause not in ("stalled", "ended"):
+            self.health.open_failures += 1
+        self.health.failure(exc.cause, str(exc), delay)
+        self.stop_event.wait(delay)
+        self._delay = min(self._delay * 2, self.config.reopen_max_s)
+
+    def _pump(self, reader: Reader) -> None:
+        """Move pictures from an open reader to the queue until stopped; raises when the session ends."""
+        interval = 1.0 / self.config.max_fps if self.config.max_fps > 0 and not reader.live else 0.0
+        last_new = last_emit = time.monotonic()
+        while not self.stop_event.is_set():
+            captured = reader.read(POLL_S)
+            now = time.monotonic()
+            if captured is None:
+                if reader.live and now - last_new > self.config.stall_timeout_s:
+                    raise SourceUnavailable("no new picture for %.1f s" % (now - last_new), "stalled")
+                continue
+            last_new = now
+            self.health.frame_in(captured.skipped, captured.decode_errors)
+            self._collect_decode_errors(reader)
+            if self.paused.is_set():
+                continue  # a live source keeps reading, so resume starts fresh
+            if reader.live and self.clock() - captured.capture_ts > self.config.stall_timeout_s:
+                self.health.stale_dropped += 1
+                continue
+            if interval:
+                if self.stop_event.wait(max(0.0, last_emit + interval - time.monotonic())):
+                    return
+                last_emit = time.monotonic()
+            self._emit(captured)
+            self._delay = self.config.reopen_min_s  # a frame went through: the source is healthy
+
+    def _collect_decode_errors(self, reader: Reader) -> None:
+        error = getattr(reader, "last_decode_error", "")
+        if error:
+            log.warning("source %s: %s: skipped", self.config.name, error)
+            reader.last_decode_error = ""  # type: ignore[attr-defined]
+
+    def _emit(self, captured: Captured) -> None:
+        frame = Frame(source=self.config.name, frame_id=self._next_id, ts=captured.capture_ts,
+                      image=captured.image, name=captured.name, enqueued=time.monotonic(),
+                      ts_source=captured.ts_source)
+        self._next_id += 1
+        self.health.frame_out()
+        put_dropping_oldest(self.out, frame, self.health)
+
+
+def put_dropping_oldest(out: "queue.Queue", frame: Frame, health: Any) -> None:
+    """Queue ``frame``; when the queue is full, drop the oldest frame and count it on ``health``."""
+    while True:
+        try:
+            out.put_nowait(frame)
+            return
+        except queue.Full:
+            try:
+                out.get_nowait()
+                health.dropped_queue_full += 1
+            except queue.Empty:
+                pass
+
+
+@dataclass
+class SourceSet:
+    """All readers of a daemon, started and stopped together; replaced whole on a source change."""
+
+    configs: List[SourceConfig]
+    out: "queue.Queue"
+    on_alert: Optional[Alert] = None
+    readers: Dict[str, SourceReader] = field(default_factory=dict)
+    stop_event: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        for config in self.configs:
+            reader = SourceReader(config, self.out, self.stop_event, self.on_alert)
+            self.readers[config.name] = reader
+            reader.start()
+
+    def stop(self, timeout: float = 2.0) -> bool:
+        """Stop every reader (their workers are killed); True when all ended within ``timeout`` together."""
+        self.stop_event.set()
+        deadline = time.monotonic() + timeout
+        for reader in self.readers.values():
+            reader.join(max(0.0, deadline - time.monotonic()))
+        return not any(r.is_alive() for r in self.readers.values())
+
+    def pause(self, paused: bool) -> None:
+        for reader in self.readers.values():
+            (reader.paused.set if paused else reader.paused.clear)()
+
+    def all_finished(self) -> bool:
+        return all(r.finished.is_set() for r in self.readers.values())
+
+    def published(self, frame: Frame, age_ms: float) -> None:
+        reader = self.readers.get(frame.source)
+        if reader is not None:
+            reader.health.published(age_ms)
+
+    def counters(self) -> Dict[str, Dict[str, Any]]:
+        """Each source's health (:meth:`SourceHealth.report`), by name."""
+        return {name: r.health.report() for name, r in self.readers.items()}
+
+    def summary(self) -> Dict[str, int]:
+        """How many sources are in each state (the watchdog's 'no input' versus 'stuck')."""
+        states: Dict[str, int] = {}
+        for reader in self.readers.values():
+            if not reader.finished.is_set():
+                states[reader.health.state] = states.get(reader.health.state, 0) + 1
+        return states

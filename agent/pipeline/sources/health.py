@@ -1,0 +1,134 @@
+"""A source's health as operators see it: its state, its rates, how old its frames are, and why it is not up.
+
+States: ``connecting`` (opening), ``up`` (frames arrive), ``stalled`` (no new picture for the stall timeout),
+``down`` (a failure retrying may fix: refused, timeout, ended, a decoder crash), ``failed`` (one it cannot:
+``auth``, ``not_found``, a bad reference; retried only every ``reopen_max_s``). One alert when a source stops
+delivering (``source_down``, whatever the state), one when it delivers again (``source_up``); the error is
+cleared on recovery. Every text here has passed :func:`agent._util.redact.redact`.
+"""
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Optional
+
+from agent._util.redact import redact
+from agent.pipeline.sources.base import PERMANENT_CAUSES
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 5.0  # fps in and out are counted over this trailing window
+AGE_SAMPLES = 256  # frame ages kept for p50/max (a minute at 4 results/s)
+Alert = Callable[[Dict[str, Any]], None]
+
+
+class SourceHealth:
+    """Counters and state of one source: written by its reader thread, read by status and telemetry."""
+
+    def __init__(self, name: str, uri: str, on_alert: Optional[Alert] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.uri = redact(uri)
+        self.on_alert = on_alert
+        self.clock = clock
+        self.state = "connecting"
+        self.since = time.time()
+        self.frames = 0  # handed to the frame queue
+        self.skipped = 0  # decoded and not handed over: rate limit, backlog at (re)connect, repeated pictures
+        self.stale_dropped = 0  # older than the stall timeout when read
+        self.decode_errors = 0
+        self.open_failures = 0
+        self.reopens = 0
+        self.dropped_queue_full = 0
+        self.last_error: Optional[Dict[str, Any]] = None
+        self.retry_in_s: Optional[float] = None
+        self._down_alerted = False
+        self._lock = threading.Lock()
+        self._in: Deque[float] = deque()
+        self._out: Deque[float] = deque()
+        self._ages: Deque[float] = deque(maxlen=AGE_SAMPLES)
+
+    # --- transitions (the reader thread) -------------------------------------------------------------------
+
+    def connecting(self) -> None:
+        self._set("connecting")
+
+    def frame_in(self, skipped: int = 0, decode_errors: int = 0) -> None:
+        with self._lock:
+            self._in.append(self.clock())
+            self.skipped += skipped
+            self.decode_errors += decode_errors
+
+    def frame_out(self) -> None:
+        """A frame went into the queue: the source is up (and recovered, if it was down)."""
+        with self._lock:
+            self.frames += 1
+            self._out.append(self.clock())
+        if self.state != "up":
+            self._set("up")
+            self.retry_in_s = None
+            recovered, self.last_error = self.last_error, None
+            log.info("source %s up%s", self.name, " (was: %s)" % recovered["message"] if recovered else "")
+            if self._down_alerted:
+                self._down_alerted = False
+                self._alert("source_up", "source %s is up again" % self.name)
+
+    def failure(self, cause: str, message: str, retry_in_s: float) -> None:
+        """An open failed or a session ended: ``stalled`` / ``down`` / ``failed`` by its cause."""
+        message = redact(message)
+        state = "stalled" if cause in ("stalled", "frozen") else "failed" if cause in PERMANENT_CAUSES else "down"
+        same = self.last_error is not None and self.last_error["message"] == message
+        if not same:
+            self.last_error = {"cause": cause, "message": message, "since": round(time.time(), 3)}
+            hint = " (a retry cannot fix this: retrying every %.0f s)" % retry_in_s if state == "failed" else ""
+            log.error("source %s %s: %s [%s]; retrying in %.1f s%s", self.name, state, message, cause,
+                      retry_in_s, hint)
+        self.retry_in_s = round(retry_in_s, 3)
+        self._set(state)
+        if not self._down_alerted:
+            self._down_alerted = True
+            self._alert("source_down", "source %s is %s: %s" % (self.name, state, message), cause=cause)
+
+    def published(self, age_ms: float) -> None:
+        """A result of this source was handed over ``age_ms`` after its frame was captured."""
+        with self._lock:
+            self._ages.append(age_ms)
+
+    # --- reading (any thread) ------------------------------------------------------------------------------
+
+    def report(self) -> Dict[str, Any]:
+        now = self.clock()
+        with self._lock:
+            for window in (self._in, self._out):
+                while window and window[0] < now - RATE_WINDOW_S:
+                    window.popleft()
+            ages = sorted(self._ages)
+            fps_in, fps_out = len(self._in) / RATE_WINDOW_S, len(self._out) / RATE_WINDOW_S
+        return {
+            "uri": self.uri, "state": self.state, "since": round(self.since, 3),
+            "fps_in": round(fps_in, 2), "fps_out": round(fps_out, 2),
+            "frames": self.frames, "skipped": self.skipped, "stale_dropped": self.stale_dropped,
+            "decode_errors": self.decode_errors, "open_failures": self.open_failures, "reopens": self.reopens,
+            "dropped_queue_full": self.dropped_queue_full,
+            "frame_age_ms": {"p50": round(ages[len(ages) // 2], 1), "max": round(ages[-1], 1)} if ages else None,
+            "last_error": None if self.last_error is None else dict(self.last_error),
+            "retry_in_s": self.retry_in_s,
+        }
+
+    # --- helpers ---------------------------------------------------------------------------------------------
+
+    def _set(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self.since = time.time()
+
+    def _alert(self, kind: str, message: str, cause: Optional[str] = None) -> None:
+        if self.on_alert is None:
+            return
+        alert = {"kind": kind, "message": message, "source": self.name, "state": self.state, "restart": False,
+                 "figures": {"scope": "source", "source": self.name, "cause": cause}}
+        try:
+            self.on_alert(alert)
+        except Exception:  # publishing an alert must not stop the reader
+            log.exception("publishing the alert of source %s failed", self.name)

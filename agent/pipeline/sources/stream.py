@@ -1,0 +1,226 @@
+"""Cameras and network streams: each read by a worker process of its own (:mod:`.worker`).
+
+Why a process per camera, not a thread: OpenCV's FFmpeg ``open()`` holds a process-wide lock, so one camera
+that accepts and never answers held up every other camera's open and reopen by its whole timeout (34.6 s
+measured; ``OPENCV_FFMPEG_IS_THREAD_SAFE=1`` lifts the lock but leaves the rest); a crash in a decoder took
+the daemon with it; a read blocked in C could not be interrupted, and the process aborted at exit when a
+stalled camera resumed while it stopped (SIGABRT). A worker is killed instead, and its death is one
+camera's error. The price: a Python process (about 60 MB resident with OpenCV) per camera and one copy of
+each handed-over frame through a pipe (benchmarks/README.md, section ``sources``).
+
+The cause of a failed open is read from FFmpeg's and OpenCV's own error lines on the worker's stderr
+(401 → ``auth``, 404 → ``not_found``, refused, timeout); every such line is redacted before it is kept.
+"""
+
+import json
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Deque, Dict, Optional, Tuple
+
+import numpy as np
+
+from agent._util.redact import redact
+from agent.config.daemon_config import SourceConfig
+from agent.config.schema import ConfigError
+from agent.config.source_uri import resolve_source_uri, source_kind
+from agent.pipeline.sources.base import WORKER_HEADER as HEADER
+from agent.pipeline.sources.base import Captured, EndOfSource, SourceUnavailable, register
+
+log = logging.getLogger(__name__)
+
+WORKER_START_S = 30.0  # a worker's Python start (import of OpenCV) on a slow board, on top of the open timeout
+STOP_GRACE_S = 0.5  # a worker given its stdin's end gets this long before SIGKILL
+STDERR_LINES = 20
+# (text in FFmpeg's or OpenCV's error lines, cause); first match wins.
+CAUSE_PATTERNS = (("401", "auth"), ("Unauthorized", "auth"), ("403", "auth"), ("404", "not_found"),
+                  ("Not Found", "not_found"), ("Connection refused", "refused"), ("timeout", "timeout"),
+                  ("timed out", "timeout"), ("No such file", "not_found"), ("can't open camera", "not_found"))
+
+
+# OpenCV's prefixes ("[OPENCV:FFMPEG:16] ", "[ WARN:0@3.3] global cap.cpp:215 open ") and a line it adds to
+# every failed open, which says nothing about the cause.
+_PREFIX = re.compile(r"^\[[^\]]*\]\s*(global \S+ \S+ )?")
+_NOISE = "can't be used to capture by name"
+
+
+def classify(text: str) -> str:
+    for needle, cause in CAUSE_PATTERNS:
+        if needle in text:
+            return cause
+    return "unavailable"
+
+
+@register("stream")
+@register("camera")
+class StreamReader:
+    live = True
+
+    def __init__(self, config: SourceConfig) -> None:
+        self.config = config
+        self.kind = source_kind(config.uri)
+        self.proc: Optional[subprocess.Popen] = None
+        self.stderr: Deque[str] = deque(maxlen=STDERR_LINES)
+        self._buffer = bytearray()
+        self._err_buffer = b""
+        self.fps = 0.0
+
+    # --- the worker process ---------------------------------------------------------------------------
+
+    def _spec(self) -> Dict[str, Any]:
+        try:
+            uri = resolve_source_uri(self.config.uri, "sources[%s].uri" % self.config.name)
+        except ConfigError as exc:
+            raise SourceUnavailable(str(exc), "config") from None
+        c = self.config
+        return {"uri": uri, "kind": self.kind, "open_timeout_s": c.open_timeout_s,
+                "read_timeout_s": c.read_timeout_s, "max_fps": c.max_fps, "decoder": c.decoder}
+
+    def _environment(self) -> Dict[str, str]:
+        options = dict(self.config.input_options)
+        if self.kind == "stream" and self.config.uri.lower().startswith("rtsp"):
+            options.setdefault("rtsp_transport", self.config.transport)
+        env = dict(os.environ)
+        env["OPENCV_FFMPEG_CAPTURE_OPTIONS"] = "|".join("%s;%s" % kv for kv in options.items())
+        env["OPENCV_FFMPEG_LOGLEVEL"] = "16"  # AV_LOG_ERROR: the lines that name a failed open's cause
+        env.pop("OPENCV_FFMPEG_IS_THREAD_SAFE", None)  # one camera per process: no lock to lift
+        return env
+
+    def open(self, cancel: threading.Event) -> None:
+        spec = self._spec()
+        self.proc = subprocess.Popen([sys.executable, "-m", "agent.pipeline.sources.worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=self._environment(), start_new_session=True)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(spec).encode() + b"\n")  # the password goes here, never in argv
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + self.config.open_timeout_s + WORKER_START_S
+        while not cancel.is_set():
+            message = self._next_message(min(0.1, max(0.0, deadline - time.monotonic())))
+            if message is not None:
+                kind, meta, _ = message
+                if kind == b"OPEN":
+                    self.fps = float(meta.get("fps") or 0.0)
+                    return
+                raise self._failure(meta)
+            if time.monotonic() >= deadline:
+                raise SourceUnavailable("no answer within %.0f s" % (deadline - time.monotonic()), "timeout")
+        raise SourceUnavailable("stopped while opening", "unavailable")
+
+    def _failure(self, meta: Dict[str, Any]) -> SourceUnavailable:
+        """Why the worker could not open: its own message, the cause read from its error lines."""
+        self._drain_stderr(0.2)
+        said = "; ".join(self.stderr)
+        cause = meta.get("cause") or classify(said)
+        text = "cannot open %s: %s%s" % (redact(self.config.uri), meta.get("message", "failed"),
+                                         " (%s)" % said[-300:] if said else "")
+        return SourceUnavailable(redact(text), cause)
+
+    def read(self, timeout: float) -> Optional[Captured]:
+        message = self._next_message(timeout)
+        if message is None:
+            return None
+        kind, meta, payload = message
+        if kind == b"FRAM":
+            image = np.frombuffer(payload, np.uint8).reshape(meta["h"], meta["w"], -1)
+            return Captured(image, meta["capture_ts"], meta["ts_source"], skipped=meta["skipped"],
+                            decode_errors=meta["decode_errors"])
+        if kind == b"FROZ":
+            raise SourceUnavailable("the picture froze (%s): reopening" % "x".join(map(str, meta["shape"])),
+                                    "frozen")
+        if kind == b"ENDS":
+            raise EndOfSource(redact(self.config.uri))
+        raise self._failure(meta)
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            assert proc.stdin is not None
+            proc.stdin.close()  # the worker exits on its own when it can
+        except OSError:
+            pass
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # blocked in C (an open, a read): nothing else ends it
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        self._buffer = bytearray()
+
+    # --- the pipe ----------------------------------------------------------------------------------------
+
+    def _next_message(self, timeout: float) -> Optional[Tuple[bytes, Dict[str, Any], bytes]]:
+        """The next whole message from the worker, or None when none came within ``timeout``."""
+        assert self.proc is not None and self.proc.stdout is not None and self.proc.stderr is not None
+        out, err = self.proc.stdout.fileno(), self.proc.stderr.fileno()
+        deadline = time.monotonic() + timeout
+        while True:
+            message = self._parse()
+            if message is not None:
+                return message
+            remaining = deadline - time.monotonic()
+            if remaining < 0:
+                return None
+            ready, _, _ = select.select([out, err], [], [], remaining)
+            if err in ready:
+                self._read_stderr(err)
+            if out in ready:
+                chunk = os.read(out, 1 << 20)
+                if not chunk:
+                    raise self._died()
+                self._buffer += chunk
+
+    def _parse(self) -> Optional[Tuple[bytes, Dict[str, Any], bytes]]:
+        if len(self._buffer) < HEADER.size:
+            return None
+        kind, meta_len, payload_len = HEADER.unpack_from(self._buffer)
+        end = HEADER.size + meta_len + payload_len
+        if len(self._buffer) < end:
+            return None
+        meta = json.loads(bytes(self._buffer[HEADER.size:HEADER.size + meta_len]))
+        payload = bytes(self._buffer[HEADER.size + meta_len:end])
+        del self._buffer[:end]
+        return kind, meta, payload
+
+    def _read_stderr(self, fd: int) -> None:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        lines = (self._err_buffer + chunk).split(b"\n")
+        self._err_buffer = lines.pop()
+        for line in lines:
+            text = redact(_PREFIX.sub("", line.decode("utf-8", "replace").strip()))
+            if text and _NOISE not in text:
+                self.stderr.append(text)
+                log.debug("source %s worker: %s", self.config.name, text)
+
+    def _drain_stderr(self, timeout: float) -> None:
+        if self.proc is None or self.proc.stderr is None:
+            return
+        fd = self.proc.stderr.fileno()
+        while select.select([fd], [], [], timeout)[0]:
+            before = len(self.stderr)
+            self._read_stderr(fd)
+            if len(self.stderr) == before and not self._err_buffer:
+                break
+
+    def _died(self) -> SourceUnavailable:
+        """The worker's pipe closed without a word: it crashed (a decoder fault) or was killed."""
+        assert self.proc is not None
+        self._drain_stderr(0.2)
+        code = self.proc.wait()
+        what = ("killed by %s" % signal.Signals(-code).name) if code < 0 else "exited with status %d" % code
+        said = "; ".join(self.stderr)
+        return SourceUnavailable(redact("reader process %s%s" % (what, " (%s)" % said[-300:] if said else "")),
+                                 "decode")

@@ -1,0 +1,172 @@
+"""One camera's reader process: opens the stream, decodes every frame, hands over only the frames wanted.
+
+Run as ``python -m agent.pipeline.sources.worker`` by :class:`agent.pipeline.sources.stream.StreamReader`, one
+process per camera, so that OpenCV's FFmpeg open lock, a blocked read or a decoder crash stays with that
+camera, and ``OPENCV_FFMPEG_CAPTURE_OPTIONS`` (process-wide in OpenCV) is this camera's own.
+
+Freshness rules, all here, next to the decoder:
+
+* every frame is grabbed (decoded) as it arrives: rate limiting skips frames, it never sleeps, so the reader
+  never falls behind the camera;
+* the backlog FFmpeg buffers while it opens (about 3 s with GStreamer's server) is grabbed and dropped: a
+  frame is handed over only once a grab had to wait for the camera;
+* a picture identical to the previous one for :data:`FROZEN_AFTER_S` is not handed over; the worker ends
+  with cause ``frozen`` and is reopened at once (OpenCV keeps returning the old picture after an in-stream
+  resolution change);
+* the capture time comes from the stream's timestamps (PTS) mapped onto the box's clock by the smallest
+  read-minus-PTS offset seen (the frame that arrived fastest), else the read time.
+
+Wire format on stdout: a header ``<4sII`` (kind, JSON length, payload length), the JSON, the payload. Kinds:
+``OPEN`` (opened; fps), ``FRAM`` (a frame: shape, capture time, counters; payload = BGR pixels), ``FAIL``
+(open failed; message), ``ENDS`` (the stream ended), ``FROZ`` (the picture froze). The spec comes as one
+JSON line on stdin; stdin closing (the daemon stopped or died) ends the worker at once.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from agent.pipeline.sources.base import WORKER_HEADER
+
+# A grab that returns faster than this (or half a frame interval, if smaller) came from FFmpeg's buffer, not
+# from the camera: the backlog of an open. Draining stops after MAX_DRAIN_S whatever happens.
+BACKLOG_GRAB_S = 0.02
+MAX_DRAIN_S = 5.0
+FROZEN_AFTER_S = 0.5
+SIGNATURE_STEP = 8  # every 8th pixel of every 8th row tells a frozen picture from a moving one
+
+
+_channel: Any = None  # the pipe to the daemon: the original stdout (OpenCV's FFmpeg log prints to stdout)
+
+
+def send(kind: bytes, meta: Dict[str, Any], payload: Any = b"") -> None:
+    data = json.dumps(meta).encode()
+    out = _channel
+    out.write(WORKER_HEADER.pack(kind, len(data), len(payload)))
+    out.write(data)
+    if payload:
+        out.write(payload)
+    out.flush()
+
+
+class StreamClock:
+    """Capture times from PTS: ``pts + offset``, the offset being the smallest ``read - pts`` seen so far."""
+
+    def __init__(self) -> None:
+        self.offset: Optional[float] = None
+        self.last_pts = -1.0
+
+    def capture_time(self, pts_ms: float, read_ts: float) -> Tuple[float, str]:
+        if pts_ms <= 0 or pts_ms <= self.last_pts:  # no timestamps, or ones that do not advance
+            return read_ts, "read"
+        self.last_pts = pts_ms
+        offset = read_ts - pts_ms / 1000.0
+        if self.offset is None or offset < self.offset:
+            self.offset = offset
+        return pts_ms / 1000.0 + self.offset, "stream"
+
+
+class Pacer:
+    """max_fps by skipping: a frame is due when the next slot has come; slots do not pile up."""
+
+    def __init__(self, max_fps: float) -> None:
+        self.interval = 1.0 / max_fps if max_fps > 0 else 0.0
+        self.next_due = 0.0
+
+    def due(self, now: float) -> bool:
+        if now < self.next_due:
+            return False
+        late = now - self.next_due
+        self.next_due = (self.next_due if late < self.interval else now) + self.interval
+        return True
+
+
+def open_capture(spec: Dict[str, Any]) -> Any:
+    import cv2
+
+    if spec["decoder"] != "opencv":
+        from agent.pipeline.sources.dvpp import open_dvpp  # raises ImportError without pyACL
+
+        return open_dvpp(spec)
+    # One decoder thread: FFmpeg's frame threading holds back (threads - 1) frames, 200 ms at 10 fps on two
+    # cores, and a live stream is decoded one frame per arrival anyway.
+    timeouts = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, int(spec["open_timeout_s"] * 1000),
+                cv2.CAP_PROP_READ_TIMEOUT_MSEC, int(spec["read_timeout_s"] * 1000), cv2.CAP_PROP_N_THREADS, 1]
+    if spec["kind"] == "camera":
+        return cv2.VideoCapture(int(spec["uri"].split(":", 1)[1]), cv2.CAP_ANY, timeouts)
+    return cv2.VideoCapture(spec["uri"], cv2.CAP_FFMPEG, timeouts)
+
+
+def serve(spec: Dict[str, Any]) -> int:
+    capture = open_capture(spec)
+    if not capture.isOpened():
+        send(b"FAIL", {"message": "cannot open the stream"})
+        return 3
+    fps = capture.get(5) or 0.0  # cv2.CAP_PROP_FPS
+    send(b"OPEN", {"fps": fps})
+    backlog_s = min(BACKLOG_GRAB_S, 0.5 / fps) if fps > 0 else BACKLOG_GRAB_S
+    clock, pacer = StreamClock(), Pacer(spec["max_fps"])
+    started = time.monotonic()
+    live = False
+    skipped = errors = 0
+    signature, same_since = b"", 0.0
+    while True:
+        before = time.monotonic()
+        if not capture.grab():
+            send(b"ENDS", {})
+            return 0
+        now = time.monotonic()
+        read_ts = time.time()
+        capture_ts, ts_source = clock.capture_time(capture.get(0), read_ts)  # cv2.CAP_PROP_POS_MSEC
+        if not live:
+            live = now - before >= backlog_s or now - started >= MAX_DRAIN_S
+            if not live:
+                skipped += 1
+                continue
+        if not pacer.due(now):
+            skipped += 1
+            continue
+        ok, image = capture.retrieve()
+        if not ok or image is None:
+            errors += 1
+            continue
+        sample = image[::SIGNATURE_STEP, ::SIGNATURE_STEP].tobytes()
+        if sample == signature:
+            if now - same_since >= FROZEN_AFTER_S:
+                send(b"FROZ", {"shape": list(image.shape)})
+                return 0
+            skipped += 1
+            continue
+        signature, same_since = sample, now
+        height, width = image.shape[:2]
+        send(b"FRAM", {"h": height, "w": width, "capture_ts": capture_ts, "ts_source": ts_source,
+                       "read_ts": read_ts, "skipped": skipped, "decode_errors": errors},
+             memoryview(image.reshape(-1)) if image.flags["C_CONTIGUOUS"] else image.tobytes())
+        skipped = errors = 0
+
+
+def _exit_with_parent() -> None:
+    sys.stdin.read()  # returns when the daemon closes our stdin, or dies
+    os._exit(0)
+
+
+def main() -> int:
+    global _channel
+    _channel = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever a library prints goes to stderr, where the daemon reads causes from
+    spec = json.loads(sys.stdin.readline())
+    threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
+    try:
+        return serve(spec)
+    except BrokenPipeError:  # the daemon went away mid-frame
+        return 0
+    except ImportError as exc:  # a decoder whose runtime is not installed
+        send(b"FAIL", {"message": str(exc), "cause": "config"})
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""A test camera: GStreamer's RTSP server on loopback, H.264 (x264, zerolatency) from frames drawn here.
+
+Run by the system Python (``/usr/bin/python3``, which has PyGObject and the GStreamer typelibs that
+``make camera-rig`` installs from Debian's packages); the test process drives it through
+``tests/camera_rig.py``. Each frame carries its capture time (wall clock, milliseconds) and a counter as rows
+of black and white blocks (:mod:`tests.rig.framecode` decodes them), so a test measures how old the frame
+behind a published result is from the pixels alone.
+
+Commands on stdin, one per line: ``size W H`` changes the resolution in the running session (the encoder
+sends a new SPS). SIGSTOP/SIGCONT stall and resume the whole server; SIGTERM ends it.
+One mount, ``/cam``; with ``--password`` it needs ``--user``/``--password`` (RTSP basic auth, 401 otherwise);
+any other path is answered 404 by the server itself.
+"""
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import gi
+
+gi.require_version("Gst", "1.0")
+gi.require_version("GstRtspServer", "1.0")
+from gi.repository import GLib, Gst, GstRtspServer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from framecode import draw  # noqa: E402
+
+PIPELINE = ("( appsrc name=src is-live=true format=time do-timestamp=true ! videoconvert ! video/x-raw,format=I420"
+            " ! x264enc tune=zerolatency speed-preset=ultrafast key-int-max={gop} bitrate={kbps}"
+            " ! rtph264pay name=pay0 pt=96 config-interval=1 )")
+
+
+class Feed:
+    """Frames for every session of one mount: drawn at ``fps`` on a thread of their own, pushed to appsrc."""
+
+    def __init__(self, size, fps):
+        self.size = size  # (w, h)
+        self.fps = fps
+        self.counter = 0
+        self.sources = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def caps(self):
+        w, h = self.size
+        return Gst.Caps.from_string("video/x-raw,format=BGR,width=%d,height=%d,framerate=%d/1" % (w, h, self.fps))
+
+    def attach(self, factory, media):
+        src = media.get_element().get_by_name_recurse_up("src")
+        src.set_property("caps", self.caps())
+        with self.lock:
+            self.sources.append(src)
+
+    def resize(self, w, h):
+        with self.lock:
+            self.size = (w, h)
+            for src in self.sources:
+                src.set_property("caps", self.caps())
+
+    def _run(self):
+        period = 1.0 / self.fps
+        next_at = time.monotonic()
+        while True:
+            next_at += period
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)  # the camera's own frame clock, not test synchronisation
+            else:
+                next_at = time.monotonic()  # resumed after SIGSTOP: no burst of catch-up frames
+            w, h = self.size
+            self.counter += 1
+            data = draw(w, h, int(time.time() * 1000), self.counter)
+            with self.lock:
+                for src in list(self.sources):
+                    if src.emit("push-buffer", Gst.Buffer.new_wrapped(data)) != Gst.FlowReturn.OK:
+                        self.sources.remove(src)  # that session ended
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--size", default="640x360")
+    parser.add_argument("--fps", type=int, default=10)
+    parser.add_argument("--kbps", type=int, default=2000)
+    parser.add_argument("--user", default="viewer")
+    parser.add_argument("--password", default="")
+    args = parser.parse_args()
+    Gst.init(None)
+    w, h = (int(v) for v in args.size.split("x"))
+    server = GstRtspServer.RTSPServer()
+    server.set_address("127.0.0.1")
+    server.set_service(str(args.port))
+    feed = Feed((w, h), args.fps)
+    factory = GstRtspServer.RTSPMediaFactory()
+    factory.set_launch(PIPELINE.format(gop=args.fps, kbps=args.kbps))
+    factory.set_latency(0)
+    factory.set_shared(True)  # every viewer sees the same frames (the box, a bare reader, several readers)
+    factory.connect("media-configure", feed.attach)
+    if args.password:  # the whole server asks for credentials (basic auth), as an IP camera does
+        auth = GstRtspServer.RTSPAuth()
+        token = GstRtspServer.RTSPToken()
+        token.set_string("media.factory.role", "user")
+        auth.add_basic(GstRtspServer.RTSPAuth.make_basic(args.user, args.password), token)
+        server.set_auth(auth)
+        permissions = GstRtspServer.RTSPPermissions()
+        for permission in ("media.factory.access", "media.factory.construct"):
+            permissions.add_permission_for_role("user", permission, True)
+        factory.set_permissions(permissions)
+    server.get_mount_points().add_factory("/cam", factory)
+    if server.attach(None) == 0:
+        sys.exit("cannot listen on 127.0.0.1:%d" % args.port)
+
+    def commands():
+        for line in sys.stdin:
+            parts = line.split()
+            if parts[:1] == ["size"]:
+                feed.resize(int(parts[1]), int(parts[2]))
+        GLib.idle_add(loop.quit)  # stdin closed: the test process is gone
+
+    loop = GLib.MainLoop()
+    threading.Thread(target=commands, daemon=True).start()
+    print("ready", flush=True)
+    loop.run()
+
+
+if __name__ == "__main__":
+    main()
