@@ -117,10 +117,11 @@ class Daemon:
         npu = NpuSmiProbe(self.device.device_id) if self.device.target == "ascend" else None
         self.memory = MemoryWatchdog(cfg.watchdog, self.device.memory_budget_mb, npu,
                                      npu_budget_mb=self.device.npu_memory_budget_mb)
-        self.watchdog = Watchdog(cfg.watchdog, self.memory, self.progress, self.notifier,
-                                 on_alert=self._publish_alert, request_restart=self._restart_requested)
         frames: queue.Queue = queue.Queue(maxsize=cfg.batching.queue_size)
         sources = SourceSet(list(cfg.sources), frames, self._publish_alert)
+        self.watchdog = Watchdog(cfg.watchdog, self.memory, self.progress, self.notifier,
+                                 on_alert=self._publish_alert, request_restart=self._restart_requested,
+                                 input_states=lambda: self.loop.sources.summary())
         self.loop = ServingLoop(frames, sources, self.models, self.transport, self.progress, self.handover,
                                 self.stop_event, cfg.batching.max_batch,
                                 cfg.batching.max_wait_ms, cfg.publish, on_event=self._publish_event,
@@ -268,7 +269,7 @@ class Daemon:
         from agent.ops.discovery import discovery_messages
 
         for topic, payload in discovery_messages(self.config.mqtt.prefix, self.config.device_id, self.device.name,
-                                                 self.models.current.label):
+                                                 self.models.current.label, [s.name for s in self.config.sources]):
             self.transport.publish(topic, payload, qos=1, retain=True, durable=False)
 
     def _start_step(self, step: str) -> None:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from agent.cli.demo import DEMO_BUNDLE
-from tests.camera_rig import Blackhole, Camera, frame_capture, require_rig
+from tests.camera_rig import Blackhole, Camera, frame_capture, free_port, require_rig
 from tests.conftest import MqttProbe, wait_for
 from tests.test_e2e import start_daemon, write_config
 
@@ -209,3 +209,24 @@ def test_shutdown_while_a_camera_is_stalled_or_resuming_exits_0_ten_times(rig, t
             assert proc.returncode == 0 and took <= 10.0, "run %d: exit %s after %.1f s\n%s" % (
                 run, proc.returncode, took, out[-2000:])
             camera.stall()
+
+
+def test_validate_probe_opens_each_source_once_and_names_the_cause(rig, tmp_path, mosquitto):
+    import subprocess
+    import sys
+
+    secret = "Wrong-pass-42"
+    with Camera(password="right") as camera:
+        config = write_config(tmp_path, mosquitto, "unused", sources=[
+            {"name": "good", "uri": camera.url(user="viewer", password="right")},
+            {"name": "badpass", "uri": camera.url(user="viewer", password=secret)},
+            {"name": "badpath", "uri": camera.url("/nope", user="viewer", password="right")},
+            {"name": "nobody", "uri": "rtsp://127.0.0.1:%d/cam" % free_port()}])
+        done = subprocess.run([sys.executable, "-m", "agent", "validate", "--probe", config],
+                              capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "probe good: ok, 640x360 picture" in out
+    assert "probe badpass: FAILED [auth]" in out and "probe badpath: FAILED [not_found]" in out
+    assert "probe nobody: FAILED [refused]" in out
+    assert secret not in out and "viewer:right@" not in out

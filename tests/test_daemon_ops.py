@@ -287,15 +287,17 @@ def test_home_assistant_discovery_is_retained_and_republished_on_ha_birth(tmp_pa
     configs = Subscriber(mosquitto, "homeassistant/sensor/atlas-edge-e2e/#")
     proc = start_daemon(config)
     try:
-        assert configs.wait(lambda m: len(m) >= 6, timeout=90)
+        assert configs.wait(lambda m: len(m) >= 7, timeout=90)  # 6 of the box, 1 per source
         first = len(configs.messages)
         fps = json.loads([p for t, p, _r in configs.messages if t.endswith("/fps/config")][0])
         assert fps["state_topic"] == "atlas-edge/e2e/telemetry" and fps["availability"][0]["topic"].endswith(
             "/e2e/status")
+        cam = json.loads([p for t, p, _r in configs.messages if t.endswith("/source_cam/config")][0])
+        assert cam["state_topic"] == fps["state_topic"] and 'sources["cam"].state' in cam["value_template"]
         publish.single("homeassistant/status", "online", hostname=mosquitto.host, port=mosquitto.port)
-        assert configs.wait(lambda m: len(m) >= first + 6, timeout=30), "not republished after HA's birth"
+        assert configs.wait(lambda m: len(m) >= first + 7, timeout=30), "not republished after HA's birth"
         late = Subscriber(mosquitto, "homeassistant/sensor/atlas-edge-e2e/#")
-        assert late.wait(lambda m: len(m) >= 6 and all(r for _t, _p, r in m), timeout=10)  # retained
+        assert late.wait(lambda m: len(m) >= 7 and all(r for _t, _p, r in m), timeout=10)  # retained
         late.close()
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -8,6 +8,7 @@ import time
 
 import cv2
 import numpy as np
+import pytest
 
 from agent.config.daemon_config import SourceConfig
 from agent.pipeline.sources import SourceReader
@@ -108,3 +109,56 @@ def test_max_fps_limits_the_rate(tmp_path):
     reader, frames = run_reader(SourceConfig(name="cam", uri=str(tmp_path), max_fps=10))
     gaps = np.diff([f.enqueued for f in frames])
     assert len(frames) == 3 and (gaps >= 0.09).all()  # a lower bound from the limiter, not a speed claim
+
+
+def test_validate_refuses_unknown_schemes_and_malformed_camera_indexes():
+    from agent.config.daemon_config import parse_daemon_config
+    from agent.config.schema import ConfigError
+
+    for uri, words in (("rtps://cam/stream", "unknown scheme 'rtps'"), ("camera:abc", "camera index"),
+                       ("camera:-1", "camera index"), ("camera:", "camera index")):
+        with pytest.raises(ConfigError) as caught:
+            parse_daemon_config({"device_id": "d", "model": {"bundle": "b"},
+                                 "sources": [{"name": "c", "uri": uri}]})
+        assert "sources[0].uri" in str(caught.value) and words in str(caught.value)
+    config = parse_daemon_config({"device_id": "d", "model": {"bundle": "b"},
+                                  "sources": [{"name": "c", "uri": "camera:2"}, {"name": "r", "uri": "rtsps://h/s"}]})
+    assert [s.uri for s in config.sources] == ["camera:2", "rtsps://h/s"]
+
+
+def test_redact_hides_passwords_in_every_uri_of_a_text_and_keeps_the_rest():
+    from agent._util.redact import redact, redact_all
+
+    text = "cannot open rtsp://admin:s3cr@t@10.0.0.5:554/s (then http://u:p@h/x); rtsp://h/open rtsp://user@h/x"
+    assert redact(text) == ("cannot open rtsp://admin:***@10.0.0.5:554/s (then http://u:***@h/x); rtsp://h/open "
+                            "rtsp://user@h/x")
+    assert redact_all({"a": ["rtsp://u:pw@h/s", 3]}) == {"a": ["rtsp://u:***@h/s", 3]}
+
+
+def test_a_stream_password_may_be_an_env_or_cred_reference(tmp_path, monkeypatch):
+    from agent.config.schema import ConfigError
+    from agent.config.source_uri import resolve_source_uri
+
+    monkeypatch.setenv("CAM_PW", "p@ss:word/1")
+    assert resolve_source_uri("rtsp://admin:env:CAM_PW@h:554/s?x=1") == "rtsp://admin:p%40ss%3Aword%2F1@h:554/s?x=1"
+    (tmp_path / "cam1").write_text("fromcred\n")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    assert resolve_source_uri("rtsp://admin:cred:cam1@h/s") == "rtsp://admin:fromcred@h/s"
+    assert resolve_source_uri("rtsp://admin:plain@h/s") == "rtsp://admin:plain@h/s"
+    with pytest.raises(ConfigError) as caught:
+        resolve_source_uri("rtsp://admin:env:NOPE_NOT_SET@h/s", "sources[cam].uri")
+    assert "sources[cam].uri" in str(caught.value) and "NOPE_NOT_SET" in str(caught.value)
+
+
+def test_the_dvpp_decoder_seam_names_what_is_missing_and_claims_nothing():
+    """Boundary only: no pyACL here, so choosing DVPP fails the open with cause 'config', naming pyACL."""
+    from agent.pipeline.sources.stream import StreamReader
+
+    reader = StreamReader(SourceConfig(name="cam", uri="rtsp://127.0.0.1:1/x", decoder="dvpp"))
+    try:
+        with pytest.raises(Exception) as caught:
+            reader.open(threading.Event())
+    finally:
+        reader.close()
+    assert getattr(caught.value, "cause", None) == "config"
+    assert "pyACL" in str(caught.value) or "not implemented" in str(caught.value)

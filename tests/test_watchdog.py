@@ -637,3 +637,25 @@ def test_thread_without_systemd_stops_within_its_timeout():
         watchdog.start()
     assert wait_until(lambda: watchdog.memory.last_sample is not None)
     assert watchdog.stop(WAIT_S)
+
+
+def test_no_source_up_is_alive_without_input_not_stuck(listener):
+    """Every camera stalled: the idle loop keeps turning, so pings go on, nothing restarts, and the status
+    line says there is no input; it says 'serving' again once a source is up."""
+    clock = ManualClock()
+    env = {"NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}
+    states = {"stalled": 1, "failed": 1}
+    progress = ProgressMonitor(10, clock=clock)
+    restarts: List[str] = []
+    watchdog = Watchdog(WatchdogConfig(), MemoryWatchdog(WatchdogConfig(), clock=clock, read_limit=lambda: None),
+                        progress, SystemdNotifier(environ=env), on_alert=lambda a: None,
+                        request_restart=restarts.append, clock=clock, input_states=lambda: dict(states))
+    for _ in range(5):
+        progress.idle_tick()
+        watchdog.tick(clock.advance(1.0))
+    assert watchdog.pings >= 4 and restarts == [] and watchdog.snapshot()["no_input"] is True
+    assert listener.wait_for("STATUS=serving, no input: no source up (1 failed, 1 stalled)", 1)
+    states.clear()
+    states.update(up=1, stalled=1)
+    watchdog.tick(clock.advance(1.0))
+    assert listener.wait_for("STATUS=serving", 1) and watchdog.no_input is False

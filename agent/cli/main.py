@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, List, Optional
 
 if TYPE_CHECKING:
+    from agent.config.daemon_config import DaemonConfig
     from agent.config.overrides import Overrides
 
 EPILOG = """examples:
@@ -79,6 +80,8 @@ def _cannot_start(exc: BaseException) -> None:
 
 def _add_validate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="a daemon config or a device config (YAML)")
+    parser.add_argument("--probe", action="store_true",
+                        help="also open each source once and read one picture; report the cause of any failure")
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -89,6 +92,7 @@ def _validate(args: argparse.Namespace) -> int:
     """
     import yaml
 
+    from agent._util.redact import redact_all
     from agent.config.daemon_config import DaemonConfig
     from agent.config.device_config import DeviceConfig, load_device_config
     from agent.config.overrides import load_with_overrides
@@ -112,7 +116,7 @@ def _validate(args: argparse.Namespace) -> int:
         return 1
     kind = DeviceConfig if is_device else DaemonConfig
     print("%s: valid %s" % (args.file, "device config" if is_device else "daemon config"))
-    values = to_dict(config)
+    values = redact_all(to_dict(config))
     from_overrides = overrides.values() if overrides is not None else {}
     for path, _default, doc in describe(kind):
         value = values
@@ -123,11 +127,31 @@ def _validate(args: argparse.Namespace) -> int:
         print("%s %-34s %-28s %s" % ("*" if marked else " ", path, json.dumps(value)[:28], doc))
     if overrides is not None:
         _print_overrides(overrides)
+    if args.probe and not is_device:
+        return _probe_sources(config)
     return 0
+
+
+def _probe_sources(config: "DaemonConfig") -> int:
+    """``validate --probe``: each source opened once; 0 only when every one gave a picture."""
+    from agent.pipeline.sources import probe
+
+    failed = 0
+    for source in config.sources:
+        found = probe(source)
+        if found["ok"]:
+            print("probe %s: ok, %dx%d picture in %.2f s (time from %s)" % (
+                source.name, found["image_hw"][1], found["image_hw"][0], found["seconds"], found["ts_source"]))
+        else:
+            failed += 1
+            print("probe %s: FAILED [%s] %s" % (source.name, found["cause"], found["message"]))
+    return 1 if failed else 0
 
 
 def _print_overrides(overrides: "Overrides") -> None:
     """What the state directory's overrides file contributes, or why it would be ignored by ``run``."""
+    from agent._util.redact import redact
+
     report = overrides.report()
     if report["unreadable"]:
         print("overrides %s could not be read (%s); run validate as the daemon's user (sudo -u atlas-edge) to "
@@ -138,7 +162,7 @@ def _print_overrides(overrides: "Overrides") -> None:
     elif report["values"] or report["ignored"]:
         print("* from overrides %s (remote set-config; the file above is unchanged):" % report["file"])
         for key, value in report["values"].items():
-            print("    %s = %s" % (key, json.dumps(value)))
+            print("    %s = %s" % (key, redact(json.dumps(value))))
         for item in report["ignored"]:
             print("  ignored (no longer valid against this file): %s: %s" % (
                 item["section"], "; ".join("%s: %s" % (e["field"], e["message"]) for e in item["errors"])))

@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 from agent._util.compat import Protocol
+from agent._util.redact import redact_all
 from agent.commands.dispatcher import Handler, Progress
 from agent.config.daemon_config import DaemonConfig, merge_config
 from agent.config.overrides import Overrides
@@ -81,7 +82,7 @@ class CommandHandlers:
             "model": self.models.current.describe(),
             "slots": self.models.status(),
             "uptime_s": None if self.started is None else round(time.monotonic() - self.started, 1),
-            "overrides": self.overrides.report(),
+            "overrides": redact_all(self.overrides.report()),
             "paused": self.loop.paused,
         })
         return info
@@ -89,7 +90,7 @@ class CommandHandlers:
     def validate(self, request: ConfigRequest, progress: Progress) -> Dict[str, Any]:
         changes = request.config
         merged = merge_config(self.get_config(), changes)  # raises ConfigError with per-field errors
-        return {"valid": True, "config": {k: to_dict(getattr(merged, k)) for k in changes}}
+        return {"valid": True, "config": redact_all({k: to_dict(getattr(merged, k)) for k in changes})}
 
     def set_config(self, request: ConfigRequest, progress: Progress) -> Dict[str, Any]:
         """Validate, record in the overrides file (durable: a restart keeps it), then apply between batches.

@@ -11,6 +11,11 @@ Four small parts, each testable alone, tied together by :class:`Watchdog`:
   from progress: ``WATCHDOG=1`` is sent only when frames went through (or the idle loop proved it is
   turning), and never while an inference call overruns its deadline.
 
+Alive with no input is not stuck: when no source is up (every camera stalled, down or failed) the loop still
+turns, pings go on, and the service status says "serving, no input" with the sources' states; restarting
+the daemon does not fix a camera (each source alerts and reopens on its own, docs/sources.md). Only a loop
+that stops turning, or an overrunning inference call, costs the pings and so the process.
+
 All memory figures are MiB (what systemd's ``M`` suffix and npu-smi's ``MB`` mean).
 """
 
@@ -563,8 +568,12 @@ class Watchdog:
     def __init__(self, config: WatchdogConfig, memory: MemoryWatchdog, progress: ProgressMonitor,
                  notifier: Notifier, on_alert: Callable[[Dict[str, Any]], None],
                  request_restart: Callable[[str], None], tick_s: Optional[float] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 input_states: Optional[Callable[[], Dict[str, int]]] = None) -> None:
+        """``input_states()`` counts the running sources by state (:meth:`SourceSet.summary`)."""
         self.memory = memory
+        self.input_states = input_states
+        self.no_input = False
         self.progress = progress
         self.notifier = notifier
         self.on_alert = on_alert
@@ -625,6 +634,7 @@ class Watchdog:
             self._restart("inference hang: %d consecutive deadline misses (deadline %.1f s)" % (
                 self.progress.misses, self.progress.deadline_s))
         self._maybe_ping(now)
+        self._check_input()
         if self._next_memory is None or now >= self._next_memory:
             self._next_memory = now + self.memory_interval_s
             for alert in self.memory.check_all():
@@ -643,6 +653,25 @@ class Watchdog:
             self.pings += 1
         self.progress.mark_pinged()
         self._last_ping = now
+
+    def _check_input(self) -> None:
+        """Say in the service status when no source is up, and when input is back (each once)."""
+        if self.input_states is None:
+            return
+        states = self.input_states()
+        total = sum(states.values())
+        no_input = total > 0 and not states.get("up")
+        if no_input == self.no_input:
+            return
+        self.no_input = no_input
+        if no_input:
+            text = "serving, no input: no source up (%s)" % ", ".join(
+                "%d %s" % (n, state) for state, n in sorted(states.items()))
+            log.warning("%s; alive and pinging (a restart does not fix a camera)", text)
+        else:
+            text = "serving"
+            log.info("input is back: %d of %d sources up", states.get("up", 0), total)
+        self.notifier.status(text)
 
     def _emit(self, alert: Alert) -> None:
         log.warning("watchdog alert %s: %s", alert.kind, alert.message)
@@ -669,7 +698,7 @@ class Watchdog:
         result: Dict[str, Any] = dict(sample.as_dict()) if sample else {}
         result.update(soft_limit_mb=None if limit is None else round(limit, 1), soft_limit_source=source,
                       rss_slope_mb_per_hour=_rounded(self.memory.rss_trend.slope_mb_per_hour),
-                      watchdog_pings=self.pings, restart_requested=self.restart_reason)
+                      watchdog_pings=self.pings, restart_requested=self.restart_reason, no_input=self.no_input)
         result.update(self.progress.snapshot())
         return result
 

@@ -6,7 +6,7 @@ after an HA restart when discovery was published only once.
 """
 
 import json
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 HA_PREFIX = "homeassistant"
 HA_STATUS_TOPIC = HA_PREFIX + "/status"
@@ -23,16 +23,22 @@ TELEMETRY_SENSORS = (
 )
 
 
-def discovery_messages(prefix: str, device_id: str, device_kind: str, model_label: str
-                       ) -> List[Tuple[str, bytes]]:
-    """(topic, retained payload) for each sensor of this box."""
+def source_sensors(sources: Sequence[str]) -> List[Tuple[str, str, str, Optional[str]]]:
+    """One sensor per source: its state (connecting/up/stalled/down/failed), from the telemetry's ``sources``."""
+    return [("source_%s" % name, "Source %s" % name,
+             "{{ value_json.sources[%s].state | default(none) }}" % json.dumps(name), None) for name in sources]
+
+
+def discovery_messages(prefix: str, device_id: str, device_kind: str, model_label: str,
+                       sources: Sequence[str] = ()) -> List[Tuple[str, bytes]]:
+    """(topic, retained payload) for each sensor of this box, and one per source."""
     base = "%s/%s" % (prefix, device_id)
     device = {"identifiers": ["atlas-edge-%s" % device_id], "name": "atlas-edge %s" % device_id,
               "model": device_kind, "sw_version": model_label, "manufacturer": "atlas-edge"}
     availability = {"topic": base + "/status", "value_template": "{{ value_json.state }}",
                     "payload_available": "online", "payload_not_available": "offline"}
     messages = []
-    for object_id, name, template, unit in TELEMETRY_SENSORS:
+    for object_id, name, template, unit in (*TELEMETRY_SENSORS, *source_sensors(sources)):
         unique = "atlas_edge_%s_%s" % (device_id, object_id)
         config: Dict[str, Any] = {
             "name": name, "unique_id": unique, "object_id": unique, "state_topic": base + "/telemetry",

@@ -9,8 +9,8 @@
 
 from agent.pipeline.sources import files, stream  # noqa: F401  (register their readers)
 from agent.pipeline.sources.base import Captured, EndOfSource, Frame, Reader, SourceUnavailable, reader_for, register
-from agent.pipeline.sources.driver import SourceReader, SourceSet, put_dropping_oldest
+from agent.pipeline.sources.driver import SourceReader, SourceSet, probe, put_dropping_oldest
 from agent.pipeline.sources.health import SourceHealth
 
 __all__ = ["Captured", "EndOfSource", "Frame", "Reader", "SourceHealth", "SourceReader", "SourceSet",
-           "SourceUnavailable", "put_dropping_oldest", "reader_for", "register"]
+           "SourceUnavailable", "probe", "put_dropping_oldest", "reader_for", "register"]

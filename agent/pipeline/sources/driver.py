@@ -138,6 +138,28 @@ class SourceReader(threading.Thread):
         put_dropping_oldest(self.out, frame, self.health)
 
 
+def probe(config: SourceConfig) -> Dict[str, Any]:
+    """Open ``config``'s source once and read one picture (``validate --probe``): what worked, or the cause."""
+    reader = reader_for(config)
+    started = time.monotonic()
+    try:
+        reader.open(threading.Event())
+        deadline = started + config.open_timeout_s + config.stall_timeout_s
+        while time.monotonic() < deadline:
+            captured = reader.read(POLL_S)
+            if captured is not None:
+                height, width = captured.image.shape[:2]
+                return {"ok": True, "image_hw": [height, width], "ts_source": captured.ts_source,
+                        "seconds": round(time.monotonic() - started, 2)}
+        raise SourceUnavailable("opened, but no picture within %.1f s" % config.stall_timeout_s, "stalled")
+    except EndOfSource:
+        return {"ok": False, "cause": "ended", "message": "no picture: the source ended at once"}
+    except SourceUnavailable as exc:
+        return {"ok": False, "cause": exc.cause, "message": str(exc)}
+    finally:
+        reader.close()
+
+
 def put_dropping_oldest(out: "queue.Queue", frame: Frame, health: Any) -> None:
     """Queue ``frame``; when the queue is full, drop the oldest frame and count it on ``health``."""
     while True:

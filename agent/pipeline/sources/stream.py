@@ -5,8 +5,8 @@ that accepts and never answers held up every other camera's open and reopen by i
 measured; ``OPENCV_FFMPEG_IS_THREAD_SAFE=1`` lifts the lock but leaves the rest); a crash in a decoder took
 the daemon with it; a read blocked in C could not be interrupted, and the process aborted at exit when a
 stalled camera resumed while it stopped (SIGABRT). A worker is killed instead, and its death is one
-camera's error. The price: a Python process (about 60 MB resident with OpenCV) per camera and one copy of
-each handed-over frame through a pipe (benchmarks/README.md, section ``sources``).
+camera's error. The price: a Python process with OpenCV per camera and one copy of
+each handed-over frame through a pipe (docs/sources.md).
 
 The cause of a failed open is read from FFmpeg's and OpenCV's own error lines on the worker's stderr
 (401 → ``auth``, 404 → ``not_found``, refused, timeout); every such line is redacted before it is kept.
