@@ -123,7 +123,8 @@ def test_a_30_s_stall_is_seen_alerted_and_recovered(rig, tmp_path, mosquitto):
 
 
 def test_a_resolution_change_mid_session_is_served_within_the_stall_timeout(rig, tmp_path, mosquitto):
-    with Camera(size=(640, 360)) as camera:
+    # 25 fps, as most IP cameras: FFmpeg's open reads 20 frames to probe the rate (2.9 s at 10 fps, 1.2 s here)
+    with Camera(size=(640, 360), fps=25) as camera:
         box = CameraDaemon(tmp_path, mosquitto, [{"name": "hall", "uri": camera.url()}])
         try:
             assert wait_for(lambda: box.of("hall"), timeout=30)
@@ -141,7 +142,7 @@ def test_a_resolution_change_mid_session_is_served_within_the_stall_timeout(rig,
 
 def test_a_blackholed_camera_listed_first_does_not_delay_a_healthy_one(rig, tmp_path, mosquitto):
     hole = Blackhole()
-    with Camera() as camera:
+    with Camera(fps=25) as camera:  # see the resolution test: FFmpeg's open probes 20 frames
         box = CameraDaemon(tmp_path, mosquitto, [{"name": "dead", "uri": hole.url(), "open_timeout_s": 30},
                                                  {"name": "live", "uri": camera.url()}])
         try:

@@ -20,7 +20,7 @@ from agent.config.source_uri import source_kind
 # A stream worker's messages (:mod:`.worker`): kind, JSON length, payload length; then the JSON and the payload.
 WORKER_HEADER = struct.Struct("<4sII")
 # Why a source is not delivering, as status and alerts name it.
-CAUSES = ("auth", "not_found", "refused", "timeout", "decode", "stalled", "frozen", "ended", "config",
+CAUSES = ("auth", "not_found", "refused", "timeout", "decode", "stalled", "frozen", "resized", "ended", "config",
           "unavailable")
 # Causes a retry cannot fix: the source is `failed` and retried only every reopen_max_s.
 PERMANENT_CAUSES = ("auth", "not_found", "config")

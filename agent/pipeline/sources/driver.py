@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # a reader waits at most this long per read, so stop, pause and stall timers stay prompt
 # Causes after which a source reopens at once: the camera itself is fine (an in-stream resolution change).
-REOPEN_AT_ONCE = ("frozen",)
+REOPEN_AT_ONCE = ("frozen", "resized")
 
 
 class SourceReader(threading.Thread):

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 WORKER_START_S = 30.0  # a worker's Python start (import of OpenCV) on a slow board, on top of the open timeout
 STOP_GRACE_S = 0.5  # a worker given its stdin's end gets this long before SIGKILL
 STDERR_LINES = 20
+READ_TIMEOUT_SLACK_S = 0.5  # a read that ended this close to the read timeout was cut by it: the camera stalled
 # (text in FFmpeg's or OpenCV's error lines, cause); first match wins.
 CAUSE_PATTERNS = (("401", "auth"), ("Unauthorized", "auth"), ("403", "auth"), ("404", "not_found"),
                   ("Not Found", "not_found"), ("Connection refused", "refused"), ("timeout", "timeout"),
@@ -49,6 +50,7 @@ CAUSE_PATTERNS = (("401", "auth"), ("Unauthorized", "auth"), ("403", "auth"), ("
 # every failed open, which says nothing about the cause.
 _PREFIX = re.compile(r"^\[[^\]]*\]\s*(global \S+ \S+ )?")
 _NOISE = "can't be used to capture by name"
+_REINIT = re.compile(r"Reinit context to (\d+)x(\d+)")
 
 
 def classify(text: str) -> str:
@@ -71,6 +73,8 @@ class StreamReader:
         self._buffer = bytearray()
         self._err_buffer = b""
         self.fps = 0.0
+        self._coded: Optional[Tuple[int, int]] = None  # the decoder's frame size (multiples of 16)
+        self._resized: Optional[Tuple[int, int]] = None
 
     # --- the worker process ---------------------------------------------------------------------------
 
@@ -89,7 +93,10 @@ class StreamReader:
             options.setdefault("rtsp_transport", self.config.transport)
         env = dict(os.environ)
         env["OPENCV_FFMPEG_CAPTURE_OPTIONS"] = "|".join("%s;%s" % kv for kv in options.items())
-        env["OPENCV_FFMPEG_LOGLEVEL"] = "16"  # AV_LOG_ERROR: the lines that name a failed open's cause
+        # AV_LOG_VERBOSE: errors name a failed open's cause; the decoder's "Reinit context to WxH" tells a
+        # resolution change in the stream, which OpenCV hides (it returns frozen or garbled pictures at the old
+        # size). Verbose lines come at open and at such changes only.
+        env["OPENCV_FFMPEG_LOGLEVEL"] = "40"
         env.pop("OPENCV_FFMPEG_IS_THREAD_SAFE", None)  # one camera per process: no lock to lift
         return env
 
@@ -125,6 +132,9 @@ class StreamReader:
 
     def read(self, timeout: float) -> Optional[Captured]:
         message = self._next_message(timeout)
+        if self._resized is not None:
+            raise SourceUnavailable("the stream changed resolution to about %dx%d: reopening" % self._resized,
+                                    "resized")
         if message is None:
             return None
         kind, meta, payload = message
@@ -136,6 +146,9 @@ class StreamReader:
             raise SourceUnavailable("the picture froze (%s): reopening" % "x".join(map(str, meta["shape"])),
                                     "frozen")
         if kind == b"ENDS":
+            waited = float(meta.get("waited_s", 0.0))
+            if waited >= min(self.config.read_timeout_s, self.config.stall_timeout_s) - READ_TIMEOUT_SLACK_S:
+                raise SourceUnavailable("no data for %.1f s (read timeout)" % waited, "stalled")
             raise EndOfSource(redact(self.config.uri))
         raise self._failure(meta)
 
@@ -201,6 +214,12 @@ class StreamReader:
         self._err_buffer = lines.pop()
         for line in lines:
             text = redact(_PREFIX.sub("", line.decode("utf-8", "replace").strip()))
+            reinit = _REINIT.search(text)
+            if reinit:
+                size = (int(reinit.group(1)), int(reinit.group(2)))
+                if self._coded is not None and size != self._coded:
+                    self._resized = size
+                self._coded = size
             if text and _NOISE not in text:
                 self.stderr.append(text)
                 log.debug("source %s worker: %s", self.config.name, text)

@@ -18,8 +18,9 @@ Freshness rules, all here, next to the decoder:
 
 Wire format on stdout: a header ``<4sII`` (kind, JSON length, payload length), the JSON, the payload. Kinds:
 ``OPEN`` (opened; fps), ``FRAM`` (a frame: shape, capture time, counters; payload = BGR pixels), ``FAIL``
-(open failed; message), ``ENDS`` (the stream ended), ``FROZ`` (the picture froze). The spec comes as one
-JSON line on stdin; stdin closing (the daemon stopped or died) ends the worker at once.
+(open failed; message), ``ENDS`` (no more frames; how long the last read waited), ``FROZ`` (the picture
+froze). The spec comes as one JSON line on stdin; stdin closing (the daemon stopped or died) ends the worker
+at once.
 """
 
 import json
@@ -116,7 +117,7 @@ def serve(spec: Dict[str, Any]) -> int:
     while True:
         before = time.monotonic()
         if not capture.grab():
-            send(b"ENDS", {})
+            send(b"ENDS", {"waited_s": time.monotonic() - before})  # a read timeout is a stall, not an end
             return 0
         now = time.monotonic()
         read_ts = time.time()
