@@ -99,7 +99,8 @@ def test_a_30_s_stall_is_seen_alerted_and_recovered(rig, tmp_path, mosquitto):
             assert wait_for(lambda: box.of("yard"), timeout=30)
             stalled_at = time.time()
             camera.stall()
-            assert wait_for(lambda: box.health("yard")["state"] == "stalled", timeout=STALL_TIMEOUT_S + 1.0)
+            assert wait_for(lambda: box.health("yard")["state"] == "stalled", timeout=STALL_TIMEOUT_S + 1.0), \
+                "not stalled %.1f s after the stall: %s" % (time.time() - stalled_at, box.health("yard"))
             seen = time.time() - stalled_at
             assert wait_for(lambda: any(a["kind"] == "source_down" for a in alerts.on(
                 "atlas-edge/cams/telemetry/alert")), timeout=STALL_TIMEOUT_S + 1.0 - seen)

@@ -5,7 +5,7 @@ One thread per source opens its reader, moves captured pictures into the shared 
 handles everything that goes wrong the same way for every kind: a failure is classified, shown in the
 source's health, alerted once, and retried with exponential backoff (to ``reopen_max_s`` at once for causes
 a retry cannot fix). A live source that sends no new picture for ``stall_timeout_s`` is ``stalled`` and
-reopened; a frame older than that when it arrives is dropped, never served as fresh. A folder or file ends
+reopened; a frame older than half that when it arrives is dropped, never served as fresh. A folder or file ends
 (or loops); its ``max_fps`` paces reading, where a live source's skips frames in its worker.
 """
 
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.1  # a reader waits at most this long per read, so stop, pause and stall timers stay prompt
 # Causes after which a source reopens at once: the camera itself is fine (an in-stream resolution change).
 REOPEN_AT_ONCE = ("frozen", "resized")
+# A live picture that arrives later than this share of the stall timeout after its capture is dropped, not
+# served: it is a backlog or a decoder's flush after a stall, and the result would be stale before inference.
+STALE_FRACTION = 0.5
 
 
 class SourceReader(threading.Thread):
@@ -100,20 +103,24 @@ class SourceReader(threading.Thread):
     def _pump(self, reader: Reader) -> None:
         """Move pictures from an open reader to the queue until stopped; raises when the session ends."""
         interval = 1.0 / self.config.max_fps if self.config.max_fps > 0 and not reader.live else 0.0
-        last_new = last_emit = time.monotonic()
+        stall_s = self.config.stall_timeout_s
+        newest = last_emit = time.monotonic()  # capture time of the newest picture, on the monotonic clock
         while not self.stop_event.is_set():
             captured = reader.read(POLL_S)
             now = time.monotonic()
             if captured is None:
-                if reader.live and now - last_new > self.config.stall_timeout_s:
-                    raise SourceUnavailable("no new picture for %.1f s" % (now - last_new), "stalled")
+                if reader.live and now - newest > stall_s:
+                    raise SourceUnavailable("no new picture for %.1f s" % (now - newest), "stalled")
                 continue
-            last_new = now
+            age = max(0.0, self.clock() - captured.capture_ts)
+            # The stall timer runs from capture, not arrival: a decoder flushed by a read timeout hands over a
+            # picture taken before the stall, and that must not restart the timer.
+            newest = max(newest, now - age)
             self.health.frame_in(captured.skipped, captured.decode_errors)
             self._collect_decode_errors(reader)
             if self.paused.is_set():
                 continue  # a live source keeps reading, so resume starts fresh
-            if reader.live and self.clock() - captured.capture_ts > self.config.stall_timeout_s:
+            if reader.live and age > stall_s * STALE_FRACTION:
                 self.health.stale_dropped += 1
                 continue
             if interval:
