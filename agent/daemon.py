@@ -133,7 +133,7 @@ class Daemon:
                                         backend=self.backend, overrides=self.overrides)
         self.dispatcher = CommandDispatcher(self.transport, self.handlers.table(),
                                             record_path=cfg.state_path("requests.sqlite"),
-                                            on_alert=self._publish_alert)
+                                            on_alert=self._publish_alert, on_announce=self._answer_announce)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -243,7 +243,14 @@ class Daemon:
     def _presence(self, state: str) -> Dict[str, Any]:
         model = self.models.current
         return {"state": state, "device": self.device.name, "model": model.label, "backend": self.backend,
-                "ts": time.time(), "groups": list(self.config.mqtt.groups), "slots": self.models.status()}
+                "ts": time.time(), "groups": list(self.config.mqtt.groups), "slots": self.models.status(),
+                # the operator's clock for this box: silent for a few intervals, an "online" is not believed
+                "telemetry_interval_s": self.config.publish.telemetry_interval_s}
+
+    def _answer_announce(self) -> None:
+        """An operator's announce request (fleet status, rollout): the live status, as on every switch."""
+        if self._announced:
+            self.transport.set_status(self._presence("online"))
 
     def _publish_event(self, event: Dict[str, Any]) -> None:
         event = dict(event, ts=time.time())

@@ -213,6 +213,24 @@ def test_group_commands_reach_members_only(system_factory):
     assert system.acks("g-2") == [] and system.handlers.calls["status"] == 2
 
 
+def test_announce_is_answered_at_once_without_ack_even_behind_a_running_command(system_factory):
+    announced = []
+    system = system_factory(groups=("line-1",), on_announce=lambda: announced.append(True))
+    system.send("restart", {"request_id": "long-1"})  # the worker is held inside this handler
+    assert wait_for(lambda: system.dispatcher.stats()["busy"])
+    system.operator.publish("atlas-edge/announce", b'{"ts": 1}')  # every box: no request id needed
+    assert wait_for(lambda: len(announced) == 1)
+    assert system.dispatcher.stats()["busy"]  # answered while the long command still runs
+    system.send("announce", b"", group="line-1")  # a group's announce; any payload
+    system.send("announce", b"not json")  # the box's own topic
+    assert wait_for(lambda: len(announced) == 3)
+    system.handlers.release.set()
+    assert system.final("long-1")["state"] == "succeeded"
+    stats = system.dispatcher.stats()
+    assert stats["announced"] == 3 and not stats.get("dropped")
+    assert [t for t, _, _, _ in system.operator.messages if "/ack/" in t and "long-1" not in t] == []  # no ack
+
+
 # -- structured failures -------------------------------------------------------------------------------------
 
 

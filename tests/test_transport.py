@@ -58,7 +58,7 @@ def test_topics_and_subscriptions(tmp_path):
     assert transport.topic("results", "front") == "plant/ae/cam-01/results/front"
     assert transport.status_topic == "plant/ae/cam-01/status"
     assert transport.command_topics() == ["plant/ae/cam-01/cmd/#", "plant/ae/group/line-1/cmd/#",
-                                          "plant/ae/group/all/cmd/#"]
+                                          "plant/ae/group/all/cmd/#", "plant/ae/announce"]
     assert transport.client_id == "atlas-edge-cam-01"
 
 

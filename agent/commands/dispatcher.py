@@ -8,6 +8,10 @@ recovered, and are otherwise dropped with a counted reason (:meth:`CommandDispat
 ``request_id`` is answered from its recorded outcome and never executed twice, also across restarts
 (:mod:`agent.commands.record`).
 
+An operator's announce request (``<prefix>/announce``, or ``announce`` on a group's or the box's command topic)
+is no command: the intake thread answers it at once with the box's live status (``on_announce``), without
+request id, ack or record, so that a box is found even while a long deploy runs on the worker.
+
 Threads: :meth:`CommandDispatcher.submit` runs on paho's thread and only enqueues. The intake thread checks
 and parses each message and sends ``accepted`` at once; the worker thread runs handlers one at a time, so a
 long deploy does not delay the ``accepted`` of the next command. Handlers are the daemon's
@@ -41,7 +45,7 @@ from agent.protocol.messages import (
     peek_request_id,
 )
 from agent.protocol.requests import parse_request
-from agent.protocol.topics import command_verb
+from agent.protocol.topics import ANNOUNCE, command_verb
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +101,7 @@ class CommandDispatcher:
         record_size: int = DEFAULT_RECORD_SIZE,
         queue_size: int = DEFAULT_QUEUE_SIZE,
         on_alert: Optional[Callable[[Dict[str, Any]], None]] = None,
+        on_announce: Optional[Callable[[], None]] = None,
     ) -> None:
         unknown = sorted(set(handlers) - set(VERBS))
         if unknown:
@@ -117,9 +122,10 @@ class CommandDispatcher:
         self._lock = threading.Lock()
         self._dropped: Dict[str, int] = {}
         self._failed: Dict[str, int] = {}
-        self._counters = dict.fromkeys(("received", "accepted", "succeeded", "duplicates"), 0)
+        self._counters = dict.fromkeys(("received", "accepted", "succeeded", "duplicates", "announced"), 0)
         self._drop_log = LogLimiter(logger, DROP_LOG_FIRST, DROP_LOG_EVERY)
         self._on_alert = on_alert
+        self._on_announce = on_announce
 
     # -- paho's thread ------------------------------------------------------------------------------------
 
@@ -205,6 +211,9 @@ class CommandDispatcher:
         if not self._bucket.take(arrived):
             self._reject_unparsed(payload, verb, "rate_limited", "more than the allowed commands per second")
             return
+        if verb == ANNOUNCE:
+            self._announce(topic)
+            return
         if len(payload) > self.max_payload_bytes:
             self._reject_unparsed(payload, verb, "too_large", "payload of %d bytes exceeds %d"
                                   % (len(payload), self.max_payload_bytes))
@@ -252,6 +261,18 @@ class CommandDispatcher:
         ack = self._ack(job, ACCEPTED)
         self._record.save(ack)
         self._publish(ack)
+
+    def _announce(self, topic: str) -> None:
+        """Answer an operator's announce request at once (here, not behind a running deploy on the worker).
+
+        Not a command: no request id, no ack, nothing recorded; the answer is the box's live status.
+        """
+        if self._on_announce is None:
+            self._drop("no_announce", topic)
+            return
+        with self._lock:
+            self._counters["announced"] += 1
+        self._on_announce()
 
     def _answer_duplicate(self, recorded: Dict[str, Any], request_id: str, verb: str) -> None:
         with self._lock:

@@ -176,6 +176,8 @@ class BoxStatus:
     slots: Optional[SlotsView] = None
     reason: Optional[str] = None
     connected_at: Optional[float] = None
+    broker: Optional[str] = None  # which of the box's mqtt.hosts it is on
+    telemetry_interval_s: Optional[float] = setting(None, gt=0)  # how often it speaks: judges staleness
 
     @property
     def online(self) -> bool:

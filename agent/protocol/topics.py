@@ -2,7 +2,8 @@
 
 ``<prefix>/<device>/status`` (retained), ``.../results/<source>``, ``.../telemetry`` (``.../telemetry/alert``),
 ``.../events``, ``.../snapshot/<source>``, ``.../ack/<request_id>``; commands on ``<prefix>/<device>/cmd/<verb>``
-and ``<prefix>/group/<group>/cmd/<verb>``.
+and ``<prefix>/group/<group>/cmd/<verb>``; the announce request on ``<prefix>/announce`` (every box) or a
+group's ``cmd/announce``.
 """
 
 from typing import Iterable, List, Optional, Sequence, Tuple
@@ -11,9 +12,12 @@ from agent.config.names import name_problem
 
 GROUP = "group"  # the level that marks a group's topics: a device id cannot be this
 CMD, ACK, STATUS, TELEMETRY, ALERT = "cmd", "ack", "status", "telemetry", "alert"
+# An operator's request that boxes publish their live status now (the inventory of agent/fleet): not a verb of
+# the command protocol (no request id, no ack), so the broker's retained store is never needed to find a box.
+ANNOUNCE = "announce"
 
 __all__ = ["name_problem", "check_topic_names", "device_topic", "status_topic", "ack_topic",
-           "command_topic", "command_subscriptions", "fleet_subscriptions", "split_device_topic",
+           "command_topic", "announce_topic", "command_subscriptions", "fleet_subscriptions", "split_device_topic",
            "command_verb"]
 
 
@@ -50,9 +54,16 @@ def command_topic(prefix: str, verb: str, device: Optional[str] = None, group: O
     return device_topic(prefix, str(device), CMD, verb)
 
 
+def announce_topic(prefix: str, group: Optional[str] = None) -> str:
+    """Where an operator asks for the boxes' live status: ``<prefix>/announce`` for every box (one level under
+    the prefix: no device or group topic has that shape), or the ``announce`` command topic of ``group``."""
+    return command_topic(prefix, ANNOUNCE, group=group) if group is not None else "/".join((prefix, ANNOUNCE))
+
+
 def command_subscriptions(prefix: str, device: str, groups: Sequence[str]) -> List[str]:
-    """What a box subscribes to: its own commands and those of each group it belongs to."""
-    return [device_topic(prefix, device, CMD, "#")] + ["/".join((prefix, GROUP, g, CMD, "#")) for g in groups]
+    """What a box subscribes to: its own commands, those of each group it belongs to, the fleet's announce."""
+    return ([device_topic(prefix, device, CMD, "#")] + ["/".join((prefix, GROUP, g, CMD, "#")) for g in groups]
+            + [announce_topic(prefix)])
 
 
 def fleet_subscriptions(prefix: str, status_only: bool = False) -> List[str]:
@@ -76,7 +87,10 @@ def split_device_topic(prefix: str, topic: str) -> Optional[Tuple[str, Tuple[str
 
 
 def command_verb(prefix: str, device: str, groups: Iterable[str], topic: str) -> Optional[str]:
-    """The verb of a command topic addressed to ``device`` or one of its ``groups``, else None."""
+    """The verb of a command topic addressed to ``device`` or one of its ``groups`` (or :data:`ANNOUNCE` for the
+    fleet's announce topic), else None."""
+    if topic == announce_topic(prefix):
+        return ANNOUNCE
     own = "%s/%s/%s/" % (prefix, device, CMD)
     group_head = "%s/%s/" % (prefix, GROUP)
     if topic.startswith(own):
