@@ -50,6 +50,14 @@ def _ieee_floats() -> Iterator[None]:
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _operator_state_in_a_temporary_directory(tmp_path_factory: Any) -> Iterator[None]:
+    """``fleet`` keeps its record of boxes and rollouts under $XDG_STATE_HOME: never the tester's own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
+        yield
+
+
 def pytest_report_header() -> List[str]:
     if HAS_MINDSPORE:
         return []

@@ -491,6 +491,7 @@ def bridge_config(central, prefix):
         # down: commands to one box, and to the groups this site's boxes belong to
         "topic %s/+/cmd/# in 1" % prefix,
         "topic %s/group/sim/cmd/# in 1" % prefix,
+        "topic %s/announce in 1" % prefix,  # the operator's announce request: every box answers
     ]
 
 
@@ -520,6 +521,8 @@ def test_state_writes_grow_with_the_changes_not_with_the_fleet(tmp_path):
     new = {"name": "m", "version": "2", "manifest_sha256": SIM_SHA}
 
     def answer(topic, payload):
+        if not topic.endswith("/cmd/deploy"):  # the announce request: the statuses are already queued
+            return []
         device = topic.split("/")[1]
         confirmed = dict(_online(device), slots={"serving": "b", "slots": {
             "a": {"state": "standby", "name": "m", "version": "1", "manifest_sha256": "a" * 64},

@@ -19,6 +19,7 @@ from agent._util.atomic import atomic_write
 from agent.cli.ctl import EXIT_BROKER, EXIT_OK, EXIT_USAGE, add_broker_arguments, broker_addresses, make_client
 from agent.config.schema import ConfigError
 from agent.config.secrets import resolve_secret
+from agent.fleet.inventory import Inventory, record_path
 from agent.fleet.journal import RolloutLock, RolloutState
 from agent.fleet.link import FleetLink, LinkError
 from agent.fleet.plan import (
@@ -86,7 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     status.add_argument("--group", default=None, help="only boxes of this group")
     status.add_argument("--json", action="store_true", help="JSON for scripts instead of a table")
     status.add_argument("--listen", type=finite, default=DEFAULT_LISTEN_S, metavar="S",
-                        help="seconds to listen for telemetry (fps) and alerts after the retained status")
+                        help="seconds to listen for the boxes' answers, telemetry (fps) and alerts")
+    status.add_argument("--state-dir", default=None, help="where the record of every box seen is kept "
+                        "(default %s)" % default_state_dir())
     rollout = sub.add_parser("rollout", help="deploy a bundle to a group: canary, waves, abort, resume")
     add_broker_arguments(rollout)
     rollout.add_argument("--group", required=True, help="the boxes whose status names this group")
@@ -144,9 +147,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cancel.add_argument("--revert", action="store_true", help="roll every moved box back (by the running "
                         "rollout, or by the next run of the rollout command)")
     _state_args(cancel, True)
-    forget = sub.add_parser("forget", help="clear a decommissioned box's retained status")
+    forget = sub.add_parser("forget", help="clear a decommissioned box's retained status and its record")
     add_broker_arguments(forget)
     forget.add_argument("device", help="the device id")
+    forget.add_argument("--state-dir", default=None, help="the operator's record to remove it from too (default "
+                        "%s)" % default_state_dir())
 
 
 def _link(args: argparse.Namespace, name: str) -> FleetLink:
@@ -250,8 +255,18 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[Te
             link.close()
 
 
+def _record(args: argparse.Namespace) -> Inventory:
+    """The operator's record of every box seen under ``--prefix`` (agent/fleet/inventory.py)."""
+    return Inventory(record_path(_state_dir(args), args.prefix), args.prefix)
+
+
 def _status(args: argparse.Namespace, link: FleetLink, out: TextIO) -> int:
-    view = collect(link, FleetView(args.prefix), args.listen)
+    record = _record(args)
+    view = collect(link, FleetView(args.prefix), args.listen, group=args.group)
+    view.judge_stale()
+    record.fold(view)
+    record.fill(view)  # boxes seen before and not heard now: listed as unknown, with their last sighting
+    record.save()
     boxes = view.in_group(args.group)
     if args.json:
         print(json.dumps({"group": args.group, "boxes": [b.as_dict() for b in boxes]}, indent=1, sort_keys=True),
@@ -266,6 +281,9 @@ def _forget(args: argparse.Namespace, link: FleetLink, out: TextIO) -> int:
     if problem is not None:
         raise RolloutError("%r is not a device id: it %s" % (args.device, problem))
     link.clear_retained(status_topic(args.prefix, args.device))
+    record = _record(args)
+    if record.boxes.pop(args.device, None) is not None:
+        record.save()
     print("forgot %s: its retained status is cleared (it reappears if the box connects again)" % args.device,
           file=out)
     return EXIT_OK
@@ -298,10 +316,17 @@ def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, link: FleetLi
     def progress(line: str) -> None:
         print(line, file=err, flush=True)
 
+    # Boxes that must be reached: --inventory's, and the group's boxes in the operator's record (unseen if silent).
+    record = _record(args)
+    listed = _inventory(getattr(args, "inventory", None))
+    recorded = record.devices(spec.group)
     engine = Rollout(spec, rollout_id, state_dir, link, progress=progress, listen_s=args.listen,
                      settle_s=args.settle, expect=getattr(args, "expect", None),
-                     inventory=_inventory(getattr(args, "inventory", None)), resume=resume)
+                     inventory=sorted(set(listed or []) | set(recorded)) if listed or recorded else None,
+                     resume=resume)
     state = engine.run()
+    record.fold(engine.view)
+    record.save()
     result = report(state)
     result["broker_messages"] = {"sent": link.sent, "received": link.received}
     path = args.report or os.path.join(state_dir, "%s.report.json" % rollout_id)

@@ -147,15 +147,17 @@ class Rollout:
                                    self.rollout_id, ", ".join(differs), state.path))
 
     def _gather(self) -> None:
-        """Every retained status, until the set settles; longer (up to --listen) while fewer than expected."""
+        """Every status (announced or retained), until the set settles; longer (up to --listen) while fewer than
+        expected."""
         collect(self.link, self.view, self.listen_s, status_only=True, settle_s=self.settle_s,
-                monotonic=self.monotonic)
+                monotonic=self.monotonic, group=self.spec.group)
         deadline = self.monotonic() + EXPECT_WAIT_S
         while self.expect is not None and len(self.view.in_group(self.spec.group)) < self.expect and \
                 self.monotonic() < deadline:
             message = self.link.get(POLL_S)
             if message is not None:
                 self.view.apply(message)
+        self.view.judge_stale(self.clock())  # an "online" nobody heard lately is treated like offline
         for box in self.view.boxes.values():
             self._online[box.device] = box.online
 

@@ -10,13 +10,17 @@ heard while listening.
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from agent.fleet.link import FleetLink, Message
 from agent.protocol.messages import ProtocolError, parse_status
-from agent.protocol.topics import ALERT, STATUS, TELEMETRY, fleet_subscriptions, split_device_topic
+from agent.protocol.topics import ALERT, STATUS, TELEMETRY, announce_topic, fleet_subscriptions, split_device_topic
 
 ONLINE = "online"
+STALE = "stale"  # said online, but not heard live and silent for STALE_INTERVALS telemetry intervals
+UNKNOWN = "unknown"  # recorded earlier (or heard of without a status), not heard from this time
+STALE_INTERVALS = 3.0  # telemetry intervals without a word before an "online" status is not believed
+DEFAULT_TELEMETRY_INTERVAL_S = 10.0  # a box's publish.telemetry_interval_s default, for statuses without it
 MALFORMED = "malformed"  # the box's status does not have the documented shape: shown with the reason
 DEFAULT_LISTEN_S = 2.0  # long enough for the retained burst of a few thousand boxes and some telemetry
 # The retained burst is over once no new box has appeared for this long after the SUBACK. A link that
@@ -42,6 +46,9 @@ class BoxView:
     alerts: List[Dict[str, Any]] = field(default_factory=list)
     reason: Optional[str] = None
     malformed: Optional[str] = None  # why its last status was refused; its last good slot table is kept
+    broker: Optional[str] = None  # the broker (of mqtt.hosts) the box said it is on
+    telemetry_interval_s: Optional[float] = None
+    heard_live: bool = False  # a message from it arrived live during this run (not a retained copy)
 
     @property
     def online(self) -> bool:
@@ -74,7 +81,8 @@ class BoxView:
         serving = self.serving
         return {"device": self.device, "state": self.state, "groups": self.groups, "model": self.model,
                 "backend": self.backend, "serving": serving or None, "slots": self.slots,
-                "last_seen": self.last_seen, "fps": self.fps, "alerts": self.alerts, "reason": self.reason}
+                "last_seen": self.last_seen, "fps": self.fps, "alerts": self.alerts, "reason": self.reason,
+                "broker": self.broker, "heard_live": self.heard_live}
 
 
 class FleetView:
@@ -84,6 +92,7 @@ class FleetView:
         self.prefix = prefix
         self.boxes: Dict[str, BoxView] = {}
         self.updates = 0  # status messages applied; the rollout engine re-judges boxes when it moves
+        self.cleared: Set[str] = set()  # boxes whose retained status was cleared (decommissioned)
 
     def apply(self, message: Message) -> Optional[str]:
         """Fold one message in; returns the device it was about (None: not a fleet topic)."""
@@ -92,10 +101,14 @@ class FleetView:
             return None
         device, kind = parts
         body = message.json()
+        if not message.retain and kind in ((STATUS,), (TELEMETRY,)) and isinstance(body, dict):
+            self.boxes.setdefault(device, BoxView(device)).heard_live = True
         if kind == (STATUS,):
             if not message.payload:  # a cleared retained status: the box was decommissioned
                 self.boxes.pop(device, None)
+                self.cleared.add(device)
                 return device
+            self.cleared.discard(device)
             self._status(device, body)
             return device
         elif kind == (TELEMETRY,) and isinstance(body, dict):
@@ -133,8 +146,31 @@ class FleetView:
             if isinstance(body.get("slots"), dict):
                 box.slots = body["slots"]
         box.reason = body.get("reason")
+        box.broker = body.get("broker", box.broker)
+        interval = body.get("telemetry_interval_s")
+        if isinstance(interval, (int, float)) and interval > 0:
+            box.telemetry_interval_s = float(interval)
         box.status_ts = body.get("ts") if isinstance(body.get("ts"), (int, float)) else None
         box.last_seen = _latest(box.last_seen, box.status_ts)
+
+    def judge_stale(self, now: Optional[float] = None) -> int:
+        """Mark ``stale`` each online box not heard live whose newest word is too old; returns how many.
+
+        Too old: more than :data:`STALE_INTERVALS` of its telemetry interval (a box whose broker node stopped
+        fires no will, and the retained ``online`` it left can be read from another node for a long time).
+        """
+        now = time.time() if now is None else now
+        marked = 0
+        for box in self.boxes.values():
+            if box.state != ONLINE or box.heard_live or box.last_seen is None:  # None: a status without "ts"
+                continue
+            interval = box.telemetry_interval_s or DEFAULT_TELEMETRY_INTERVAL_S
+            if now - box.last_seen > STALE_INTERVALS * interval:
+                box.state = STALE
+                box.reason = "online %.0f s ago and not heard since (%.0f x its %.0f s telemetry interval)" % (
+                    now - box.last_seen, STALE_INTERVALS, interval)
+                marked += 1
+        return marked
 
     def in_group(self, group: Optional[str]) -> List[BoxView]:
         """Boxes of ``group`` (all boxes when None), sorted by device id."""
@@ -148,8 +184,14 @@ def _latest(current: Optional[float], new: Any) -> Optional[float]:
 
 
 def collect(link: FleetLink, view: FleetView, listen_s: float, status_only: bool = False,
-            settle_s: float = SETTLE_S, monotonic: Callable[[], float] = time.monotonic) -> FleetView:
-    """Subscribe to the fleet topics and fold messages in for ``listen_s``, and at least until the set settles.
+            settle_s: float = SETTLE_S, monotonic: Callable[[], float] = time.monotonic,
+            group: Optional[str] = None) -> FleetView:
+    """Subscribe, ask every box (of ``group``) to announce itself, and fold messages in for ``listen_s``, and at
+    least until the set settles.
+
+    Retained statuses are the fast path (where the broker sends them to a wildcard subscription: RabbitMQ does
+    not); the boxes' answers to the announce are what make a box ``online`` on any broker. Judge liveness
+    afterwards (:meth:`FleetView.judge_stale`).
 
     The set of boxes has settled once no new box has appeared for ``settle_s`` (:data:`SETTLE_S`): a small
     fleet does not wait for the whole ``listen_s``, and a link that pauses in the middle of the retained burst
@@ -157,6 +199,7 @@ def collect(link: FleetLink, view: FleetView, listen_s: float, status_only: bool
     status, and a large fleet's telemetry is most of its traffic).
     """
     link.subscribe(fleet_subscriptions(view.prefix, status_only=status_only))
+    link.publish(announce_topic(view.prefix, group), {"ts": time.time()})  # after the SUBACK: no answer missed
     start = monotonic()
     grew, known = start, len(view.boxes)
     while True:
@@ -174,8 +217,8 @@ def collect(link: FleetLink, view: FleetView, listen_s: float, status_only: bool
 def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
     """A table for people: one line per box; the JSON form (``--json``) has every field."""
     now = time.time() if now is None else now
-    header = "%-20s %-8s %-34s %-12s %-9s %6s %9s  %s" % (
-        "DEVICE", "STATE", "MODEL (SERVING)", "SLOT", "OTHER", "FPS", "SEEN", "ALERTS / NOTE")
+    header = "%-20s %-8s %-34s %-12s %-9s %6s %9s %-21s  %s" % (
+        "DEVICE", "STATE", "MODEL (SERVING)", "SLOT", "OTHER", "FPS", "SEEN", "BROKER", "ALERTS / NOTE")
     lines = [header]
     for box in boxes:
         serving = box.serving
@@ -192,8 +235,16 @@ def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
         if box.last_rollback:
             note = (note + "; " if note else "") + "rolled back %s %s" % (
                 box.last_rollback.get("version"), box.last_rollback.get("at"))
-        lines.append("%-20s %-8s %-34s %-12s %-9s %6s %9s  %s" % (
-            box.device[:20], box.state[:8], name[:34], slot[:12], other[:9], fps, seen, note[:80]))
-    online = sum(1 for b in boxes if b.online)
-    lines.append("%d box(es): %d online, %d offline" % (len(boxes), online, len(boxes) - online))
+        lines.append("%-20s %-8s %-34s %-12s %-9s %6s %9s %-21s  %s" % (
+            box.device[:20], box.state[:8], name[:34], slot[:12], other[:9], fps, seen, (box.broker or "-")[:21],
+            note[:80]))
+    lines.append(totals_line(boxes))
     return "\n".join(lines)
+
+
+def totals_line(boxes: Sequence[BoxView]) -> str:
+    """``N box(es): a online, b offline`` and each other state that occurs (stale, unknown, ...), as it is."""
+    counts: Dict[str, int] = {ONLINE: 0, "offline": 0}
+    for box in boxes:
+        counts[box.state] = counts.get(box.state, 0) + 1
+    return "%d box(es): %s" % (len(boxes), ", ".join("%d %s" % (n, state) for state, n in counts.items()))
