@@ -4,8 +4,9 @@ RabbitMQ sends no retained message to a wildcard subscription and keeps retained
 that stops fires no will. So here ``fleet status`` and ``rollout`` find boxes by their answers to an announce
 request, a box moves to another node through ``mqtt.hosts`` when its node stops, and the operator never shows a
 box ``online`` on a dead node. Boxes are real daemons (benchmarks/fleet_sim.py: real transport, dispatcher,
-model manager; a stand-in backend). The cluster is formed once for this module (about 20-30 s; ~150 MiB per
-node) and stopped at its end with every process it started (agent/devtools/rabbitmq.py).
+model manager; a stand-in backend). A standalone node serves the first test and is stopped after it; the
+cluster is formed once for the rest of this module (about 20-30 s; 125-135 MiB per node) and stopped at its end
+with every process it started (agent/devtools/rabbitmq.py).
 
 Order matters: the failover test stops node 2 and is the last one here.
 """
@@ -27,16 +28,26 @@ FAILOVER_BOUND_S = 15.0  # the issue's bound on a box publishing again through a
 WINDOW_S = 1.0  # the simulated boxes' observation window
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def _rabbitmq(size):
     try:
         find_rabbitmq()
     except BrokerError as exc:
         pytest.skip("needs RabbitMQ for the cluster lane: %s" % exc)
-    formed = RabbitCluster(3)
+    formed = RabbitCluster(size)
     with formed:
         yield formed
     assert formed.leftovers() == []  # no beam, epmd, erl_child_setup or inet_gethost of ours still runs
+
+
+@pytest.fixture
+def single():
+    """One standalone node (a cluster of one), stopped before the 3-node cluster starts."""
+    yield from _rabbitmq(1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from _rabbitmq(3)
 
 
 @pytest.fixture
@@ -64,9 +75,9 @@ def status(node_urls, prefix, tmp_path, capsys, *extra):
     return {b["device"]: b for b in shown["boxes"]}
 
 
-def test_one_node_status_lists_every_box_and_a_rollout_confirms_them(cluster, fleets, bundles, tmp_path,  # noqa: F811
+def test_one_node_status_lists_every_box_and_a_rollout_confirms_them(single, fleets, bundles, tmp_path,  # noqa: F811
                                                                       capsys):
-    node = cluster.nodes[0]
+    node = single.nodes[0]
     prefix = "one-%s" % os.urandom(3).hex()
     fleet = fleets("solo", 5, [node.address], prefix)
     fleet.prefix = prefix
