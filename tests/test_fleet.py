@@ -503,7 +503,8 @@ def test_status_and_rollout_work_across_a_mosquitto_bridge(tmp_path, make_fleet,
         def all_seen():
             code, status = run_cli(["status", "--broker", central.url, "--prefix", prefix, "--json", "--listen",
                                     "0"], capsys)
-            return code == EXIT_OK and sum(b["state"] == "online" for b in status["boxes"]) == 5
+            # heard live: each box's answer to the announce crossed the bridge both ways
+            return code == EXIT_OK and sum(b["state"] == "online" and b["heard_live"] for b in status["boxes"]) == 5
 
         assert wait_for(all_seen, timeout=30), central.log_tail() + site.log_tail()
         code, report = run_cli(rollout_args(central, fleet, bundles, tmp_path, "--canary", "1", "--waves", "1",
