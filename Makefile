@@ -50,7 +50,7 @@ rabbitmq:
 	@[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends rabbitmq-server)
 
-# The tests' camera rig (tests/camera_rig.py) is a real RTSP server: GStreamer's gst-rtsp-server with x264,
+# The camera rig of the tests and benchmarks (agent/devtools/camera_rig.py) is a real RTSP server: GStreamer's gst-rtsp-server with x264,
 # scripted from the system Python through PyGObject (the venvs do not carry gi; the box never needs it).
 CAMERA_RIG_PACKAGES := gstreamer1.0-rtsp gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-ugly \
 	gstreamer1.0-plugins-good gstreamer1.0-plugins-base python3-gi

@@ -2,8 +2,8 @@
 
 Run by the system Python (``/usr/bin/python3``, which has PyGObject and the GStreamer typelibs that
 ``make camera-rig`` installs from Debian's packages); the test process drives it through
-``tests/camera_rig.py``. Each frame carries its capture time (wall clock, milliseconds) and a counter as rows
-of black and white blocks (:mod:`tests.rig.framecode` decodes them), so a test measures how old the frame
+``agent/devtools/camera_rig.py``. Each frame carries its capture time (wall clock, milliseconds) and a counter as rows
+of black and white blocks (:mod:`agent.devtools.framecode` decodes them), so a test measures how old the frame
 behind a published result is from the pixels alone.
 
 Commands on stdin, one per line: ``size W H`` changes the resolution in the running session (the encoder

@@ -1,0 +1,156 @@
+"""The camera rig: real RTSP cameras on loopback (:mod:`agent.devtools.rtsp_camera`) and the faults cameras have.
+
+:class:`Camera` runs one GStreamer RTSP server process on a free 127.0.0.1 port under the system Python;
+a test kills and restarts it, stalls it (SIGSTOP) and resumes it, or changes its resolution mid-session.
+:class:`Blackhole` is a port that accepts connections and never answers. :func:`free_port` gives a port where
+nothing listens. Frames carry their capture time; :func:`frame_age_ms` reads it back from a decoded image.
+Used by the tests (``tests/camera_rig.py`` skips where :func:`rig_missing` says why) and by the ``sources``
+section of ``atlas-edge bench``; never by the daemon.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from agent.devtools import framecode
+from agent.devtools.broker import free_port
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rtsp_camera.py")
+READY_S = 20.0  # bound on a server's start (GStreamer's registry scan on a cold, loaded CI box)
+PROBE = ("import gi; gi.require_version('GstRtspServer', '1.0'); from gi.repository import Gst; Gst.init(None); "
+         "assert Gst.ElementFactory.find('x264enc')")
+_available: Optional[str] = None
+
+
+def rig_missing() -> str:
+    """Why the rig cannot run here ('' when it can); checked once per test session."""
+    global _available
+    if _available is None:
+        try:
+            done = subprocess.run([SYSTEM_PYTHON, "-c", PROBE], capture_output=True, timeout=60)
+            _available = "" if done.returncode == 0 else done.stderr.decode(errors="replace").strip()[-200:]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _available = str(exc)
+    return _available
+
+
+class RigMissing(RuntimeError):
+    """The system Python cannot run the rig; the message names the packages and ``make camera-rig``."""
+
+
+def require_rig() -> None:
+    missing = rig_missing()
+    if missing:
+        raise RigMissing("needs the camera rig (GStreamer RTSP server, x264 and PyGObject for %s; `make camera-rig` "
+                         "installs them): %s" % (SYSTEM_PYTHON, missing))
+
+
+class Camera:
+    """One RTSP camera: ``url()`` is its open stream, ``url(user=..., password=...)`` with credentials."""
+
+    def __init__(self, size: Tuple[int, int] = (640, 360), fps: int = 10, password: str = "",
+                 kbps: int = 2000) -> None:
+        require_rig()
+        self.size, self.fps, self.password, self.kbps = size, fps, password, kbps
+        self.port = free_port("127.0.0.1")
+        self.proc: Optional[subprocess.Popen] = None
+        self.start()
+
+    def start(self) -> None:
+        cmd = [SYSTEM_PYTHON, SERVER, "--port", str(self.port), "--size", "%dx%d" % self.size,
+               "--fps", str(self.fps), "--kbps", str(self.kbps)]
+        if self.password:
+            cmd += ["--password", self.password]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line: List[bytes] = []
+        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(READY_S)
+        if not line or line[0].strip() != b"ready":
+            self.kill()
+            raise RuntimeError("camera rig did not start on port %d: %s" % (self.port, line))
+
+    def url(self, path: str = "/cam", user: str = "", password: str = "") -> str:
+        auth = "%s:%s@" % (user, password) if user else ""
+        return "rtsp://%s127.0.0.1:%d%s" % (auth, self.port, path)
+
+    def stall(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def resize(self, width: int, height: int) -> None:
+        self.proc.stdin.write(b"size %d %d\n" % (width, height))
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        self.kill()
+
+    def __enter__(self) -> "Camera":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Blackhole:
+    """A TCP port that accepts every connection and never sends a byte (a camera whose firmware hung)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.held: List[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def url(self) -> str:
+        return "rtsp://127.0.0.1:%d/cam" % self.port
+
+    def close(self) -> None:
+        self._closed = True
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def frame_capture(image: np.ndarray, now_ms: Optional[int] = None) -> Optional[Tuple[int, int]]:
+    """(capture time ms, counter) drawn by the rig into ``image``; None when the pixels do not carry them."""
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    if image.shape[1] < framecode.BITS * framecode.BLOCK or image.shape[0] < 3 * framecode.BLOCK:
+        return None
+    return framecode.read(image, now_ms)
+
+
+def frame_age_ms(image: np.ndarray, at: Optional[float] = None) -> Optional[float]:
+    """How old the frame is at wall time ``at`` (now by default), read from its pixels."""
+    at = time.time() if at is None else at
+    read = frame_capture(image, int(at * 1000))
+    return None if read is None else at * 1000 - read[0]
