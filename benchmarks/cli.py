@@ -33,8 +33,9 @@ SECTIONS = {
     "memory": "benchmarks.memory",
     "startup": "benchmarks.startup",
     "fleet": "benchmarks.fleet",
+    "sources": "benchmarks.sources",
 }
-NEEDS_MODEL = ("pipeline", "batching", "memory", "startup")
+NEEDS_MODEL = ("pipeline", "batching", "memory", "startup", "sources")
 BACKENDS = tuple(BACKEND_FORMATS)  # every backend the agent has
 # the three that run on a CPU box; mslite through the Lite venv (benchmarks/lite_lane.py) when this Python
 # cannot import it, and recorded as skipped when no Lite venv exists
@@ -50,6 +51,7 @@ REQUIRED_KEYS = (
     "mqtt.ratio_to_paho",
     "memory.rss_mb_per_10k_frames",
     "startup.seconds_to_ready",
+    "sources.latency_p50_ratio_to_bare",
 )
 
 

@@ -81,6 +81,12 @@ HEADLINES: Tuple[Tuple[str, str, str], ...] = (
     ("fleet.rollout_wall_s", "{:.1f} s", "a good bundle to 100 simulated boxes: canary + 3 waves, 2 s windows"),
     ("fleet.msgs_per_box", "{:.1f}", "broker messages per box during that rollout (all kinds)"),
     ("fleet.operator_peak_rss_mb", "{:.0f} MiB", "peak RSS of the 'atlas-edge fleet rollout' process"),
+    ("sources.latency_p50_ratio_to_bare", "{:.2f}",
+     "camera-to-result p50 of the daemon / a bare one-thread OpenCV reader's age at read, same stream"),
+    ("sources.latency_p50_over_bound_ms", "{:+.1f} ms", "daemon p50 minus (1.2 x bare p50 + 30 ms); <= 0 meets"),
+    ("sources.frame_age_p99_ms_at_max_fps", "{:.0f} ms", "frame age p99 at publish, max_fps 5 on a 25 fps stream"),
+    ("sources.decode_ms_per_frame.1080p.ms_per_frame", "{:.2f} ms", "H.264 1080p decode + BGR, one thread"),
+    ("sources.streams_1080p_at_max_fps_5.streams", "{:d}", "1080p streams read at max_fps 5 with age in bound"),
 )
 
 

@@ -232,3 +232,30 @@ def test_validate_probe_opens_each_source_once_and_names_the_cause(rig, tmp_path
     assert "probe badpass: FAILED [auth]" in out and "probe badpath: FAILED [not_found]" in out
     assert "probe nobody: FAILED [refused]" in out
     assert secret not in out and "viewer:right@" not in out
+
+
+def test_a_decoder_crash_is_one_cameras_error_and_the_camera_comes_back(rig):
+    """The worker that decodes the camera dies by SIGSEGV (as a decoder fault would): the source says
+    `decode` naming the signal, alerts once down and once up, and is reading again; the reader's process
+    (here: the test's) is untouched."""
+    import queue
+
+    from agent.config.daemon_config import SourceConfig
+    from agent.pipeline.sources import SourceSet
+
+    alerts = []
+    frames = queue.Queue(maxsize=8)
+    with Camera(fps=25) as camera:
+        sources = SourceSet([SourceConfig(name="cam", uri=camera.url(), reopen_min_s=0.1)], frames, alerts.append)
+        sources.start()
+        try:
+            reader = sources.readers["cam"]
+            assert wait_for(lambda: reader.health.state == "up", timeout=30)
+            os.kill(reader.reader.proc.pid, signal.SIGSEGV)
+            assert wait_for(lambda: reader.health.last_error is not None, timeout=10)
+            error = dict(reader.health.last_error)
+            assert wait_for(lambda: reader.health.state == "up" and reader.health.last_error is None, timeout=30)
+        finally:
+            assert sources.stop(5.0)
+    assert error["cause"] == "decode" and "SIGSEGV" in error["message"]
+    assert [a["kind"] for a in alerts] == ["source_down", "source_up"]
