@@ -92,6 +92,7 @@ class Daemon:
 
     def _build_services(self, on_result: Optional[ResultCallback]) -> None:
         from agent.commands.dispatcher import CommandDispatcher
+        from agent.commands.freshness import freshness_of
         from agent.commands.handlers import CommandHandlers
         from agent.health.npu_smi import NpuSmiProbe
         from agent.health.sdnotify import SystemdNotifier
@@ -133,7 +134,10 @@ class Daemon:
                                         backend=self.backend, overrides=self.overrides)
         self.dispatcher = CommandDispatcher(self.transport, self.handlers.table(),
                                             record_path=cfg.state_path("requests.sqlite"),
-                                            on_alert=self._publish_alert, on_announce=self._answer_announce)
+                                            on_alert=self._publish_alert, on_announce=self._answer_announce,
+                                            freshness=freshness_of(cfg.commands),
+                                            group_verbs=cfg.commands.group_verbs,
+                                            rate_per_s=cfg.commands.rate_per_s, burst=cfg.commands.burst)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -262,7 +266,7 @@ class Daemon:
     def _publish_alert(self, alert: Dict[str, Any]) -> None:
         self.transport.publish(self.transport.topic("telemetry", "alert"), dict(alert, ts=time.time()))
 
-    def _on_message(self, topic: str, payload: bytes) -> None:
+    def _on_message(self, topic: str, payload: bytes, retained: bool = False) -> None:
         """paho's thread: Home Assistant's birth message is answered here, everything else is a command."""
         from agent.ops.discovery import HA_ONLINE, HA_STATUS_TOPIC
 
@@ -270,7 +274,7 @@ class Daemon:
             if payload.strip() == HA_ONLINE:
                 self._publish_discovery()  # Home Assistant restarted: it forgot non-retained state
             return
-        self.dispatcher.submit(topic, payload)
+        self.dispatcher.submit(topic, payload, retained)
 
     def _publish_discovery(self) -> None:
         from agent.ops.discovery import discovery_messages

@@ -69,6 +69,9 @@ class Handlers:
     def pause(self, request, progress):
         return {"paused": True}
 
+    def cancel(self, request, progress):
+        return {"cancelled": False}
+
     def resume(self, request, progress):
         return {"paused": False}
 

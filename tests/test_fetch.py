@@ -27,6 +27,7 @@ from agent.lifecycle.store import STAGING_DIR
 from agent.lifecycle.tar import MAX_MEMBERS
 from agent.lifecycle.unpack import Pin, unpack_archive
 from tests import test_model_manager as lifecycle
+from tests.conftest import wait_for
 from tests.needs import needs_cryptography
 from tests.test_model_manager import (
     ServingLoop,
@@ -536,3 +537,55 @@ def test_an_archive_that_unpacks_past_the_cap_or_the_free_space_is_refused_befor
     assert {label for label, _f, _g in loop.log} == {"tiny 1.0.0"}
     assert shutil.disk_usage(state).free >= free_before - (1 << 20)  # nothing was extracted
     assert h.events == []
+
+
+class _TrickleHandler(http.server.BaseHTTPRequestHandler):
+    """Declares 1 MB and sends a byte every 0.2 s: a download that would take days."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(1 << 20))
+        self.end_headers()
+        try:
+            for _ in range(1 << 20):
+                self.wfile.write(b"\0")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:  # the box hung up: what a cancel does
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_running_deploy_is_cancelled_and_changes_nothing(harness, tmp_path):
+    h = harness(fetch={"schemes": ["http"], "hosts": ["127.0.0.1"]})
+    h.manager.start()
+    before = snapshot(h)
+    outcome = {}
+
+    def deploy():
+        try:
+            h.manager.deploy(deploy_request({"bundle": url + "/slow.tar.gz", "sha256": "ab" * 32,
+                                             "archive_sha256": "cd" * 32}), no_progress)
+        except CommandError as exc:
+            outcome["error"] = exc
+
+    assert h.manager.cancel() == {"cancelled": False}  # nothing running: nothing to cancel
+    with _http_server(str(tmp_path), handler=_TrickleHandler) as url:
+        runner = threading.Thread(target=deploy)
+        runner.start()
+        assert wait_for(lambda: h.manager._operation.locked(), timeout=WAIT_S)
+        time.sleep(0.5)  # let the download start trickling (not a synchronisation: cancel works at any point)
+        assert h.manager.cancel() == {"cancelled": True}
+        runner.join(WAIT_S)
+        assert not runner.is_alive()
+    assert outcome["error"].code == "cancelled"
+    assert_unchanged(h, before)
+
+
+def test_a_trickling_server_is_stopped_by_the_download_deadline(tmp_path):
+    policy = FetchPolicy(LOOPBACK.schemes, LOOPBACK.hosts, deadline_s=1.0)
+    with _http_server(str(tmp_path), handler=_TrickleHandler) as url:
+        with pytest.raises(FetchError, match="took longer than 1 s"):
+            download(url + "/slow.tar.gz", str(tmp_path / "out"), policy)

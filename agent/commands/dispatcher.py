@@ -12,9 +12,15 @@ An operator's announce request (``<prefix>/announce``, or ``announce`` on a grou
 is no command: the intake thread answers it at once with the box's live status (``on_announce``), without
 request id, ack or record, so that a box is found even while a long deploy runs on the worker.
 
+Before a command is accepted it must also be fresh (:mod:`agent.commands.freshness`: dated commands judged
+on their ``issued_at``/``ttl_s``, ids kept while valid, signatures when a command key is set), must not be a
+retained message (a retained command would run again at every reconnect), and on a group topic must be one of
+the ``group_verbs`` (one publish reaches every box of the group).
+
 Threads: :meth:`CommandDispatcher.submit` runs on paho's thread and only enqueues. The intake thread checks
-and parses each message and sends ``accepted`` at once; the worker thread runs handlers one at a time, so a
-long deploy does not delay the ``accepted`` of the next command. Handlers are the daemon's
+and parses each message and sends ``accepted`` at once. Two workers run handlers: the control worker runs
+:data:`CONTROL_VERBS` (status, pause, resume, rollback, cancel), the other everything else one at a time, so
+the operator is answered, and can ``cancel``, while a long deploy runs. Handlers are the daemon's
 (:mod:`agent.commands.handlers`).
 """
 
@@ -23,10 +29,11 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from agent._util.compat import Protocol
 from agent._util.ratelog import LogLimiter
+from agent.commands.freshness import Freshness
 from agent.commands.ratelimit import TokenBucket
 from agent.commands.record import RequestRecord
 from agent.config.schema import ConfigError
@@ -45,7 +52,7 @@ from agent.protocol.messages import (
     peek_request_id,
 )
 from agent.protocol.requests import parse_request
-from agent.protocol.topics import ANNOUNCE, command_verb
+from agent.protocol.topics import ANNOUNCE, GROUP, command_verb
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,9 @@ INBOX_SIZE = 4096  # raw messages waiting for the intake thread; beyond this the
 STOP_POLL_S = 0.2
 VERB_MAX_CHARS = 64  # an unknown verb is echoed in its failed ack cut to this
 DROP_LOG_FIRST, DROP_LOG_EVERY = 10, 100  # drops are logged the first times, then once per 100 per reason
+# Verbs the operator must reach while a deploy runs: they run on their own worker, never behind a deploy.
+CONTROL_VERBS = ("status", "pause", "resume", "rollback", "cancel")
+DEFAULT_GROUP_VERBS = ("status", "pause", "resume", "cancel")  # safe on every box of a group at once
 
 Progress = Callable[[str], None]
 # handler(request, progress): ``request`` is the verb's type from agent.protocol.requests.
@@ -102,10 +112,15 @@ class CommandDispatcher:
         queue_size: int = DEFAULT_QUEUE_SIZE,
         on_alert: Optional[Callable[[Dict[str, Any]], None]] = None,
         on_announce: Optional[Callable[[], None]] = None,
+        freshness: Optional[Freshness] = None,
+        group_verbs: Sequence[str] = DEFAULT_GROUP_VERBS,
     ) -> None:
         unknown = sorted(set(handlers) - set(VERBS))
         if unknown:
             raise ValueError("handlers for unknown verbs %s (known: %s)" % (unknown, ", ".join(VERBS)))
+        if set(group_verbs) - set(VERBS):
+            raise ValueError("commands.group_verbs names unknown verbs %s (known: %s)" % (
+                sorted(set(group_verbs) - set(VERBS)), ", ".join(VERBS)))
         if rate_per_s <= 0 or burst < 1 or max_payload_bytes < 1 or record_size < 1 or queue_size < 1:
             raise ValueError("rate_per_s, burst, max_payload_bytes, record_size and queue_size must be > 0")
         self.transport = transport
@@ -114,8 +129,11 @@ class CommandDispatcher:
         self._groups = frozenset(transport.groups)
         self._bucket = TokenBucket(rate_per_s, burst)
         self._record = RequestRecord(record_path, record_size)
-        self._inbox: "queue.Queue[Tuple[str, bytes, float]]" = queue.Queue(INBOX_SIZE)
+        self._inbox: "queue.Queue[Tuple[str, bytes, float, bool]]" = queue.Queue(INBOX_SIZE)
         self._jobs: "queue.Queue[_Job]" = queue.Queue(queue_size)
+        self._control: "queue.Queue[_Job]" = queue.Queue(queue_size)
+        self._freshness = freshness or Freshness()
+        self._group_verbs = frozenset(group_verbs)
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self._busy = threading.Event()  # the worker is inside a handler
@@ -129,10 +147,10 @@ class CommandDispatcher:
 
     # -- paho's thread ------------------------------------------------------------------------------------
 
-    def submit(self, topic: str, payload: bytes) -> None:
+    def submit(self, topic: str, payload: bytes, retained: bool = False) -> None:
         """Queue one incoming message (called on paho's thread: no parsing, no I/O here)."""
         try:
-            self._inbox.put_nowait((topic, bytes(payload), time.monotonic()))
+            self._inbox.put_nowait((topic, bytes(payload), time.monotonic(), retained))
         except queue.Full:
             self._drop("inbox_full", topic)
 
@@ -146,8 +164,10 @@ class CommandDispatcher:
                 self._on_alert(alert)
         if not self._threads:
             self._stop.clear()
-            for name, target in (("cmd-intake", self._intake_loop), ("cmd-worker", self._worker_loop)):
-                thread = threading.Thread(target=target, name=name, daemon=True)
+            for name, target, args in (("cmd-intake", self._intake_loop, ()),
+                                       ("cmd-worker", self._worker_loop, (self._jobs,)),
+                                       ("cmd-control", self._worker_loop, (self._control,))):
+                thread = threading.Thread(target=target, args=args, name=name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
         return self
@@ -161,12 +181,13 @@ class CommandDispatcher:
             if thread.is_alive():
                 logger.warning("commands: thread %s did not stop within %.0f s", thread.name, timeout)
         self._threads = []
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            self._finish(job, FAILED, error=error_body("interrupted", "the agent stopped before running it"))
+        for jobs in (self._jobs, self._control):
+            while True:
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                self._finish(job, FAILED, error=error_body("interrupted", "the agent stopped before running it"))
 
     def close(self) -> None:
         self._record.close()
@@ -175,7 +196,8 @@ class CommandDispatcher:
         """True once every submitted message has been handled (tests; shutdown ordering)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._inbox.unfinished_tasks == 0 and self._jobs.unfinished_tasks == 0:
+            if self._inbox.unfinished_tasks == 0 and self._jobs.unfinished_tasks == 0 \
+                    and self._control.unfinished_tasks == 0:
                 return True
             self._stop.wait(0.01)
         return False
@@ -185,11 +207,11 @@ class CommandDispatcher:
     def _intake_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                topic, payload, arrived = self._inbox.get(timeout=STOP_POLL_S)
+                topic, payload, arrived, retained = self._inbox.get(timeout=STOP_POLL_S)
             except queue.Empty:
                 continue
             try:
-                self._intake(topic, payload, arrived)
+                self._intake(topic, payload, arrived, retained)
             except Exception:
                 logger.exception("commands: intake failed for a message on %s", topic)
                 self._drop("internal", topic)
@@ -201,7 +223,8 @@ class CommandDispatcher:
         verb = command_verb(self.transport.prefix, self.transport.device_id, self._groups, topic)
         return None if verb is None else verb[:VERB_MAX_CHARS]
 
-    def _intake(self, topic: str, payload: bytes, arrived: float) -> None:  # noqa: C901 - one check per rule
+    def _intake(self, topic: str, payload: bytes, arrived: float,  # noqa: C901 - one check per rule
+                retained: bool = False) -> None:
         with self._lock:
             self._counters["received"] += 1
         verb = self._verb_of(topic)
@@ -220,8 +243,12 @@ class CommandDispatcher:
             return
         try:
             message = json.loads(payload.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
             self._reject_unparsed(payload, verb, "bad_json", "payload is not JSON (UTF-8): %s" % exc)
+            return
+        if retained:  # a retained command would run again at every reconnect of every box that reads it
+            self._reject_unparsed(payload, verb, "retained", "retained command messages are refused; publish "
+                                  "commands without the retain flag")
             return
         if not isinstance(message, dict):
             self._drop("not_object", topic)
@@ -242,6 +269,10 @@ class CommandDispatcher:
             self._finish(_Job(request_id, verb, None), FAILED, error=error_body(
                 "unknown_verb", "unknown verb %r (this device handles: %s)" % (verb, known), "verb"))
             return
+        refusal = self._refusal(topic, verb, message)
+        if refusal is not None:  # nothing ran: recorded as failed, so a retry gets the same answer
+            self._finish(_Job(request_id, verb, None), FAILED, error=refusal)
+            return
         try:
             request = parse_request(verb, message)
         except ConfigError as exc:  # nothing ran: recorded as failed, so a retry gets the same answer
@@ -249,7 +280,7 @@ class CommandDispatcher:
             return
         job = _Job(request_id, verb, request)
         try:
-            self._jobs.put_nowait(job)
+            (self._control if verb in CONTROL_VERBS else self._jobs).put_nowait(job)
         except queue.Full:
             # Not recorded: it never ran, so a retry once the queue has room may run it.
             self._count_failed("busy")
@@ -273,6 +304,20 @@ class CommandDispatcher:
         with self._lock:
             self._counters["announced"] += 1
         self._on_announce()
+
+    def _refusal(self, topic: str, verb: str, message: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """Why a well-formed command must not run here (a group verb not allowed, not fresh), else None."""
+        group_level = "%s/%s/" % (self.transport.prefix, GROUP)
+        target = topic[len(self.transport.prefix) + 1:topic.rindex("/cmd/")] if topic.startswith(
+            group_level) else self.transport.device_id
+        if topic.startswith(group_level) and verb not in self._group_verbs:
+            return error_body("not_for_group", "%s is not allowed on a group topic (commands.group_verbs: %s); "
+                              "send it to each box" % (verb, ", ".join(sorted(self._group_verbs))), "verb")
+        try:
+            self._freshness.check(target, verb, message)
+        except CommandError as exc:
+            return error_body(exc.code, exc.message, exc.field)
+        return None
 
     def _answer_duplicate(self, recorded: Dict[str, Any], request_id: str, verb: str) -> None:
         with self._lock:
@@ -298,10 +343,10 @@ class CommandDispatcher:
 
     # -- worker thread ------------------------------------------------------------------------------------
 
-    def _worker_loop(self) -> None:
+    def _worker_loop(self, jobs: "queue.Queue[_Job]") -> None:
         while not self._stop.is_set():
             try:
-                job = self._jobs.get(timeout=STOP_POLL_S)
+                job = jobs.get(timeout=STOP_POLL_S)
             except queue.Empty:
                 continue
             try:
@@ -309,7 +354,7 @@ class CommandDispatcher:
             except Exception:  # publishing or recording failed: the dispatcher must keep going
                 logger.exception("commands: could not complete %s %s", job.verb, job.request_id)
             finally:
-                self._jobs.task_done()
+                jobs.task_done()
 
     def _run(self, job: _Job) -> None:
         handler = self.handlers[job.verb]
@@ -320,7 +365,9 @@ class CommandDispatcher:
         started = self._ack(job, IN_PROGRESS)
         self._record.save(started)
         self._publish(started)
-        self._busy.set()
+        main = job.verb not in CONTROL_VERBS
+        if main:
+            self._busy.set()
         try:
             result = handler(job.request, progress)
             if result is not None and not isinstance(result, Mapping):
@@ -336,7 +383,8 @@ class CommandDispatcher:
             self._finish(job, FAILED, error=error_body("internal", "%s: %s" % (type(exc).__name__, exc)))
             return
         finally:
-            self._busy.clear()
+            if main:
+                self._busy.clear()
         with self._lock:
             self._counters["succeeded"] += 1
         self._finish(job, SUCCEEDED, result=dict(result or {}))
@@ -380,6 +428,6 @@ class CommandDispatcher:
             result["failed"] = dict(self._failed)
             result["dropped"] = dict(self._dropped)
         result["busy"] = self._busy.is_set()
-        result["queued"] = self._jobs.qsize()
+        result["queued"] = self._jobs.qsize() + self._control.qsize()
         result["record_in_memory"] = self._record.in_memory
         return result

@@ -71,6 +71,7 @@ class CommandHandlers:
             "resume": lambda request, progress: self.pause(False),
             "snapshot": self.snapshot,
             "restart": self.restart,
+            "cancel": lambda request, progress: self.models.cancel(),
         }
 
     def status(self) -> Dict[str, Any]:

@@ -239,6 +239,21 @@ class RemoteConfigPolicy:
 
 
 @dataclass(frozen=True)
+class CommandsConfig:
+    """How fresh a command must be and who may send what: local policy, never changed over MQTT."""
+
+    public_key: Optional[str] = setting(None, doc="Ed25519 public key (hex or PEM file) of the operators' command "
+                                        "key: every command must then be signed and dated")
+    require_dated: bool = setting(False, doc="refuse commands without issued_at and ttl_s (on with a public_key)")
+    max_skew_s: float = setting(30.0, ge=0, le=3600, doc="how far the sender's clock may be from the box's")
+    max_ttl_s: float = setting(3600.0, gt=0, le=86400, doc="the longest validity (ttl_s) a command may claim")
+    rate_per_s: float = setting(10.0, gt=0, le=1000, doc="sustained commands per second; more are refused")
+    burst: int = setting(20, ge=1, le=10000, doc="commands accepted at once before the rate applies")
+    group_verbs: List[str] = setting(factory=lambda: ["status", "pause", "resume", "cancel"],
+                                     doc="verbs a group topic may carry (one publish reaches every box of a group)")
+
+
+@dataclass(frozen=True)
 class WatchdogConfig:
     interval_s: float = setting(5.0, ge=0.05, le=3600, doc="memory sampling period")
     window_s: float = setting(300.0, gt=0, le=7 * 86400, doc="sliding window for the leak trend")
@@ -266,6 +281,7 @@ class DaemonConfig:
     outbox: OutboxConfig = setting(factory=OutboxConfig, doc="durable queue for the broker's absence")
     watchdog: WatchdogConfig = setting(factory=WatchdogConfig, doc="memory and liveness checks")
     fetch: FetchConfig = setting(factory=FetchConfig, doc="where deploys may download bundles from")
+    commands: CommandsConfig = setting(factory=CommandsConfig, doc="command freshness, signing and group verbs")
     remote_config: RemoteConfigPolicy = setting(factory=RemoteConfigPolicy,
                                                 doc="what remote set-config may change beyond live fields")
     log_level: str = setting("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), doc="log level")

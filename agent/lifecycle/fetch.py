@@ -28,7 +28,7 @@ import shutil
 import time
 import urllib.error
 import urllib.parse
-from typing import Optional
+from typing import Callable, Optional
 
 from agent.bundle.manifest import MANIFEST, BundleError
 from agent.bundle.verify import sha256_file
@@ -62,6 +62,8 @@ def resolve_in_store(source: str, store: str) -> str:
 
     Symlinks are resolved *before* the check, so a link inside the store pointing elsewhere is refused too.
     """
+    if "\x00" in source:
+        raise FetchError("%r holds a NUL byte: not a path" % source[:80], source[:80])
     store_real = os.path.realpath(store)
     candidate = source if os.path.isabs(source) else os.path.join(store_real, source)
     real = os.path.realpath(candidate)
@@ -74,28 +76,30 @@ def resolve_in_store(source: str, store: str) -> str:
 
 
 def fetch_bundle(source: str, store: str, staging: str, policy: Optional[FetchPolicy] = None,
-                 check: Optional[Check] = None, archive_sha256: Optional[str] = None) -> str:
+                 check: Optional[Check] = None, archive_sha256: Optional[str] = None,
+                 cancelled: Optional[Callable[[], bool]] = None) -> str:
     """Copy, unpack or download ``source`` into the empty directory ``staging``; returns the bundle root.
 
     ``check`` authenticates an archive between its two passes (nothing is written before it returns);
-    ``archive_sha256`` pins the archive file itself. ``staging`` belongs to the caller, who deletes it on failure.
+    ``archive_sha256`` pins the archive file itself; ``cancelled`` is polled between chunks (a ``cancel``
+    command). ``staging`` belongs to the caller, who deletes it on failure.
     """
     policy = policy or FetchPolicy()
     if is_url(source):
         archive = os.path.join(staging, "download.tar")
-        download(source, archive, policy, archive_sha256)
+        download(source, archive, policy, archive_sha256, cancelled)
         try:
-            return _unpack(archive, os.path.join(staging, "bundle"), source, policy.max_bytes, check)
+            return _unpack(archive, os.path.join(staging, "bundle"), source, policy.max_bytes, check, cancelled)
         finally:
             os.remove(archive)
     real = resolve_in_store(source, store)
     if archive_sha256 is not None and os.path.isfile(real):
         _check_digest(sha256_file(real), archive_sha256, source)
-    return copy_local(real, staging, policy.max_bytes, source, check)
+    return copy_local(real, staging, policy.max_bytes, source, check, cancelled)
 
 
 def copy_local(real: str, staging: str, max_bytes: int = DEFAULT_MAX_BYTES, source: str = "",
-               check: Optional[Check] = None) -> str:
+               check: Optional[Check] = None, cancelled: Optional[Callable[[], bool]] = None) -> str:
     """A bundle directory or archive already on this box into ``staging``; returns the bundle root.
 
     Used for store paths (after :func:`resolve_in_store`) and for the configured first-start bundle.
@@ -113,7 +117,7 @@ def copy_local(real: str, staging: str, max_bytes: int = DEFAULT_MAX_BYTES, sour
         if os.path.getsize(real) > max_bytes:
             raise FetchError("%s is %d bytes, over the limit of %d" % (
                 source, os.path.getsize(real), max_bytes), source)
-        return _unpack(real, dest, source, max_bytes, check)
+        return _unpack(real, dest, source, max_bytes, check, cancelled)
     raise FetchError("%s is not a directory or a file" % source, source)
 
 
@@ -137,9 +141,10 @@ def _check_plain_tree(root: str, budget: "Budget", source: str) -> None:
         raise FetchError("%s holds %d bytes, more than %s" % (source, total, budget.reason), source)
 
 
-def _unpack(archive: str, dest: str, source: str, max_bytes: int, check: Optional[Check]) -> str:
+def _unpack(archive: str, dest: str, source: str, max_bytes: int, check: Optional[Check],
+            cancelled: Optional[Callable[[], bool]] = None) -> str:
     try:
-        return unpack_archive(archive, dest, max_bytes, check=check)
+        return unpack_archive(archive, dest, max_bytes, check=check, cancelled=cancelled)
     except OSError as exc:
         raise FetchError("%s could not be unpacked: %s" % (source, exc), source) from None
     except BundleError as exc:
@@ -147,7 +152,8 @@ def _unpack(archive: str, dest: str, source: str, max_bytes: int, check: Optiona
         raise BundleError(exc.errors, source) from None
 
 
-def download(url: str, dest: str, policy: FetchPolicy, sha256: Optional[str] = None) -> int:
+def download(url: str, dest: str, policy: FetchPolicy, sha256: Optional[str] = None,
+             cancelled: Optional[Callable[[], bool]] = None) -> int:
     """Stream ``url`` to ``dest`` under ``policy``; returns the byte count.
 
     Refused: a URL, address or redirect outside the policy; more than the cap (or than the disk can spare),
@@ -170,7 +176,12 @@ def download(url: str, dest: str, policy: FetchPolicy, sha256: Optional[str] = N
                     if time.monotonic() - started > policy.deadline_s:
                         raise FetchError("download of %s took longer than %.0f s" % (
                             shown, policy.deadline_s), shown)
-                    chunk = response.read(DOWNLOAD_CHUNK)
+                    if cancelled is not None and cancelled():
+                        raise CommandError("cancelled", "the deploy was cancelled while downloading %s; nothing "
+                                           "changed" % shown)
+                    # read1: what has arrived, up to a chunk. read() would wait for a whole chunk, so a server
+                    # trickling a byte at a time would hold the deadline and a cancel off for hours.
+                    chunk = response.read1(DOWNLOAD_CHUNK)
                     if not chunk:
                         break
                     total += len(chunk)

@@ -151,6 +151,7 @@ class ModelManager:
         self.wall_clock = wall_clock
         self._lock = threading.Lock()  # table, current/fallback models, probation, swap_queued, closed
         self._operation = threading.Lock()  # one deploy or standby restore at a time
+        self._cancel = threading.Event()  # set by cancel(): the running deploy stops at its next check
         self._table: Optional[SlotTable] = None
         self._current: Optional[LoadedModel] = None
         self._fallback: Optional[LoadedModel] = None  # the confirmed model, kept loaded while one is pending
@@ -218,6 +219,7 @@ class ModelManager:
         expected_sha = request.sha256.lower()
         if not self._operation.acquire(blocking=False):
             raise CommandError("busy", "another deploy or rollback is running")
+        self._cancel.clear()
         try:
             table = self._started_table()
             if table.pending is not None:
@@ -269,6 +271,14 @@ class ModelManager:
         finally:
             self._operation.release()
 
+    def cancel(self) -> Dict[str, Any]:
+        """Stop a running deploy at its next check (download chunk, archive read, before loading); it then fails
+        ``cancelled`` and nothing changes. Once its switch is submitted it is no longer cancelled: roll it back."""
+        running = self._operation.locked()
+        if running:
+            self._cancel.set()
+        return {"cancelled": running}
+
     def status(self) -> Dict[str, Any]:
         with self._lock:
             table, window = self._table, self._probation.window
@@ -302,13 +312,15 @@ class ModelManager:
         with self.store.staging() as staging:
             progress("fetching %s" % shown)
             root = fetch_bundle(request.bundle, self.store.root, staging, self.fetch_policy,
-                                Pin(expected_sha, self.public_key), request.archive_sha256)
+                                Pin(expected_sha, self.public_key), request.archive_sha256, self._cancel.is_set)
             manifest_path = os.path.join(root, MANIFEST)
             check_manifest_pin(sha256_file(manifest_path) if os.path.isfile(manifest_path) else None, expected_sha)
             progress("verifying %s" % shown)
             bundle = verify_bundle(root, self.public_key)
             check_succession(serving, bundle.manifest, request)
             select_artifacts(bundle, self.device, self.backend, batch=self.config.batching.max_batch)
+            if self._cancel.is_set():
+                raise CommandError("cancelled", "the deploy was cancelled before loading; nothing changed")
             installed = self.store.install(root, slot, bundle)
         bundle = replace(bundle, root=self.store.path(installed))
         progress("loading %s with %s (warm-up and golden self-test)" % (bundle.label, self.backend))

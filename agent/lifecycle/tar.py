@@ -15,7 +15,9 @@ import gzip
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import IO, Callable, Dict, Iterator, Tuple
+from typing import IO, Callable, Dict, Iterator, Optional, Tuple
+
+from agent.errors import CommandError
 
 BLOCK = 512
 CHUNK = 1 << 16
@@ -50,7 +52,8 @@ class Member:
 class Reader:
     """Forward reads of a (possibly gzip-compressed) archive file, each checked against a deadline."""
 
-    def __init__(self, path: str, deadline: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, path: str, deadline: float, clock: Callable[[], float] = time.monotonic,
+                 cancelled: Optional[Callable[[], bool]] = None) -> None:
         raw = open(path, "rb")
         gz = raw.read(2) == b"\x1f\x8b"
         raw.seek(0)
@@ -58,6 +61,7 @@ class Reader:
         self._raw = raw
         self.deadline = deadline
         self.clock = clock
+        self.cancelled = cancelled or (lambda: False)
 
     def __enter__(self) -> "Reader":
         return self
@@ -70,6 +74,8 @@ class Reader:
         """Exactly ``n`` bytes (n ≤ CHUNK-ish callers), or b"" at a clean end when ``allow_eof``."""
         if self.clock() > self.deadline:
             raise TarError("unpacking took longer than its deadline")
+        if self.cancelled():
+            raise CommandError("cancelled", "the deploy was cancelled while unpacking; nothing changed")
         try:
             data = self._file.read(n)
         except (OSError, EOFError, ValueError) as exc:  # gzip: bad CRC, truncated stream, not gzip

@@ -83,7 +83,8 @@ Check = Callable[[Scan], None]
 
 
 def unpack_archive(archive: str, dest: str, max_bytes: int = DEFAULT_MAX_BYTES,
-                   deadline_s: float = DEFAULT_UNPACK_DEADLINE_S, check: Optional[Check] = None) -> str:
+                   deadline_s: float = DEFAULT_UNPACK_DEADLINE_S, check: Optional[Check] = None,
+                   cancelled: Optional[Callable[[], bool]] = None) -> str:
     """Extract a bundle tar into ``dest``; returns the bundle root (``dest`` or its single top directory).
 
     ``check`` runs between the passes and may refuse by raising; nothing is written before it returns. On a
@@ -93,19 +94,19 @@ def unpack_archive(archive: str, dest: str, max_bytes: int = DEFAULT_MAX_BYTES,
     budget = Budget(dest, max_bytes)
     deadline = time.monotonic() + deadline_s
     try:
-        seen = scan(archive, budget, deadline)
+        seen = scan(archive, budget, deadline, cancelled)
         if check is not None:
             check(seen)
-        _extract(archive, dest, seen, budget, deadline)
+        _extract(archive, dest, seen, budget, deadline, cancelled)
     except TarError as exc:
         raise archive_error(archive, str(exc)) from None
     return os.path.join(dest, seen.prefix.rstrip("/")) if seen.prefix else dest
 
 
-def scan(archive: str, budget: Budget, deadline: float) -> Scan:
+def scan(archive: str, budget: Budget, deadline: float, cancelled: Optional[Callable[[], bool]] = None) -> Scan:
     """The first pass: headers checked, disk charged, files hashed; nothing written."""
     seen = Scan()
-    with Reader(archive, deadline) as reader:
+    with Reader(archive, deadline, cancelled=cancelled) as reader:
         for member, data in members(reader):
             if member.name in seen.members:
                 raise TarError("archive member appears twice: %s" % member.name)
@@ -144,10 +145,11 @@ def _root_prefix(seen: Scan, archive: str) -> str:
     raise BundleError([FieldError("manifest.json", "missing at the archive's root")], archive)
 
 
-def _extract(archive: str, dest: str, seen: Scan, budget: Budget, deadline: float) -> None:
+def _extract(archive: str, dest: str, seen: Scan, budget: Budget, deadline: float,
+             cancelled: Optional[Callable[[], bool]]) -> None:
     """The second pass: write each member the first pass saw, refusing any that differs from it."""
     written = 0
-    with Reader(archive, deadline) as reader:
+    with Reader(archive, deadline, cancelled=cancelled) as reader:
         for member, data in members(reader):
             if seen.members.get(member.name) != member:
                 raise TarError("the archive changed between reading and unpacking (%s)" % member.name)

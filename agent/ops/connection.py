@@ -39,7 +39,7 @@ SESSION_POLL_S = 0.25  # how often the supervisor looks at the stop flag while a
 CLOSE_TIMEOUT_S = 3.0  # wait for paho to confirm a disconnect before abandoning its (daemon) thread
 
 Payload = Union[Dict[str, Any], bytes]
-MessageHandler = Callable[[str, bytes], None]
+MessageHandler = Callable[..., None]  # (topic, payload[, retained])
 
 
 def _json_default(value: Any) -> Any:
@@ -199,7 +199,10 @@ class ConnectionSupervisor:
                              topics[index] if index < len(topics) else "?", code)
 
     def _on_mqtt_message(self, client: mqtt.Client, generation: int, message: mqtt.MQTTMessage) -> None:
-        self._on_message(message.topic, message.payload)
+        if message.retain:  # the dispatcher refuses it: a retained command would run at every reconnect
+            self._on_message(message.topic, message.payload, True)
+        else:
+            self._on_message(message.topic, message.payload)
 
     # -- the supervisor thread ------------------------------------------------------------------------------
 

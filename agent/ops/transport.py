@@ -126,12 +126,15 @@ class MqttTransport:
         """Set the command handler after construction (the dispatcher needs the transport first)."""
         self._on_message = on_message
 
-    def _deliver_message(self, topic: str, payload: bytes) -> None:
+    def _deliver_message(self, topic: str, payload: bytes, retained: bool = False) -> None:
         handler = self._on_message
         if handler is None:
             logger.warning("MQTT message on %s with no handler set: ignored", topic)
             return
-        handler(topic, payload)
+        if retained:
+            handler(topic, payload, True)
+        else:
+            handler(topic, payload)
 
     # -- publishing ---------------------------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from agent.config.schema import ConfigError, parse, setting
 
-VERBS = ("status", "validate", "set-config", "deploy", "rollback", "pause", "resume", "snapshot", "restart")
+VERBS = ("status", "validate", "set-config", "deploy", "rollback", "pause", "resume", "snapshot", "restart",
+         "cancel")
 
 ACCEPTED = "accepted"
 IN_PROGRESS = "in_progress"

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 from agent.config.schema import parse, setting
 from agent.protocol.messages import VERBS
 
-ENVELOPE_KEYS = ("request_id",)  # what every command carries beside its verb's fields
+ENVELOPE_KEYS = ("request_id", "issued_at", "ttl_s", "signature")  # beside the verb's fields (see freshness)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ REQUESTS: Dict[str, Type[Any]] = {
     "resume": NoFields,
     "snapshot": NoFields,
     "restart": NoFields,
+    "cancel": NoFields,
 }
 assert tuple(REQUESTS) == VERBS, "every verb has exactly one request type"
 

@@ -1,0 +1,134 @@
+"""Fresh commands: ``issued_at`` and ``ttl_s`` judged on a clock that never runs backwards, every id kept until
+its command expires, and (with a command key) an Ed25519 signature over what the command means.
+
+A captured command must not run again later: the request record remembers only its newest entries, so an id
+is also kept here for as long as its command is valid (bounded in count by the dispatcher's rate limit, not by
+a fixed size). A wall-clock step backwards must not make an expired command fresh again, so "now" is the wall
+clock, but never less than the last "now" plus the monotonic time since (:class:`ForwardClock`).
+
+The envelope fields (``issued_at``, ``ttl_s``, ``signature``) sit beside ``request_id`` in the payload. A
+signature is the hex Ed25519 signature of :func:`signed_bytes`: the target (device, or ``group/<name>``), the
+verb, the request id, ``issued_at``, ``ttl_s`` and the verb's own fields, as canonical JSON. With a key set,
+an unsigned, badly signed or undated command is refused; without one, a dated command is still judged.
+"""
+
+import json
+import threading
+import time
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from agent.config.daemon_config import CommandsConfig
+from agent.config.schema import ConfigError, FieldError
+from agent.errors import CommandError
+from agent.protocol.requests import ENVELOPE_KEYS as ENVELOPE
+
+DEFAULT_MAX_SKEW_S = 30.0  # how far apart the operator's and the box's clocks may be
+DEFAULT_MAX_TTL_S = 3600.0  # the longest validity a command may claim
+
+
+class ForwardClock:
+    """Wall time that follows forward steps (NTP setting a box's clock at boot) but never goes backwards."""
+
+    def __init__(self, wall: Callable[[], float] = time.time, mono: Callable[[], float] = time.monotonic) -> None:
+        self.wall, self.mono = wall, mono
+        self._last = wall()
+        self._last_mono = mono()
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        with self._lock:
+            mono = self.mono()
+            now = max(self.wall(), self._last + (mono - self._last_mono))
+            self._last, self._last_mono = now, mono
+            return now
+
+
+def signed_bytes(target: str, verb: str, message: Mapping[str, Any]) -> bytes:
+    """What a command's signature covers (the operator's signer and the box build it the same way)."""
+    fields = {k: v for k, v in message.items() if k not in ENVELOPE}
+    body = {"target": target, "verb": verb, "request_id": message.get("request_id"),
+            "issued_at": message.get("issued_at"), "ttl_s": message.get("ttl_s"), "fields": fields}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+class Freshness:
+    """Judges one command's date, signature and id; raises :class:`CommandError` naming what is wrong."""
+
+    def __init__(self, public_key: Optional[bytes] = None, require_dated: bool = False,
+                 max_skew_s: float = DEFAULT_MAX_SKEW_S, max_ttl_s: float = DEFAULT_MAX_TTL_S,
+                 clock: Optional[ForwardClock] = None) -> None:
+        self.public_key = public_key
+        self.require_dated = require_dated or public_key is not None
+        self.max_skew_s, self.max_ttl_s = max_skew_s, max_ttl_s
+        self.clock = clock or ForwardClock()
+        self._seen: Dict[str, float] = {}  # request id -> when (forward clock) it may be forgotten
+        self._lock = threading.Lock()
+
+    def check(self, target: str, verb: str, message: Mapping[str, Any]) -> None:
+        issued, ttl = message.get("issued_at"), message.get("ttl_s")
+        if self.public_key is not None:
+            self._check_signature(target, verb, message)
+        if issued is None and ttl is None:
+            if self.require_dated:
+                raise CommandError("stale", "this box requires issued_at and ttl_s on every command",
+                                   field="issued_at")
+            return
+        for name, value in (("issued_at", issued), ("ttl_s", ttl)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+                    or value in (float("inf"), float("-inf")):
+                raise CommandError("invalid", "%s must be a finite number (got %r)" % (name, value), field=name)
+        if not 0 < ttl <= self.max_ttl_s:  # type: ignore[operator]
+            raise CommandError("invalid", "ttl_s must be in (0, %g] (got %r)" % (self.max_ttl_s, ttl), field="ttl_s")
+        now = self.clock.now()
+        if issued > now + self.max_skew_s:  # type: ignore[operator]
+            raise CommandError("stale", "issued_at is %.0f s ahead of this box's clock (more than the allowed skew "
+                               "of %.0f s)" % (issued - now, self.max_skew_s), field="issued_at")  # type: ignore
+        expires = issued + ttl + self.max_skew_s  # type: ignore[operator]
+        if now > expires:
+            raise CommandError("stale", "the command expired %.0f s ago (issued_at + ttl_s, with %.0f s of skew)"
+                               % (now - expires, self.max_skew_s), field="issued_at")
+        self._remember(str(message.get("request_id")), expires, now)
+
+    def _remember(self, request_id: str, expires: float, now: float) -> None:
+        with self._lock:
+            for old in [k for k, until in self._seen.items() if until < now]:
+                del self._seen[old]
+            if request_id in self._seen:
+                raise CommandError("replayed", "request_id %s was already used within its validity" % request_id,
+                                   field="request_id")
+            self._seen[request_id] = expires
+
+    def _check_signature(self, target: str, verb: str, message: Mapping[str, Any]) -> None:
+        signature = message.get("signature")
+        if not isinstance(signature, str):
+            raise CommandError("unsigned", "this box requires signed commands (signature)", field="signature")
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+
+        try:
+            ed25519.Ed25519PublicKey.from_public_bytes(self.public_key).verify(  # type: ignore[arg-type]
+                bytes.fromhex(signature), signed_bytes(target, verb, message))
+        except (InvalidSignature, ValueError):
+            raise CommandError("bad_signature", "the signature does not match the command and this box's "
+                               "command key", field="signature") from None
+
+
+def freshness_of(config: CommandsConfig) -> Freshness:
+    """The daemon's judge from its ``commands:`` section; a bad key is a config error naming the field."""
+    key = None
+    if config.public_key:
+        from agent.lifecycle.bundle import load_public_key
+
+        try:
+            key = load_public_key(config.public_key)
+        except (ValueError, OSError) as exc:
+            raise ConfigError([FieldError("commands.public_key", str(exc))]) from None
+    return Freshness(key, config.require_dated, config.max_skew_s, config.max_ttl_s)
+
+
+def sign_command(private_key_pem: bytes, target: str, verb: str, message: Mapping[str, Any]) -> str:
+    """The hex signature of a command (``ctl --command-key``, tests)."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(private_key_pem, password=None)
+    return key.sign(signed_bytes(target, verb, message)).hex()  # type: ignore[call-arg,union-attr]
