@@ -141,3 +141,35 @@ def test_status_pause_rollback_and_cancel_are_answered_while_a_long_command_runs
     assert system.dispatcher.stats()["busy"]  # the long command still runs meanwhile
     system.handlers.release.set()
     assert system.final("long-1")["state"] == "succeeded"
+
+
+def test_a_command_dated_in_the_past_is_refused_through_the_broker(factory):
+    system = factory()
+    system.send("pause", dated("old-1", time.time() - 3600, ttl_s=60))  # captured an hour ago, valid a minute
+    assert system.final("old-1")["error"]["code"] == "stale"
+    assert system.handlers.calls["pause"] == 0
+
+
+@needs_cryptography
+def test_ctl_dates_and_signs_what_a_box_with_the_key_accepts(tmp_path):
+    import argparse
+
+    from agent.cli import ctl
+    from agent.cli.bundle import make_key_pair
+
+    private_pem, _public_pem, public_hex = make_key_pair()
+    key_file = tmp_path / "operator.pem"
+    key_file.write_bytes(private_pem)
+    parser = argparse.ArgumentParser()
+    ctl.add_arguments(parser)
+    judge = Freshness(bytes.fromhex(public_hex))
+    for extra, target in ([], "cam-01"), (["--group", "line-1"], "group/line-1"):
+        args = parser.parse_args(["cam-01", "pause", "--command-key", str(key_file)] + extra)
+        _request_id, _topic, _ack, payload = ctl._command(args)
+        message = json.loads(payload)
+        assert message["ttl_s"] == ctl.DEFAULT_SIGNED_TTL_S
+        judge.check(target, "pause", message)  # accepted as signed and fresh
+        with pytest.raises(CommandError):
+            judge.check(target, "resume", message)  # the signature covers the verb
+    undated = json.loads(ctl._command(parser.parse_args(["cam-01", "pause"]))[3])
+    assert "issued_at" not in undated and "signature" not in undated

@@ -39,6 +39,7 @@ DEFAULT_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 CONNECT_ATTEMPT_S = 5.0  # TCP (+TLS) bound per broker, so that a dead node of a cluster costs little
 PORTS = {"mqtt": 1883, "mqtts": 8883}
+DEFAULT_SIGNED_TTL_S = 300.0  # a signed command is dated; five minutes covers a slow broker and clock skew
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-id", default=None, help="reuse an id to retry safely (default: a new one)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the "
                         "final ack")
+    parser.add_argument("--ttl", type=float, default=None, metavar="S",
+                        help="date the command (issued_at = now) and let it be valid S seconds: a box refuses it "
+                             "later, and refuses a replay meanwhile (docs/mqtt.md, Freshness)")
+    parser.add_argument("--command-key", default=None, metavar="PEM",
+                        help="sign the command with this Ed25519 private key (boxes with commands.public_key "
+                             "require it); implies --ttl 300 unless given")
 
 
 def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +112,20 @@ def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
         topic = command_topic(args.prefix, args.verb, device=args.device)
     ack_topic = build_ack_topic(args.prefix, args.device, request_id)
     fields["request_id"] = request_id
+    ttl = getattr(args, "ttl", None)
+    key = getattr(args, "command_key", None)
+    if key and ttl is None:
+        ttl = DEFAULT_SIGNED_TTL_S
+    if ttl is not None:
+        if not 0 < ttl <= 86400:
+            raise ValueError("--ttl must be in (0, 86400] seconds")
+        fields.update(issued_at=time.time(), ttl_s=ttl)
+    if key:
+        from agent.commands.freshness import sign_command
+
+        with open(key, "rb") as handle:
+            target = "group/%s" % args.group if args.group else args.device
+            fields["signature"] = sign_command(handle.read(), target, args.verb, fields)
     return request_id, topic, ack_topic, json.dumps(fields).encode("utf-8")
 
 
