@@ -162,3 +162,52 @@ def test_the_dvpp_decoder_seam_names_what_is_missing_and_claims_nothing():
         reader.close()
     assert getattr(caught.value, "cause", None) == "config"
     assert "pyACL" in str(caught.value) or "not implemented" in str(caught.value)
+
+
+def test_the_pacer_skips_to_max_fps_without_piling_up_slots():
+    from agent.pipeline.sources.worker import Pacer
+
+    pacer = Pacer(2.0)
+    due = [t / 10 for t in range(0, 100) if pacer.due(t / 10)]  # a 10 fps stream for 10 s
+    assert len(due) == 20 and all(0.45 <= b - a <= 0.55 for a, b in zip(due, due[1:]))
+    assert Pacer(2.0).due(0.0) and Pacer(0).due(0.0)
+    late = Pacer(2.0)
+    assert late.due(0.0) and late.due(5.0) and not late.due(5.1)  # after a gap: one frame, not a burst
+
+
+def test_stream_clock_maps_pts_by_the_fastest_arrival_and_says_when_it_cannot():
+    from agent.pipeline.sources.worker import StreamClock
+
+    clock = StreamClock()
+    # Backlog at open: frames captured 0.1 s apart, all read at once at t=10.0; the newest is the live edge.
+    backlog = [clock.capture_time(pts, 10.0) for pts in (100.0, 200.0, 300.0, 400.0, 500.0)]
+    assert [source for _t, source in backlog] == ["stream"] * 5
+    # Each backlog frame is the fastest arrival so far, so the clock alone cannot call it old: the worker drops
+    # the backlog by how fast its grabs return instead (worker.BACKLOG_GRAB_S).
+    assert [round(10.0 - t, 3) for t, _s in backlog] == [0.0] * 5
+    live, source = clock.capture_time(600.0, 10.12)  # next frame read 20 ms after its slot
+    assert source == "stream" and abs(live - 10.1) < 1e-9
+    assert clock.capture_time(600.0, 10.3) == (10.3, "read")  # PTS not advancing: the read time, said so
+    assert clock.capture_time(0.0, 42.0) == (42.0, "read")
+
+
+def test_health_alerts_once_down_once_up_clears_the_error_and_redacts():
+    from agent.pipeline.sources.health import SourceHealth
+
+    alerts = []
+    health = SourceHealth("gate", "rtsp://admin:secret@10.0.0.5/s", alerts.append)
+    assert health.uri == "rtsp://admin:***@10.0.0.5/s"
+    health.failure("timeout", "cannot open rtsp://admin:secret@10.0.0.5/s: timeout", 0.5)
+    health.failure("refused", "connection refused", 1.0)
+    assert health.state == "down" and health.last_error["cause"] == "refused"
+    health.failure("auth", "401 Unauthorized", 30.0)
+    assert health.state == "failed" and health.retry_in_s == 30.0
+    health.frame_out()
+    assert health.state == "up" and health.last_error is None and health.retry_in_s is None
+    health.failure("stalled", "no new picture for 5.0 s", 0.5)
+    assert health.state == "stalled"
+    assert [a["kind"] for a in alerts] == ["source_down", "source_up", "source_down"]
+    assert "secret" not in str(alerts) and "secret" not in str(health.report())
+    health.published(120.0)
+    health.published(80.0)
+    assert health.report()["frame_age_ms"] == {"p50": 120.0, "max": 120.0}
