@@ -1,10 +1,11 @@
-"""``fleet`` section: a rollout to 100 simulated boxes on one real Mosquitto, timed and counted.
+"""``fleet`` section: a rollout to 100 simulated boxes on one real Mosquitto, then to 1,000 light ones, timed.
 
 The boxes are real daemons in this process (``benchmarks/fleet_sim.py``: transport, dispatcher, model manager,
 the stand-in backend); the operator is ``atlas-edge fleet rollout`` in its own process, as a user runs it, so
 its peak RSS is its own. A probe subscribed to the prefix counts every message the broker delivered during
 the rollout, by kind. Wall time is dominated by the observation window times the number of waves: it is
-reported with both, not compared to anything.
+reported with both, not compared to anything. ``light``: the same operator against 1,000 protocol-only boxes
+(``tests/fleet_boxes.py``), for the operator's own costs at ten times the size, state bytes written included.
 """
 
 import json
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 from benchmarks.harness import RunContext, target
 
@@ -27,6 +28,10 @@ ROLLOUT_TIMEOUT_S = 600.0
 RSS_POLL_S = 0.1
 PREFIX = "bench-fleet"
 TARGETS = {"confirmed_fraction": (">=", 1.0)}
+LIGHT_BOXES = 1000  # protocol-only boxes (tests/fleet_boxes.py): the operator's side at ten times the size
+LIGHT_OBSERVATION_S = 2.0
+LIGHT_CANARY = 10
+LIGHT_PREFIX = "bench-fleet-light"
 ROLLOUT_KINDS = ("cmd", "ack", "status", "events")  # the rollout's own traffic; results and telemetry are serving
 
 
@@ -53,15 +58,15 @@ def _current_rss_mb() -> float:
 class _Counter:
     """Counts the messages under the prefix by kind (status, cmd, ack, events, results, telemetry)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, prefix: str = PREFIX) -> None:
         import paho.mqtt.client as mqtt
 
         self.counts: Dict[str, int] = {}
         self.counting = False
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-fleet-counter")
-        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(PREFIX + "/#", qos=1)
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="bench-fleet-counter-" + prefix)
+        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(prefix + "/#", qos=1)
         self.client.on_subscribe = lambda c, u, mid, codes, p: self._ready.set()
         self.client.on_message = self._count
         self.client.connect(host, port)
@@ -80,6 +85,79 @@ class _Counter:
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
+
+
+def _operator(context: RunContext, command: List[str], report_path: str) -> Tuple[float, float, Dict[str, Any]]:
+    """Run ``fleet rollout`` as its own process: wall time, its peak RSS (polled VmHWM) and its report."""
+    env = dict(os.environ, PYTHONPATH=context.root)
+    began = time.monotonic()
+    # Progress (a line per box) goes to a file: a pipe read only at the end fills up and stalls the operator.
+    with open(report_path + ".progress", "w+b") as progress:
+        process = subprocess.Popen(command, env=env, cwd=context.root, stdout=subprocess.DEVNULL, stderr=progress)
+        operator_peak = 0.0
+        while process.poll() is None and time.monotonic() - began < ROLLOUT_TIMEOUT_S:
+            operator_peak = max(operator_peak, _peak_rss_mb(process.pid))
+            time.sleep(RSS_POLL_S)
+        if process.poll() is None:
+            process.kill()
+        process.wait(30)
+        wall_s = time.monotonic() - began
+        progress.seek(0)
+        err = progress.read()
+    if process.returncode not in (0, 1, 5):  # completed, aborted, partial: a report in each case
+        raise RuntimeError("fleet rollout exited %s: %s" % (process.returncode, err.decode()[-1000:]))
+    with open(report_path, encoding="utf-8") as handle:
+        return wall_s, operator_peak, json.load(handle)
+
+
+def run_light(context: RunContext, broker: Any) -> Dict[str, Any]:
+    """A rollout to LIGHT_BOXES protocol-only simulated boxes (``tests/fleet_boxes.py``, one thread for all).
+
+    The boxes answer as the protocol says (accepted, in_progress, succeeded, status pending, then confirmed
+    after LIGHT_OBSERVATION_S) without serving anything, so the figures are the operator's and the broker's:
+    rollout time, broker messages per box, the operator's peak RSS and what it wrote to its state files.
+    """
+    from tests.fleet_boxes import BoxFleet, model
+
+    root = os.path.join(context.work_dir, "fleet-light")
+    os.makedirs(root, exist_ok=True)
+    sha = "2" * 64
+    fleet = BoxFleet(broker.host, broker.port, LIGHT_PREFIX, {"shapes-2.tar.gz": model("2.0.0", sha)},
+                     observation_s=LIGHT_OBSERVATION_S, deploy_s=0.5)
+    for index in range(LIGHT_BOXES):
+        fleet.add("box-%04d" % index)
+    counter = None
+    try:
+        fleet.start(timeout=120.0)
+        counter = _Counter(broker.host, broker.port, LIGHT_PREFIX)
+        report_path = os.path.join(root, "report.json")
+        command = [sys.executable, "-m", "agent", "fleet", "rollout", "--broker", broker.url, "--prefix",
+                   LIGHT_PREFIX, "--group", "sim", "--bundle", "shapes-2.tar.gz", "--sha256", sha, "--canary",
+                   str(LIGHT_CANARY), "--waves", str(WAVES), "--state-dir", os.path.join(root, "rollouts"),
+                   "--report", report_path]
+        counter.counting = True
+        wall_s, operator_peak, report = _operator(context, command, report_path)
+        time.sleep(0.5)
+        counter.counting = False
+        counts = dict(counter.counts)
+    finally:
+        if counter is not None:
+            counter.close()
+        fleet.close()
+    log.info("fleet light: %d boxes, rollout %.1f s, operator peak RSS %.0f MiB, state %d bytes",
+             LIGHT_BOXES, wall_s, operator_peak, report["state_bytes_written"])
+    return {
+        "boxes": LIGHT_BOXES, "observation_s": LIGHT_OBSERVATION_S, "canary": LIGHT_CANARY,
+        "waves": len(report["waves"]), "rollout_wall_s": round(wall_s, 2), "rollout_engine_s": report["wall_s"],
+        "confirmed_fraction": report["counts"].get("confirmed", 0) / LIGHT_BOXES, "outcomes": report["counts"],
+        "msgs_per_box": round(sum(counts.values()) / LIGHT_BOXES, 2),
+        "msgs_per_box_by_kind": {k: round(v / LIGHT_BOXES, 2) for k, v in sorted(counts.items())},
+        "operator_messages": report.get("broker_messages"),
+        "operator_peak_rss_mb": round(operator_peak, 1),
+        "state_bytes_written": report["state_bytes_written"],
+        "environment": {"boxes_process": "one thread, one epoll loop, %d paho clients" % LIGHT_BOXES,
+                        "operator_process": "python -m agent fleet rollout", "broker": "one mosquitto"},
+    }
 
 
 def run(context: RunContext) -> Dict[str, Any]:
@@ -109,30 +187,22 @@ def run(context: RunContext) -> Dict[str, Any]:
                    "--canary", str(CANARY), "--waves", str(WAVES), "--max-failure-rate", "0.05",
                    "--confirm-timeout", "300", "--state-dir", os.path.join(root, "rollouts"),
                    "--report", report_path]
-        env = dict(os.environ, PYTHONPATH=context.root)
         counter.counting = True
-        began = time.monotonic()
-        process = subprocess.Popen(command, env=env, cwd=context.root, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE)
-        operator_peak = 0.0
-        while process.poll() is None and time.monotonic() - began < ROLLOUT_TIMEOUT_S:
-            operator_peak = max(operator_peak, _peak_rss_mb(process.pid))
-            time.sleep(RSS_POLL_S)
-        if process.poll() is None:
-            process.kill()
-        _out, err = process.communicate(timeout=30)
-        wall_s = time.monotonic() - began
+        wall_s, operator_peak, report = _operator(context, command, report_path)
         time.sleep(0.5)  # the last acks and status still in flight to the counter
         counter.counting = False
-        if process.returncode not in (0, 1, 5):  # completed, aborted, partial: a report in each case
-            raise RuntimeError("fleet rollout exited %s: %s" % (process.returncode, err.decode()[-1000:]))
-        with open(report_path, encoding="utf-8") as handle:
-            report = json.load(handle)
         counts = dict(counter.counts)
+        counter.close()
+        counter = None
+        frame_hz = fleet.frame_hz
+        fleet.close()  # the daemons stop before the light fleet starts: its figures are its own
+        fleet = None
+        light = run_light(context, broker)
     finally:
         if counter is not None:
             counter.close()
-        fleet.close()
+        if fleet is not None:
+            fleet.close()
         broker.close()
         server.close()
     total = sum(counts.values())
@@ -157,10 +227,11 @@ def run(context: RunContext) -> Dict[str, Any]:
         "operator_peak_rss_mb": round(operator_peak, 1),
         "simulated_boxes_rss_mb": round(boxes_rss, 1),
         "simulated_box_start_s": round(start_s, 2),
+        "light": light,
         "environment": {"boxes_process": "one Python process, %d daemons, one serving thread each" % BOXES,
                         "operator_process": "python -m agent fleet rollout", "broker": "one mosquitto",
                         "backend": "FleetStandinBackend (OpenCV ONNX inference, no faults)",
-                        "frame_hz_per_box": fleet.frame_hz, "cpus": os.cpu_count()},
+                        "frame_hz_per_box": frame_hz, "cpus": os.cpu_count()},
     }
 
 

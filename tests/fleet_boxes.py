@@ -16,7 +16,7 @@ import heapq
 import json
 import os
 import queue
-import select
+import selectors
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -86,8 +86,9 @@ class SimBox:
         elif self.fault == "bad_rollback":
             slots["last_rollback"] = "rolled back at some point"
         serving = self.slots["slots"][self.slots["serving"]]
-        return {"state": state, "device": "sim", "model": "%s %s" % (serving["name"], serving["version"]),
-                "backend": "sim", "ts": time.time(), "groups": list(self.groups), "slots": slots}
+        return {"state": state, "device": self.params.get("kind", "sim"), "ts": time.time(),
+                "model": "%s %s" % (serving["name"], serving["version"]), "backend": self.params.get("backend", "sim"),
+                "groups": list(self.groups), "slots": slots}
 
     def connect(self) -> None:
         client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=True,
@@ -317,6 +318,7 @@ class BoxFleet:
         self._seq = 0
         self._calls: "queue.Queue[Tuple[Callable[[], Any], queue.Queue]]" = queue.Queue()
         self._stop = threading.Event()
+        self._selector = selectors.DefaultSelector()
         self._thread = threading.Thread(target=self._loop, name="box-fleet", daemon=True)
         self.errors: List[str] = []
 
@@ -355,12 +357,21 @@ class BoxFleet:
         heapq.heappush(self._timers, (time.monotonic() + delay, self._seq, action))
 
     def watch(self, client: Any) -> None:
-        self._clients[client.socket()] = client
+        sock = client.socket()
+        self._clients[sock] = client
+        self._selector.register(sock, selectors.EVENT_READ, client)
 
     def unwatch(self, client: Any) -> None:
         for sock, known in list(self._clients.items()):
             if known is client:
-                del self._clients[sock]
+                self._forget(sock)
+
+    def _forget(self, sock: Any) -> None:
+        self._clients.pop(sock, None)
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError, OSError):
+            pass
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -371,29 +382,26 @@ class BoxFleet:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10.0)
+        self._selector.close()
 
     def _loop(self) -> None:
+        """epoll through ``selectors`` (a thousand sockets are past ``select``'s limit); writes go out each turn."""
         last_misc = 0.0
         while not self._stop.is_set():
             self._run_calls()
             self._run_timers()
-            socks = [s for s in self._clients if s is not None and s.fileno() >= 0]
-            writers = [s for s in socks if self._clients[s].want_write()]
-            try:
-                readable, writable, _ = select.select(socks, writers, [], TICK_S) if socks else ([], [], [])
-            except (OSError, ValueError):
-                self._prune()
-                continue
-            for sock in readable:
-                self._step(sock, "read")
-            for sock in writable:
-                self._step(sock, "write")
+            for sock, client in list(self._clients.items()):
+                if client.want_write():
+                    self._step(sock, "write")
+            if self._clients:
+                for key, _ in self._selector.select(TICK_S):
+                    self._step(key.fileobj, "read")
+            else:
+                time.sleep(TICK_S)
             if time.monotonic() - last_misc > 1.0:
                 last_misc = time.monotonic()
                 for sock in list(self._clients):
                     self._step(sock, "misc")
-            if not socks:
-                time.sleep(TICK_S)
 
     def _step(self, sock: Any, what: str) -> None:
         client = self._clients.get(sock)
@@ -405,12 +413,7 @@ class BoxFleet:
             self.errors.append("%s: %s" % (what, exc))
             rc = 1
         if rc and rc != mqtt.MQTT_ERR_AGAIN:
-            self._clients.pop(sock, None)
-
-    def _prune(self) -> None:
-        for sock in list(self._clients):
-            if sock is None or sock.fileno() < 0:
-                self._clients.pop(sock, None)
+            self._forget(sock)
 
     def _run_calls(self) -> None:
         while True:

@@ -412,3 +412,19 @@ def test_ctrl_c_ends_cleanly_and_the_same_command_resumes(boxes, mosquitto, tmp_
     assert second.returncode == EXIT_PARTIAL and report["runs"] == 2, second.stderr.decode()[-2000:]
     assert by_device(report)["box-02"]["outcome"] == "timed_out"
     assert [box.deploys for box in fleet.boxes[:2]] == [1, 1]
+
+
+def test_preflight_refuses_a_wrong_digest_and_a_bundle_a_box_kind_cannot_run(boxes, mosquitto, tmp_path, capsys):
+    from benchmarks.fleet_sim import build_bundles
+
+    _v1, archive, sha = build_bundles(str(tmp_path / "bundles"))  # ONNX for CPU boxes only
+    fleet = boxes(3, faults={1: (None, {"kind": "atlas-200dk", "backend": "acl"})}).start()
+    args = rollout_args(mosquitto.url, fleet.prefix, tmp_path / "s")
+    args[args.index(BUNDLE)] = archive
+    code, _, err = run_cli(args, capsys)  # --sha256 is not this bundle's
+    assert code == EXIT_USAGE and "manifest sha256" in err
+    args[args.index(SHA)] = sha
+    code, _, err = run_cli(args, capsys)
+    assert code == EXIT_USAGE and "box-01 (atlas-200dk, acl)" in err and "box-00" not in err.split("run:")[-1]
+    assert "device kind not checked for 2 box(es)" in err  # the others say 'sim': not a kind known here
+    assert all(box.commands == [] for box in fleet.boxes)

@@ -135,6 +135,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="boxes offline at the start make a last wave, sent to each that is back within S s")
     rollout.add_argument("--expect", type=int, default=None, metavar="N",
                          help="the group has N boxes: listen longer for missing ones; fewer heard ends 'partial'")
+    rollout.add_argument("--bundle-file", default=None, metavar="PATH",
+                         help="a local copy of the bundle for the pre-flight, when --bundle is a path in the "
+                              "boxes' store")
+    rollout.add_argument("--no-preflight", action="store_true",
+                         help="skip fetching and checking the bundle (digest, device kinds) before sending")
     rollout.add_argument("--inventory", default=None, metavar="FILE",
                          help="device ids that must be reached, one per line; those never heard are 'unseen'")
     _state_args(rollout, False)
@@ -316,6 +321,11 @@ def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, link: FleetLi
     def progress(line: str) -> None:
         print(line, file=err, flush=True)
 
+    check = None
+    if not resume and not args.no_preflight:
+        from agent.cli.fleet_preflight import preflight
+
+        check = preflight(spec.bundle, spec.sha256, args.bundle_file, progress)
     # Boxes that must be reached: --inventory's, and the group's boxes in the operator's record (unseen if silent).
     record = _record(args)
     listed = _inventory(getattr(args, "inventory", None))
@@ -323,7 +333,7 @@ def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, link: FleetLi
     engine = Rollout(spec, rollout_id, state_dir, link, progress=progress, listen_s=args.listen,
                      settle_s=args.settle, expect=getattr(args, "expect", None),
                      inventory=sorted(set(listed or []) | set(recorded)) if listed or recorded else None,
-                     resume=resume)
+                     resume=resume, preflight=check)
     state = engine.run()
     record.fold(engine.view)
     record.save()

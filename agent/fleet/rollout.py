@@ -84,7 +84,8 @@ class Rollout:
                  progress: Progress = lambda line: None, listen_s: float = 0.0,
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
                  settle_s: float = SETTLE_S, expect: Optional[int] = None,
-                 inventory: Optional[List[str]] = None, resume: bool = False) -> None:
+                 inventory: Optional[List[str]] = None, resume: bool = False,
+                 preflight: Optional[Callable[[List[Any]], None]] = None) -> None:
         spec.check()
         self.spec = spec
         self.sha = spec.sha256.lower()
@@ -98,6 +99,7 @@ class Rollout:
         self.expect = expect
         self.inventory = inventory
         self.resume = resume
+        self.preflight = preflight  # checks the gathered boxes of a new rollout; RolloutError refuses it
         self.clock = clock  # wall time: what the state file and report record
         self.monotonic = monotonic  # deadlines within this run
         self.intake = Intake(spec, self.rollout_id, link, progress, clock, monotonic,
@@ -124,6 +126,8 @@ class Rollout:
             if state is not None:
                 self._check_same(state)
             self._gather()
+            if state is None and self.preflight is not None:
+                self.preflight([b for b in self.view.in_group(self.spec.group) if not b.malformed])
             self.state = state = state or self._plan()
             if state.status in FINISHED and state.data.get("revert") != "wanted":
                 self.progress("rollout %s already %s; reprinting its report" % (self.rollout_id, state.status))

@@ -49,6 +49,7 @@ class BoxView:
     broker: Optional[str] = None  # the broker (of mqtt.hosts) the box said it is on
     telemetry_interval_s: Optional[float] = None
     heard_live: bool = False  # a message from it arrived live during this run (not a retained copy)
+    kind: Optional[str] = None  # its device kind (the status's ``device``: a device_configs/ name)
 
     @property
     def online(self) -> bool:
@@ -143,6 +144,7 @@ class FleetView:
         if box.online or body.get("slots"):  # an offline will carries no slots: keep the last ones known
             box.model = body.get("model", box.model)
             box.backend = body.get("backend", box.backend)
+            box.kind = body.get("device", box.kind)
             if isinstance(body.get("slots"), dict):
                 box.slots = body["slots"]
         box.reason = body.get("reason")
