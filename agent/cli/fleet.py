@@ -325,7 +325,7 @@ def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, link: FleetLi
     if not resume and not args.no_preflight:
         from agent.cli.fleet_preflight import preflight
 
-        check = preflight(spec.bundle, spec.sha256, args.bundle_file, progress)
+        check = preflight(spec.bundle, spec.sha256, args.bundle_file, progress, spec.archive_sha256)
     # Boxes that must be reached: --inventory's, and the group's boxes in the operator's record (unseen if silent).
     record = _record(args)
     listed = _inventory(getattr(args, "inventory", None))

@@ -10,6 +10,7 @@ bundle only the boxes can reach is said to be unchecked, never silently passed.
 import os
 import shutil
 import tempfile
+import urllib.parse
 from typing import TYPE_CHECKING, Callable, List, Optional
 
 from agent.config.device_config import known_devices, load_device_config
@@ -18,13 +19,14 @@ from agent.fleet.plan import RolloutError
 from agent.fleet.status import BoxView
 
 if TYPE_CHECKING:
-    from agent.lifecycle.bundle import Bundle
+    from agent.bundle.verify import Bundle
 
 Check = Callable[[List[BoxView]], None]
 URL_SCHEMES = ("http://", "https://")  # what the box's fetch downloads (agent.lifecycle.fetch.is_url)
 
 
-def preflight(bundle: str, sha256: str, local: Optional[str], progress: Callable[[str], None]) -> Optional[Check]:
+def preflight(bundle: str, sha256: str, local: Optional[str], progress: Callable[[str], None],
+              archive_sha256: Optional[str] = None) -> Optional[Check]:
     """Fetch and check the bundle now; the returned check runs against the boxes once they are gathered."""
     source = local or bundle
     if not (source.startswith(URL_SCHEMES) or os.path.exists(source)):
@@ -32,17 +34,24 @@ def preflight(bundle: str, sha256: str, local: Optional[str], progress: Callable
                  "--bundle-file LOCAL checks a copy" % bundle)
         return None
     # The box's own bundle code (and with it numpy and OpenCV): loaded only for a bundle that can be checked.
-    from agent.lifecycle.bundle import MANIFEST, Bundle, BundleError, load_manifest, sha256_file
+    from agent.bundle.manifest import MANIFEST, BundleError, load_manifest
+    from agent.bundle.verify import Bundle, sha256_file
     from agent.lifecycle.fetch import fetch_bundle
+    from agent.lifecycle.fetch_policy import FetchPolicy, Refused
 
     staging = tempfile.mkdtemp(prefix="atlas-edge-preflight-")
     try:
-        root = fetch_bundle(source, os.path.dirname(os.path.abspath(source)), staging)
+        # The operator checks the URL it was given, on its own network (http, a private address); each box
+        # still applies its own fetch policy to the deploy.
+        host = urllib.parse.urlsplit(source).hostname or ""
+        root = fetch_bundle(source, os.path.dirname(os.path.abspath(source)), staging,
+                            FetchPolicy(schemes=("http", "https"), hosts=(host,) if host else ()),
+                            archive_sha256=archive_sha256)
         actual = sha256_file(os.path.join(root, MANIFEST)) if os.path.isfile(os.path.join(root, MANIFEST)) else None
         if actual != sha256:
             raise RolloutError("pre-flight: %s has manifest sha256 %s, not --sha256 %s" % (source, actual, sha256))
         manifest = load_manifest(root)
-    except (BundleError, ConfigError, OSError) as exc:
+    except (BundleError, ConfigError, OSError, Refused) as exc:
         raise RolloutError("pre-flight: %s: %s" % (source, " ".join(str(exc).split()))) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -54,7 +63,8 @@ def preflight(bundle: str, sha256: str, local: Optional[str], progress: Callable
 
 def _fits(bundle: "Bundle", boxes: List[BoxView], progress: Callable[[str], None]) -> None:
     """Each box's own artifact selection for its device kind and backend; RolloutError naming the misfits."""
-    from agent.lifecycle.bundle import BundleError, select_artifacts
+    from agent.bundle.manifest import BundleError
+    from agent.pipeline.artifacts import select_artifacts
 
     kinds = set(known_devices())
     misfits, unknown = [], []
