@@ -171,6 +171,7 @@ class SimulatedLink:
         self.queue = [Message("%s/%s/status" % (SIM_PREFIX, d), json.dumps(b).encode(), True)
                       for d, b in statuses.items()]
         self.published = []  # (simulated time, topic)
+        self.later = []  # (simulated time, message): what boxes say on their own, later
         self.marks = {}
 
     def wall(self):
@@ -188,6 +189,9 @@ class SimulatedLink:
         if self.queue:
             return self.queue.pop(0)
         self.mono += timeout
+        due = [m for at, m in self.later if at <= self.mono]
+        self.later = [(at, m) for at, m in self.later if at > self.mono]
+        self.queue.extend(due)
         if self.lose_at is not None and self.mono - self.start >= self.lose_at:
             raise LostBroker()
         assert self.mono - self.start < 10 * 86400, "a deadline never came"
@@ -537,3 +541,43 @@ def test_state_writes_grow_with_the_changes_not_with_the_fleet(tmp_path):
     assert state.bytes_written < 10 * 1024 * 1024, state.bytes_written
     reloaded = RolloutState.load(state.path)
     assert reloaded.boxes == state.boxes  # what was written is the whole state
+
+
+def test_max_per_minute_spreads_the_deploys(tmp_path):
+    def answer(topic, payload):
+        if not topic.endswith("/cmd/deploy"):
+            return []  # the announce
+        return [_ack(topic.split("/")[1], payload, FAILED, error={"code": "invalid", "message": "no"})]
+
+    link = SimulatedLink({"box-%d" % i: _online("box-%d" % i) for i in range(5)}, answer=answer)
+    state = _rollout(link, tmp_path, canary=0, waves=1, max_per_minute=2).run()
+    sent = _sent(link, "deploy")
+    assert len(sent) == 5 and state.outcomes() == {"failed": 5}
+    assert all(sum(1 for t in sent if start <= t < start + 60.0) <= 2 for start in sent)
+    assert sent[-1] - sent[0] >= 120.0  # 5 deploys at 2 a minute: the fifth waits two minutes
+
+
+def test_progress_acks_extend_the_step_timeout(tmp_path):
+    """A slow download that keeps saying it is working is not timed out; a silent one is."""
+    def answer(topic, payload):
+        if not topic.endswith("/cmd/deploy"):
+            return []  # the announce
+        device = topic.split("/")[1]
+        now = link.mono
+        for offset in (40.0, 80.0, 120.0):  # progress every 40 s, under the 60 s step timeout
+            link.later.append((now + offset, _ack(device, payload, "in_progress", message="fetching")))
+        confirmed = dict(_online(device), slots={"serving": "b", "slots": {
+            "a": {"state": "standby", "name": "m", "version": "1", "manifest_sha256": "a" * 64},
+            "b": {"state": "confirmed", "name": "m", "version": "2", "manifest_sha256": SIM_SHA}}})
+        link.later.append((now + 150.0, _ack(device, payload, SUCCEEDED, result={"model": {
+            "name": "m", "version": "2", "manifest_sha256": SIM_SHA}})))
+        link.later.append((now + 151.0, Message("%s/%s/status" % (SIM_PREFIX, device),
+                                                json.dumps(confirmed).encode(), True)))
+        return [_ack(device, payload, "accepted")]
+
+    link = SimulatedLink({"box-0": _online("box-0")}, answer=answer)
+    state = _rollout(link, tmp_path / "talks", step_timeout_s=60.0, confirm_timeout_s=100.0).run()
+    assert state.boxes["box-0"]["outcome"] == "confirmed"
+    quiet = SimulatedLink({"box-0": _online("box-0")}, answer=lambda topic, payload: [])
+    state = _rollout(quiet, tmp_path / "silent", step_timeout_s=60.0, confirm_timeout_s=100.0).run()
+    assert state.boxes["box-0"]["outcome"] == TIMED_OUT and "within 60 s" in state.boxes["box-0"]["error"]

@@ -428,3 +428,21 @@ def test_preflight_refuses_a_wrong_digest_and_a_bundle_a_box_kind_cannot_run(box
     assert code == EXIT_USAGE and "box-01 (atlas-200dk, acl)" in err and "box-00" not in err.split("run:")[-1]
     assert "device kind not checked for 2 box(es)" in err  # the others say 'sim': not a kind known here
     assert all(box.commands == [] for box in fleet.boxes)
+
+
+def test_a_box_that_announces_itself_during_the_rollout_is_taken_in(boxes, mosquitto, tmp_path, capsys):
+    fleet = boxes(3, observation_s=2.0).start()
+    args = rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "1", "--waves", "1", "--rollout-id",
+                        "ro-late")
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(code=fleet_cli.main(args)))
+    runner.start()
+    assert wait_for(lambda: fleet.box("box-00").commands, timeout=60)  # planned, the canary is out
+    late = fleet.add("box-09")
+    fleet.call(late.connect)
+    runner.join(120)
+    out = capsys.readouterr()
+    report = json.loads(out.out[out.out.index("{"):])
+    assert result["code"] == EXIT_COMPLETED, out.err
+    assert by_device(report)["box-09"]["outcome"] == "confirmed" and report["waves"][-1] == ["box-09"]
+    assert late.serving() == {"version": "2.0.0", "state": "confirmed"} and late.deploys == 1
