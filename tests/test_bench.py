@@ -297,7 +297,11 @@ def test_run_cell_accounts_for_every_frame_and_respects_max_batch():
     assert cell["served"] == sum(model.sizes)
     assert max(model.sizes) <= 4
     assert cell["stalled"] is False
-    assert cell["bound"]["frames_checked"] == cell["served"]
+    # Every served frame is judged: checked against the bound, or counted as arrived behind a backlog (a slow
+    # spell of the shared machine puts max_batch frames ahead of it, and the bound no longer promises anything).
+    bound = cell["bound"]
+    assert bound["frames_checked"] + bound["frames_behind_backlog"] == cell["served"]
+    assert bound["frames_checked"] > 0
     assert cell["latency_ms"]["p50"] <= cell["latency_ms"]["p99"] <= cell["latency_ms"]["max"]
 
 
