@@ -589,3 +589,8 @@ def test_a_trickling_server_is_stopped_by_the_download_deadline(tmp_path):
     with _http_server(str(tmp_path), handler=_TrickleHandler) as url:
         with pytest.raises(FetchError, match="took longer than 1 s"):
             download(url + "/slow.tar.gz", str(tmp_path / "out"), policy)
+
+
+def test_a_nul_byte_in_a_bundle_path_is_a_clear_refusal(tmp_path):
+    with pytest.raises(FetchError, match="holds a NUL byte"):
+        fetch_bundle("incoming/a\x00b", str(tmp_path), str(tmp_path))

@@ -173,3 +173,10 @@ def test_ctl_dates_and_signs_what_a_box_with_the_key_accepts(tmp_path):
             judge.check(target, "resume", message)  # the signature covers the verb
     undated = json.loads(ctl._command(parser.parse_args(["cam-01", "pause"]))[3])
     assert "issued_at" not in undated and "signature" not in undated
+
+
+def test_json_nested_too_deep_is_answered_bad_json_when_the_request_id_is_readable(factory):
+    system = factory()
+    depth = 5000  # deeper than the JSON parser's recursion limit, well under the 64 KiB payload cap
+    system.send("status", ('{"request_id": "deep-1", "x": ' + "[" * depth + "]" * depth + "}").encode())
+    assert system.final("deep-1")["error"]["code"] == "bad_json"
