@@ -2,10 +2,12 @@
 
 ``status`` asks every box to announce itself and folds the answers, the retained status topics (where the broker
 sends them) and telemetry heard while listening into one view, judging an ``online`` nobody heard lately
-``stale``; ``inventory`` is the operator's record of every box seen, so a silent one is listed, not lost; ``rollout``
-plans canary and waves, sends ``deploy`` with request ids derived from the rollout and device ids, judges each
-box by the slot states in its retained status, aborts on a failure threshold, optionally rolls moved boxes
-back, and keeps its progress in a local state file so that a re-run continues where it stopped.
+``stale``; ``inventory`` is the operator's record of every box seen, so a silent one is listed, not lost. A
+rollout is ``rollout`` (the engine: targets, canary and waves, abort, pause, resume) with its rooms: ``plan``
+(the spec, waves, request ids and abort rules), ``intake`` (statuses and acks bound to the box whose topic they
+came on), ``judge`` (a box's outcome from its own word, retries, timeouts), ``revert`` (moved boxes put back
+after an abort or cancel), ``journal`` (the state file as a snapshot plus a journal, and the lock) and
+``report`` (every known box with its outcome, and the exit codes).
 
 Topics, acks and statuses are built and read by :mod:`agent.protocol`. May import ``protocol``, ``config``,
 ``_util`` and ``errors``; never ``commands``, ``ops``, ``pipeline``, ``bundle``, ``lifecycle``, ``health``,

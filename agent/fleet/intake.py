@@ -24,7 +24,7 @@ from agent.fleet.plan import (
     RolloutSpec,
     request_id,
 )
-from agent.fleet.status import FleetView
+from agent.fleet.status import BoxView, FleetView
 from agent.protocol.messages import FINAL_STATES, Ack, ProtocolError, parse_ack
 from agent.protocol.topics import ACK, device_topic, split_device_topic
 
@@ -40,6 +40,17 @@ def one_line(text: str) -> str:
 
 def identity(entry: Dict[str, Any]) -> Dict[str, Any]:
     return {k: entry.get(k) for k in ("name", "version", "manifest_sha256")}
+
+
+def new_box(request: Optional[str], view: Optional[BoxView] = None, **fields: Any) -> Dict[str, Any]:
+    """A box's entry in the state file, from what its status says (``view``) when there is one."""
+    serving = view.serving if view is not None else {}
+    box = {"wave": None, "phase": DONE, "outcome": None, "error": None, "attempt": 0,
+           "old": identity(serving) if serving else None, "new": None,
+           "baseline_rollback": view.last_rollback if view is not None else None, "anomalies": [],
+           "request_id": request, "sent_at": None, "deployed_at": None, "finished_at": None, "revert": None}
+    box.update(fields)
+    return box
 
 
 class Intake:
@@ -110,11 +121,9 @@ class Intake:
 
     def _take_in(self, state: RolloutState, device: str) -> None:
         """A box of the group that announced itself after the plan: a last wave (or reported, if too late)."""
-        box = {"wave": None, "phase": DONE, "outcome": NOT_STARTED, "error": "announced itself after the plan",
-               "attempt": 0, "old": None, "new": None, "baseline_rollback": None, "anomalies": [],
-               "request_id": request_id(self.rollout_id, device, "deploy"), "sent_at": None, "deployed_at": None,
-               "finished_at": None, "revert": None}
         view = self.view.boxes[device]
+        box = new_box(request_id(self.rollout_id, device, "deploy"), outcome=NOT_STARTED,
+                      error="announced itself after the plan")
         if state.status == RUNNING and view.online and not view.malformed:
             waves = state.data["waves"]
             late = state.data.get("late_wave")
@@ -122,8 +131,7 @@ class Intake:
                 waves = waves + [[]]
                 late = len(waves) - 1
             waves[late] = waves[late] + [device]
-            box.update(wave=late, phase=PLANNED, outcome=None, error=None,
-                       old=identity(view.serving) if view.serving else None, baseline_rollback=view.last_rollback)
+            box = new_box(box["request_id"], view, wave=late, phase=PLANNED)
             state.top(waves=waves, late_wave=late)
             self.progress("  %-24s announced itself after the plan: taken into wave %d" % (device, late + 1))
         state.set(device, **box)

@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Callable, Deque, Dict, List, Optional
 
-from agent.fleet.intake import DEPLOYED, DONE, PLANNED, POLL_S, SENT, Intake, identity
+from agent.fleet.intake import DEPLOYED, DONE, PLANNED, POLL_S, SENT, Intake, new_box
 from agent.fleet.journal import STATE_SCHEMA, RolloutLock, RolloutState
 from agent.fleet.judge import Judge
 from agent.fleet.link import FleetLink
@@ -170,12 +170,7 @@ class Rollout:
         movable: List[str] = []
         waiting: List[str] = []
         for view in self.view.in_group(None):
-            serving = view.serving
-            box = {"wave": None, "phase": DONE, "outcome": None, "error": None, "attempt": 0,
-                   "old": identity(serving) if serving else None, "new": None,
-                   "baseline_rollback": view.last_rollback, "anomalies": [],
-                   "request_id": request_id(self.rollout_id, view.device, "deploy"),
-                   "sent_at": None, "deployed_at": None, "finished_at": None, "revert": None}
+            box = new_box(request_id(self.rollout_id, view.device, "deploy"), view)
             boxes[view.device] = box
             if self.spec.group not in view.groups:
                 box.update(outcome=NOT_TARGETED)
@@ -195,10 +190,7 @@ class Rollout:
                 movable.append(view.device)
         for device in self.inventory or []:
             if device not in boxes:
-                boxes[device] = {"wave": None, "phase": DONE, "outcome": UNSEEN, "attempt": 0, "old": None,
-                                 "new": None, "baseline_rollback": None, "anomalies": [], "request_id": None,
-                                 "error": "in the inventory, no status heard", "sent_at": None,
-                                 "deployed_at": None, "finished_at": None, "revert": None}
+                boxes[device] = new_box(None, outcome=UNSEEN, error="in the inventory, no status heard")
         targeted = [d for d, b in boxes.items() if b["outcome"] not in (NOT_TARGETED, UNSEEN)]
         if not targeted and not self.inventory:
             raise RolloutError("no box has announced itself in group %r under prefix %r" % (
