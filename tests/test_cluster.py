@@ -16,16 +16,14 @@ import time
 
 import pytest
 from conftest import wait_for
-from test_fleet import bundles, rollout_args, run_cli, truth  # noqa: F401 - bundles is a fixture
+from test_fleet import bundles, make_fleet, rollout_args, run_cli, truth  # noqa: F401 - fixtures
 
 from agent.cli.ctl import EXIT_OK
 from agent.devtools.broker import BrokerError
-from agent.devtools.rabbitmq import RabbitCluster, find_rabbitmq
-from benchmarks.fleet_sim import SimulatedFleet
+from agent.devtools.rabbitmq import RabbitCluster, describe, find_rabbitmq
 from tests.conftest import MqttProbe
 
 FAILOVER_BOUND_S = 15.0  # the issue's bound on a box publishing again through another node
-WINDOW_S = 1.0  # the simulated boxes' observation window
 
 
 def _rabbitmq(size):
@@ -36,7 +34,8 @@ def _rabbitmq(size):
     formed = RabbitCluster(size)
     with formed:
         yield formed
-    assert formed.leftovers() == []  # no beam, epmd, erl_child_setup or inet_gethost of ours still runs
+    left = [describe(pid) for pid in formed.leftovers()]
+    assert left == []  # no beam, epmd, erl_child_setup or inet_gethost of ours still runs
 
 
 @pytest.fixture
@@ -50,22 +49,6 @@ def cluster():
     yield from _rabbitmq(3)
 
 
-@pytest.fixture
-def fleets(tmp_path, bundles):  # noqa: F811 - the fixture imported above
-    made = []
-
-    def make(name, count, hosts, prefix, result_hz=0.2):
-        first = hosts[0].split(":")
-        fleet = SimulatedFleet(str(tmp_path / name), first[0], int(first[1]), bundles["v1"], count,
-                               observation_s=WINDOW_S, prefix=prefix, name=name, hosts=hosts, result_hz=result_hz)
-        made.append(fleet)
-        return fleet.start()
-
-    yield make
-    for fleet in made:
-        fleet.close()
-
-
 def status(node_urls, prefix, tmp_path, capsys, *extra):
     argv = ["status", "--prefix", prefix, "--json", "--listen", "1", "--state-dir", str(tmp_path / "op")]
     for url in node_urls:
@@ -75,12 +58,11 @@ def status(node_urls, prefix, tmp_path, capsys, *extra):
     return {b["device"]: b for b in shown["boxes"]}
 
 
-def test_one_node_status_lists_every_box_and_a_rollout_confirms_them(single, fleets, bundles, tmp_path,  # noqa: F811
-                                                                      capsys):
+def test_one_node_status_lists_every_box_and_a_rollout_confirms_them(
+        single, make_fleet, bundles, tmp_path, capsys):  # noqa: F811 - fixtures imported from test_fleet
     node = single.nodes[0]
     prefix = "one-%s" % os.urandom(3).hex()
-    fleet = fleets("solo", 5, [node.address], prefix)
-    fleet.prefix = prefix
+    fleet = make_fleet(5, broker=node, prefix=prefix)
     seen = status([node.url], prefix, tmp_path, capsys)
     assert sorted(seen) == sorted(box.device_id for box in fleet.boxes)
     assert all(b["state"] == "online" and b["serving"]["version"] == "1.0.0" and b["broker"] == node.address
@@ -93,19 +75,19 @@ def test_one_node_status_lists_every_box_and_a_rollout_confirms_them(single, fle
     assert all(s == {"version": "2.0.0", "state": "confirmed"} for s in truth(fleet).values())
 
 
-def test_boxes_on_two_nodes_an_operator_on_the_third_and_a_node_that_stops(cluster, fleets, bundles,  # noqa: F811
-                                                                           tmp_path, capsys):
+def test_boxes_on_two_nodes_an_operator_on_the_third_and_a_node_that_stops(
+        cluster, make_fleet, bundles, tmp_path, capsys):  # noqa: F811 - fixtures imported from test_fleet
     n1, n2, n3 = cluster.nodes
     prefix = "trio-%s" % os.urandom(3).hex()
     probe = MqttProbe(n3, ["%s/+/results/#" % prefix, "%s/+/status" % prefix])  # a subscriber on node 3
     try:
         # a-000 on node 1; b-000 on node 2, moving to node 1 then 3; c-000 knows only node 2.
-        a = fleets("a", 1, [n1.address, n2.address, n3.address], prefix, result_hz=0)
-        b = fleets("b", 1, [n2.address, n1.address, n3.address], prefix, result_hz=0)
-        c = fleets("c", 1, [n2.address], prefix)
+        a = make_fleet(1, broker=n1, prefix=prefix, name="a", hosts=[n1.address, n2.address, n3.address],
+                       result_hz=0)
+        b = make_fleet(1, broker=n2, prefix=prefix, name="b", hosts=[n2.address, n1.address, n3.address],
+                       result_hz=0)
+        c = make_fleet(1, broker=n2, prefix=prefix, name="c", hosts=[n2.address])
         box_a, box_b, box_c = a.boxes[0], b.boxes[0], c.boxes[0]
-        for fleet in (a, b, c):
-            fleet.prefix = prefix
         seen = status([n3.url], prefix, tmp_path, capsys)
         assert {d: (s["state"], s["broker"], s["serving"]["version"]) for d, s in seen.items()} == {
             box_a.device_id: ("online", n1.address, "1.0.0"), box_b.device_id: ("online", n2.address, "1.0.0"),

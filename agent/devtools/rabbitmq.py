@@ -70,23 +70,36 @@ def _marked(marker: str) -> List[int]:
 
 
 def _stop_marked(process: "Optional[subprocess.Popen[bytes]]", marker: str, timeout: float, name: str) -> None:
-    """Stop ``process`` (SIGTERM, then SIGKILL), then wait for every process marked ``marker``; kill stragglers."""
+    """Stop ``process`` (SIGTERM, then SIGKILL), then wait for every process marked ``marker``; kill stragglers
+    and wait for them to be gone too (each wait bounded by ``timeout``)."""
     if process is not None:
         terminate(process, timeout, name)
-    deadline = time.monotonic() + timeout
+    deadline, killed = time.monotonic() + timeout, False
     while True:
         left = _marked(marker)
         if not left:
             return
         if time.monotonic() > deadline:
+            if killed:
+                logger.error("%s: still running after SIGKILL: %s", name, ", ".join(describe(p) for p in left))
+                return
             for pid in left:
-                logger.warning("%s: killing leftover process %d", name, pid)
+                logger.warning("%s: killing leftover process %s", name, describe(pid))
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            return
+            deadline, killed = time.monotonic() + timeout, True
         time.sleep(POLL_S)
+
+
+def describe(pid: int) -> str:
+    """``pid (command line)`` for messages about a process."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as handle:
+            return "%d (%s)" % (pid, handle.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120])
+    except OSError:
+        return str(pid)
 
 
 class RabbitNode:
