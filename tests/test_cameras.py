@@ -17,7 +17,7 @@ import pytest
 from agent.cli.demo import DEMO_BUNDLE
 from tests.camera_rig import Blackhole, Camera, frame_capture, free_port, require_rig
 from tests.conftest import MqttProbe, wait_for
-from tests.test_e2e import start_daemon, write_config
+from tests.daemon_rig import start_daemon, write_config
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),

@@ -158,7 +158,7 @@ def test_daemon_serves_the_converted_bundle_on_lite_over_mosquitto(converted, tm
     import yaml
 
     from agent.cli.demo import write_sample_frames
-    from tests.test_e2e import Subscriber, iou
+    from tests.daemon_rig import Subscriber, iou
 
     root, status, output = converted
     assert status == cli.EXIT_OK, output

@@ -4,51 +4,26 @@ across a SIGKILL while the broker is away, and a leak that makes the watchdog re
 import json
 import mmap
 import os
-import shutil
 import signal
-import sqlite3
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
-from tests.test_e2e import SIZES, Subscriber, start_daemon, write_config
+from tests.daemon_rig import (
+    SIZES,
+    Subscriber,
+    ctl,
+    new_version,
+    outbox_rows,
+    start_daemon,
+    wait_status,
+    write_config,
+)
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
-
-
-def ctl(broker, *args, timeout=60):
-    cmd = [sys.executable, "-m", "agent", "ctl", "--broker", "mqtt://%s:%d" % (broker.host, broker.port), "e2e",
-           *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30)
-
-
-def wait_status(broker, deadline_s=90):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        result = ctl(broker, "status", "--timeout", "5", timeout=5)
-        if result.returncode == 0:
-            return result
-        time.sleep(0.5)
-    raise AssertionError("daemon never answered status")
-
-
-def new_version(tmp_path, store, version):
-    """A copy of the demo bundle with another version, placed in the store's incoming/ area."""
-    from agent.bundle.verify import write_manifest
-
-    target = os.path.join(store, "incoming", "shapes-%s" % version)
-    shutil.copytree(DEMO_BUNDLE, target)
-    manifest = json.load(open(os.path.join(target, "manifest.json")))
-    manifest["version"] = version
-    write_manifest(target, manifest)
-    from agent.bundle.verify import sha256_file
-
-    return "incoming/shapes-%s" % version, sha256_file(os.path.join(target, "manifest.json"))
 
 
 def test_ctl_status_config_and_deploy_against_the_daemon(tmp_path, mosquitto):
@@ -121,16 +96,6 @@ def test_set_config_batching_reaches_the_next_deploy(tmp_path, mosquitto):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
-
-
-def outbox_rows(path):
-    if not os.path.exists(path):
-        return 0
-    with sqlite3.connect(path, timeout=5) as conn:
-        try:
-            return conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
-        except sqlite3.OperationalError:
-            return 0
 
 
 def test_results_queued_while_broker_is_away_survive_sigkill(tmp_path, fresh_broker):

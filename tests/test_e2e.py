@@ -12,88 +12,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
-import paho.mqtt.client as mqtt
 import pytest
 import yaml
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from agent.cli.main import EXIT_CANNOT_START
+from tests.daemon_rig import SIZES, Subscriber, iou, start_daemon, write_config
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
-
-SIZES = ((1080, 1920), (720, 1280), (480, 640), (640, 480), (800, 800), (540, 960), (1080, 1920), (600, 600))
-
-
-class Subscriber:
-    def __init__(self, broker, topic):
-        self.messages = []
-        self.lock = threading.Lock()
-        ready = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="e2e-%d-%d" % (os.getpid(), id(self)))
-        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)
-        self.client.on_subscribe = lambda *a: ready.set()
-        self.client.on_message = self._on_message
-        self.client.connect(broker.host, broker.port)
-        self.client.loop_start()
-        assert ready.wait(10), "subscription to %s not confirmed" % topic
-
-    def _on_message(self, client, userdata, message):
-        with self.lock:
-            self.messages.append((message.topic, message.payload, message.retain))
-
-    def wait(self, predicate, timeout=60.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if predicate(list(self.messages)):
-                    return True
-            time.sleep(0.05)
-        return False
-
-    def json(self):
-        with self.lock:
-            return [(t, json.loads(p)) for t, p, _r in self.messages]
-
-    def close(self):
-        self.client.loop_stop()
-        self.client.disconnect()
-
-
-def write_config(tmp_path, broker, frames_dir, loop=False, bundle=DEMO_BUNDLE, device="cpu-dev", **extra):
-    config = {
-        "device_id": "e2e",
-        "device": device,
-        "state_dir": str(tmp_path / "state"),
-        "model": {"bundle": str(bundle), "observation_s": 0},
-        "sources": [{"name": "cam", "uri": str(frames_dir), "loop": loop}],
-        "mqtt": {"host": broker.host, "port": broker.port, "reconnect_min_s": 0.1, "reconnect_max_s": 1.0},
-        "batching": {"max_batch": 2, "max_wait_ms": 5},
-        "publish": {"telemetry_interval_s": 1.0},
-        **extra,
-    }
-    path = tmp_path / "daemon.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return str(path)
-
-
-def start_daemon(config_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", config_path],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def iou(a, b):
-    x1, y1 = max(a[0], b[0]), max(a[1], b[1])
-    x2, y2 = min(a[2], b[2]), min(a[3], b[3])
-    inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
-
 
 def test_frames_in_results_out_with_correct_boxes_and_presence(tmp_path, mosquitto):
     frames_dir = tmp_path / "frames"

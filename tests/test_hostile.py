@@ -15,7 +15,7 @@ import pytest
 from agent.bundle.verify import sha256_file
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from tests.conftest import MqttProbe, wait_for
-from tests.test_e2e import SIZES, start_daemon, write_config
+from tests.daemon_rig import SIZES, start_daemon, write_config
 from tests.test_fetch import (
     _http_server,
     gzip_bomb_archive,

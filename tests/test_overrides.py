@@ -13,7 +13,7 @@ import yaml
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from agent.config.overrides import OVERRIDES_FILE
 from tests.conftest import wait_for
-from tests.test_e2e import Subscriber
+from tests.daemon_rig import Subscriber
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")

@@ -11,8 +11,7 @@ import pytest
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from agent.commands.record import RequestRecord
 from agent.ops.outbox import Outbox
-from tests.test_daemon_ops import wait_status
-from tests.test_e2e import SIZES, Subscriber, start_daemon, write_config
+from tests.daemon_rig import SIZES, Subscriber, start_daemon, wait_status, write_config
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")

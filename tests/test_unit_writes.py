@@ -26,8 +26,7 @@ import pytest
 import yaml
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
-from tests.test_daemon_ops import new_version, outbox_rows
-from tests.test_e2e import Subscriber
+from tests.daemon_rig import Subscriber, new_version, outbox_rows
 from tests.test_systemd_unit import ROOT, UNIT, directives, one
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),

@@ -1,0 +1,124 @@
+"""A real daemon for the tests that run one: its config, its process, ctl against it, a subscriber to what it
+publishes, a new bundle version in its store. A helper module (not a test module): the daemon tests import it
+instead of importing each other.
+"""
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+import yaml
+
+from agent.cli.demo import DEMO_BUNDLE
+
+SIZES = ((1080, 1920), (720, 1280), (480, 640), (640, 480), (800, 800), (540, 960), (1080, 1920), (600, 600))
+
+
+class Subscriber:
+    def __init__(self, broker, topic):
+        self.messages = []
+        self.lock = threading.Lock()
+        ready = threading.Event()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="e2e-%d-%d" % (os.getpid(), id(self)))
+        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)
+        self.client.on_subscribe = lambda *a: ready.set()
+        self.client.on_message = self._on_message
+        self.client.connect(broker.host, broker.port)
+        self.client.loop_start()
+        assert ready.wait(10), "subscription to %s not confirmed" % topic
+
+    def _on_message(self, client, userdata, message):
+        with self.lock:
+            self.messages.append((message.topic, message.payload, message.retain))
+
+    def wait(self, predicate, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if predicate(list(self.messages)):
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def json(self):
+        with self.lock:
+            return [(t, json.loads(p)) for t, p, _r in self.messages]
+
+    def close(self):
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def write_config(tmp_path, broker, frames_dir, loop=False, bundle=DEMO_BUNDLE, device="cpu-dev", **extra):
+    config = {
+        "device_id": "e2e",
+        "device": device,
+        "state_dir": str(tmp_path / "state"),
+        "model": {"bundle": str(bundle), "observation_s": 0},
+        "sources": [{"name": "cam", "uri": str(frames_dir), "loop": loop}],
+        "mqtt": {"host": broker.host, "port": broker.port, "reconnect_min_s": 0.1, "reconnect_max_s": 1.0},
+        "batching": {"max_batch": 2, "max_wait_ms": 5},
+        "publish": {"telemetry_interval_s": 1.0},
+        **extra,
+    }
+    path = tmp_path / "daemon.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def start_daemon(config_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", config_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def iou(a, b):
+    x1, y1 = max(a[0], b[0]), max(a[1], b[1])
+    x2, y2 = min(a[2], b[2]), min(a[3], b[3])
+    inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def ctl(broker, *args, timeout=60):
+    cmd = [sys.executable, "-m", "agent", "ctl", "--broker", "mqtt://%s:%d" % (broker.host, broker.port), "e2e",
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 30)
+
+
+def wait_status(broker, deadline_s=90):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        result = ctl(broker, "status", "--timeout", "5", timeout=5)
+        if result.returncode == 0:
+            return result
+        time.sleep(0.5)
+    raise AssertionError("daemon never answered status")
+
+
+def new_version(tmp_path, store, version):
+    """A copy of the demo bundle with another version, placed in the store's incoming/ area."""
+    from agent.bundle.verify import sha256_file, write_manifest
+
+    target = os.path.join(store, "incoming", "shapes-%s" % version)
+    shutil.copytree(DEMO_BUNDLE, target)
+    manifest = json.load(open(os.path.join(target, "manifest.json")))
+    manifest["version"] = version
+    write_manifest(target, manifest)
+    return "incoming/shapes-%s" % version, sha256_file(os.path.join(target, "manifest.json"))
+
+
+def outbox_rows(path):
+    if not os.path.exists(path):
+        return 0
+    with sqlite3.connect(path, timeout=5) as conn:
+        try:
+            return conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+        except sqlite3.OperationalError:
+            return 0
