@@ -21,7 +21,7 @@ import pytest
 
 from agent.cli import fleet as fleet_cli
 from agent.cli.ctl import EXIT_OK, EXIT_USAGE
-from agent.devtools.broker import EmbeddedBroker, free_port
+from agent.devtools.broker import EmbeddedBroker
 from agent.fleet.plan import request_id
 from agent.fleet.report import EXIT_ABORTED, EXIT_COMPLETED, EXIT_PARTIAL
 from tests.conftest import REPO_ROOT, WAIT_S, wait_for
@@ -134,11 +134,14 @@ class StallingRelay:
 
     def __init__(self, broker, stall_s=0.6, after_bytes=600, chunk=512):
         self.target = (broker.host, broker.port)
-        self.port = free_port()
+        # socket.create_server is Python 3.8+; the box lane runs 3.7. Port 0: the kernel picks a free one.
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen()
+        self.port = self._listener.getsockname()[1]
         self.url = "mqtt://127.0.0.1:%d" % self.port
         self.stall_s, self.after_bytes, self.chunk = stall_s, after_bytes, chunk
         self.stalled = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
