@@ -119,11 +119,13 @@ test-lite: lite mosquitto rabbitmq camera-rig
 demo-bundle: venv
 	$(BIN)/atlas-edge qat --config quant/examples/shapes.yaml --out examples/demo-bundle
 
+# `python -m agent` from the checkout: benchmarks/ is not installed (pyproject.toml), so the console script alone
+# would not find it; the working directory on sys.path does.
 bench: venv mosquitto camera-rig
-	$(BIN)/atlas-edge bench --json benchmarks/results.json --plots benchmarks/plots --update-readme
+	$(PY) -m agent bench --json benchmarks/results.json --plots benchmarks/plots --update-readme
 
 bench-quick: venv mosquitto
-	$(BIN)/atlas-edge bench --quick --json benchmarks/results-quick.json
+	$(PY) -m agent bench --quick --json benchmarks/results-quick.json
 
 install-service:
 	$(SUDO) systemd/install.sh
