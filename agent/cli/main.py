@@ -184,8 +184,9 @@ def _load(name: str):
 
         def explain(args: argparse.Namespace) -> int:
             if missing == module_name.split(".")[0] == "benchmarks":  # not in the wheel (pyproject.toml)
-                print("atlas-edge %s runs from a source checkout (make bench): the benchmarks package is not "
-                      "installed with atlas-edge." % name, file=sys.stderr)
+                print("atlas-edge %s runs from a source checkout: the benchmarks package is not installed with "
+                      "atlas-edge. In the checkout's root: python -m agent %s (or make bench)." % (name, name),
+                      file=sys.stderr)
                 return 2
             print("atlas-edge %s needs %s, which is not installed (%s).\n"
                   "Install the '%s' extra: pip install 'atlas-edge[%s]'%s" % (
