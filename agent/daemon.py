@@ -94,9 +94,11 @@ class Daemon:
         from agent.commands.dispatcher import CommandDispatcher
         from agent.commands.freshness import freshness_of
         from agent.commands.handlers import CommandHandlers
+        from agent.health.memory import MemoryWatchdog
         from agent.health.npu_smi import NpuSmiProbe
+        from agent.health.progress import ProgressMonitor
         from agent.health.sdnotify import SystemdNotifier
-        from agent.health.watchdog import MemoryWatchdog, ProgressMonitor, Watchdog
+        from agent.health.watchdog import Watchdog
         from agent.lifecycle.model_manager import ModelManager
         from agent.ops.discovery import HA_STATUS_TOPIC
         from agent.ops.outbox import Outbox

@@ -31,7 +31,7 @@ TARGETS = {"rss_mb_per_10k_frames": ("<", TARGET_MB_PER_10K_FRAMES)}
 
 
 def rss_mb() -> float:
-    from agent.health.watchdog import read_rss_mb
+    from agent.health.readers import read_rss_mb
 
     value = read_rss_mb()
     if value is None:

@@ -18,18 +18,13 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from agent.config.daemon_config import WatchdogConfig
+from agent.health.leak import WINDOW_COVERAGE, LeakDetector
+from agent.health.memory import MemorySample, MemoryWatchdog
 from agent.health.npu_smi import NpuMemory, NpuSmiProbe
+from agent.health.progress import ProgressMonitor
+from agent.health.readers import read_cgroup_limit_mb, read_rss_mb
 from agent.health.sdnotify import SystemdNotifier
-from agent.health.watchdog import (
-    WINDOW_COVERAGE,
-    LeakDetector,
-    MemorySample,
-    MemoryWatchdog,
-    ProgressMonitor,
-    Watchdog,
-    read_cgroup_limit_mb,
-    read_rss_mb,
-)
+from agent.health.watchdog import Watchdog
 
 MIB = 1024 * 1024
 WAIT_S = 10.0  # bound on every wait for another thread; never an assertion about speed
@@ -184,7 +179,7 @@ def test_exact_slope_and_verdicts_on_golden_series():
 def test_time_going_backwards_restarts_the_window(caplog):
     detector = LeakDetector(60, 50, min_samples=6)
     feed(detector, [(t, 100.0 + t) for t in range(0, 60, 5)])
-    with caplog.at_level(logging.WARNING, logger="agent.health.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="agent.health.leak"):
         detector.add(10.0, 100.0)
     assert detector.figures()["samples"] == 1 and "backwards" in caplog.text
 
@@ -387,7 +382,7 @@ def test_a_failing_npu_probe_leaves_npu_figures_empty(caplog):
         raise RuntimeError("stand-in probe failure")
 
     memory = MemoryWatchdog(WatchdogConfig(), npu_probe=broken_probe, read_limit=lambda: None)
-    with caplog.at_level(logging.ERROR, logger="agent.health.watchdog"):
+    with caplog.at_level(logging.ERROR, logger="agent.health.memory"):
         samples = [memory.sample() for _ in range(10)]
     assert all(s.npu_used_mb is None and s.rss_mb > 0 for s in samples)
     assert len([r for r in caplog.records if "NPU memory probe failed" in r.getMessage()]) == 1

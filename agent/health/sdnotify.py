@@ -111,7 +111,7 @@ class SystemdNotifier:
         return self.notify("STATUS=" + _one_line(text))
 
     def watchdog(self) -> bool:
-        """Keep-alive. Call only from a place that has seen progress (see agent.health.watchdog.ProgressMonitor)."""
+        """Keep-alive. Call only from a place that has seen progress (see agent.health.progress.ProgressMonitor)."""
         return self.notify("WATCHDOG=1")
 
     def stopping(self, status: Optional[str] = None) -> bool:
