@@ -29,6 +29,13 @@ def default_mode() -> int:
     return 0o666 & ~_umask
 
 
+def private_mode() -> int:
+    """:func:`default_mode` with no bits for others, whatever the umask: for a file that can hold a secret
+    (``overrides.json`` keeps a stream URL with its password from a remote set-config). The unit's UMask
+    already gives that; a daemon run by hand or under another supervisor (umask 022) would not."""
+    return default_mode() & ~0o007
+
+
 def atomic_write(path: str, data: Union[str, bytes], durable: bool = True, mode: Optional[int] = None) -> None:
     """Replace ``path`` with ``data`` atomically, as a file of ``mode`` (default: as ``open`` would make it);
     ``durable`` adds the two fsyncs (skip them for scratch files)."""

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from agent._util.atomic import atomic_write
+from agent._util.atomic import atomic_write, private_mode
 from agent._util.quarantine import move_aside, state_alert
 from agent.config.daemon_config import DaemonConfig, load_daemon_config, merge_config, merge_sections
 from agent.config.schema import ConfigError, parse, setting
@@ -105,7 +105,8 @@ class Overrides:
 
     def _write(self, changes: Dict[str, Any]) -> None:
         document = {"version": FORMAT_VERSION, "changes": changes}
-        atomic_write(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n")
+        # A source's URI here may carry its password: never readable by others (0640 under umask 022).
+        atomic_write(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n", mode=private_mode())
         self.changes = dict(changes)
         self.applied = dict(changes)
         self.ignored = []
