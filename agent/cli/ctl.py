@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from agent.config.daemon_config import DEFAULT_PREFIX
 from agent.config.schema import ConfigError
 from agent.config.secrets import resolve_secret
+from agent.protocol.envelope import DEFAULT_SIGNED_TTL_S, CommandEnvelope, group_target
 from agent.protocol.messages import REQUEST_ID_RULE, SUCCEEDED, VERBS, Ack, ProtocolError, is_request_id, parse_ack
 from agent.protocol.topics import ack_topic as build_ack_topic
 from agent.protocol.topics import check_topic_names, command_topic
@@ -39,7 +40,6 @@ DEFAULT_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 CONNECT_ATTEMPT_S = 5.0  # TCP (+TLS) bound per broker, so that a dead node of a cluster costs little
 PORTS = {"mqtt": 1883, "mqtts": 8883}
-DEFAULT_SIGNED_TTL_S = 300.0  # a signed command is dated; five minutes covers a slow broker and clock skew
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,12 +52,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-id", default=None, help="reuse an id to retry safely (default: a new one)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the "
                         "final ack")
+    add_envelope_arguments(parser)
+
+
+def add_envelope_arguments(parser: argparse.ArgumentParser) -> None:
+    """How an operator command dates and signs what it sends (ctl, fleet): :mod:`agent.protocol.envelope`."""
     parser.add_argument("--ttl", type=float, default=None, metavar="S",
-                        help="date the command (issued_at = now) and let it be valid S seconds: a box refuses it "
-                             "later, and refuses a replay meanwhile (docs/mqtt.md, Freshness)")
+                        help="date each command (issued_at = when it is sent) and let it be valid S seconds: a box "
+                             "refuses it later, and refuses a replay meanwhile (docs/mqtt.md, Freshness)")
     parser.add_argument("--command-key", default=None, metavar="PEM",
-                        help="sign the command with this Ed25519 private key (boxes with commands.public_key "
-                             "require it); implies --ttl 300 unless given")
+                        help="sign each command with this Ed25519 private key (boxes with commands.public_key "
+                             "require it); implies --ttl %g unless given" % DEFAULT_SIGNED_TTL_S)
 
 
 def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -112,20 +117,8 @@ def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
         topic = command_topic(args.prefix, args.verb, device=args.device)
     ack_topic = build_ack_topic(args.prefix, args.device, request_id)
     fields["request_id"] = request_id
-    ttl = getattr(args, "ttl", None)
-    key = getattr(args, "command_key", None)
-    if key and ttl is None:
-        ttl = DEFAULT_SIGNED_TTL_S
-    if ttl is not None:
-        if not 0 < ttl <= 86400:
-            raise ValueError("--ttl must be in (0, 86400] seconds")
-        fields.update(issued_at=time.time(), ttl_s=ttl)
-    if key:
-        from agent.commands.freshness import sign_command
-
-        with open(key, "rb") as handle:
-            target = "group/%s" % args.group if args.group else args.device
-            fields["signature"] = sign_command(handle.read(), target, args.verb, fields)
+    envelope = CommandEnvelope.from_file(getattr(args, "ttl", None), getattr(args, "command_key", None))
+    fields = envelope.wrap(group_target(args.group) if args.group else args.device, args.verb, fields)
     return request_id, topic, ack_topic, json.dumps(fields).encode("utf-8")
 
 

@@ -6,13 +6,13 @@ is also kept here for as long as its command is valid (bounded in count by the d
 a fixed size). A wall-clock step backwards must not make an expired command fresh again, so "now" is the wall
 clock, but never less than the last "now" plus the monotonic time since (:class:`ForwardClock`).
 
-The envelope fields (``issued_at``, ``ttl_s``, ``signature``) sit beside ``request_id`` in the payload. A
-signature is the hex Ed25519 signature of :func:`signed_bytes`: the target (device, or ``group/<name>``), the
+The envelope fields (``issued_at``, ``ttl_s``, ``signature``) sit beside ``request_id`` in the payload; the
+operator builds them with :mod:`agent.protocol.envelope`. A signature is the hex Ed25519 signature of
+:func:`~agent.protocol.envelope.signed_bytes`: the target (device, or ``group/<name>``), the
 verb, the request id, ``issued_at``, ``ttl_s`` and the verb's own fields, as canonical JSON. With a key set,
 an unsigned, badly signed or undated command is refused; without one, a dated command is still judged.
 """
 
-import json
 import threading
 import time
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 from agent.config.daemon_config import CommandsConfig
 from agent.config.schema import ConfigError, FieldError
 from agent.errors import CommandError
-from agent.protocol.requests import ENVELOPE_KEYS as ENVELOPE
+from agent.protocol.envelope import signed_bytes
 
 DEFAULT_MAX_SKEW_S = 30.0  # how far apart the operator's and the box's clocks may be
 DEFAULT_MAX_TTL_S = 3600.0  # the longest validity a command may claim
@@ -41,14 +41,6 @@ class ForwardClock:
             now = max(self.wall(), self._last + (mono - self._last_mono))
             self._last, self._last_mono = now, mono
             return now
-
-
-def signed_bytes(target: str, verb: str, message: Mapping[str, Any]) -> bytes:
-    """What a command's signature covers (the operator's signer and the box build it the same way)."""
-    fields = {k: v for k, v in message.items() if k not in ENVELOPE}
-    body = {"target": target, "verb": verb, "request_id": message.get("request_id"),
-            "issued_at": message.get("issued_at"), "ttl_s": message.get("ttl_s"), "fields": fields}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
 class Freshness:
@@ -117,18 +109,10 @@ def freshness_of(config: CommandsConfig) -> Freshness:
     """The daemon's judge from its ``commands:`` section; a bad key is a config error naming the field."""
     key = None
     if config.public_key:
-        from agent.lifecycle.bundle import load_public_key
+        from agent.bundle.signing import load_public_key
 
         try:
             key = load_public_key(config.public_key)
         except (ValueError, OSError) as exc:
             raise ConfigError([FieldError("commands.public_key", str(exc))]) from None
     return Freshness(key, config.require_dated, config.max_skew_s, config.max_ttl_s)
-
-
-def sign_command(private_key_pem: bytes, target: str, verb: str, message: Mapping[str, Any]) -> str:
-    """The hex signature of a command (``ctl --command-key``, tests)."""
-    from cryptography.hazmat.primitives import serialization
-
-    key = serialization.load_pem_private_key(private_key_pem, password=None)
-    return key.sign(signed_bytes(target, verb, message)).hex()  # type: ignore[call-arg,union-attr]
