@@ -170,7 +170,8 @@ class SimBox:
     """One box: a real Daemon on its own state dir, served by a thread; deploys counted on the box side."""
 
     def __init__(self, root: str, device_id: str, host: str, port: int, bundle: str, groups: Sequence[str],
-                 observation_s: float, prefix: str, hosts: Sequence[str] = (), result_hz: float = 0.2) -> None:
+                 observation_s: float, prefix: str, hosts: Sequence[str] = (), result_hz: float = 0.2,
+                 commands: Optional[Dict[str, Any]] = None) -> None:
         self.device_id = device_id
         self.state_dir = os.path.join(root, device_id)
         self.config = parse_daemon_config({
@@ -185,6 +186,7 @@ class SimBox:
             # A hundred boxes share one process: its RSS is not one box's, so the memory rules are off here.
             "watchdog": {"interval_s": 60.0, "soft_limit_mb": 1.0e6, "restart_on_leak": False,
                          "inference_deadline_s": 60.0},
+            "commands": dict(commands or {}),  # e.g. a command key: only signed, dated commands run
         })
         self.deploys = 0
         self.rollbacks = 0
@@ -238,13 +240,13 @@ class SimulatedFleet:
     def __init__(self, root: str, host: str, port: int, bundle: str, count: int, groups: Sequence[str] = ("sim",),
                  observation_s: float = 1.0, prefix: str = "atlas-edge", frame_hz: float = DEFAULT_FRAME_HZ,
                  faults: Optional[Dict[int, Tuple[str, str]]] = None, name: str = "box", hosts: Sequence[str] = (),
-                 result_hz: float = 0.2) -> None:
+                 result_hz: float = 0.2, commands: Optional[Dict[str, Any]] = None) -> None:
         self.root = root
         self.frame_hz = frame_hz
         # ``hosts`` (mqtt.hosts, a cluster's nodes in the order each box tries them) replaces host/port when given;
         # ``result_hz`` is each box's publish.max_rate_hz (0: every frame's result, numbered without a gap).
         self.boxes = [SimBox(root, "%s-%03d" % (name, index), host, port, bundle, groups, observation_s, prefix,
-                             hosts, result_hz) for index in range(count)]
+                             hosts, result_hz, commands) for index in range(count)]
         self._faults = {self.boxes[i].state_dir: fault for i, fault in (faults or {}).items()}
         self._saved_backend: Optional[type] = None
         self._stop = threading.Event()

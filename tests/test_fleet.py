@@ -20,6 +20,7 @@ from agent.bundle.verify import sha256_file
 from agent.cli import fleet as fleet_cli
 from agent.cli.ctl import EXIT_OK, EXIT_USAGE
 from agent.devtools.broker import EmbeddedBroker
+from agent.errors import CommandError
 from agent.fleet.intake import POLL_S
 from agent.fleet.journal import RolloutState
 from agent.fleet.link import Message
@@ -43,6 +44,7 @@ from agent.fleet.status import FleetView, render_table
 from agent.protocol.messages import FAILED, REQUEST_ID_RE, SUCCEEDED
 from benchmarks.fleet_sim import GOLDEN, SLOW, BundleServer, SimulatedFleet, build_bundles, slot_summary
 from tests.conftest import REPO_ROOT, wait_for
+from tests.needs import needs_cryptography
 
 CI_BOXES = 20  # the test-size fleet; the benchmark runs 100
 WINDOW_S = 1.0  # observation window of the simulated boxes: short, but judged on >= 10 batches
@@ -471,6 +473,113 @@ def test_a_rerun_with_different_arguments_is_refused_and_sends_nothing(make_flee
     assert code == EXIT_USAGE
     assert "different canary" in capsys.readouterr().err
     assert fleet.deploys() == {box.device_id: 1 for box in fleet.boxes}
+
+
+# --- signed commands: boxes with a command key ---------------------------------------------------------------
+
+@needs_cryptography
+def test_with_a_command_key_boxes_confirm_a_signed_rollout_and_refuse_an_unsigned_one(
+        make_fleet, mosquitto, bundles, tmp_path, capsys):
+    from agent.cli.bundle import make_key_pair
+
+    private_pem, _public_pem, public_hex = make_key_pair()
+    key_file = tmp_path / "operator.pem"
+    key_file.write_bytes(private_pem)
+    fleet = make_fleet(2, commands={"public_key": public_hex})
+    one_wave = ("--canary", "0", "--waves", "1")
+    for bad in (["--ttl", "nan"], ["--ttl", "-5"], ["--ttl", "0"], ["--command-key", str(tmp_path / "none.pem")],
+                ["--command-key", str(tmp_path / "operator.pem"), "--ttl", "inf"]):
+        code = fleet_cli.main(rollout_args(mosquitto, fleet, bundles, tmp_path, "--rollout-id", "ro-bad", *one_wave,
+                                           *bad))
+        assert code == EXIT_USAGE, bad
+        assert ("--ttl" if "--ttl" in bad else "--command-key") in capsys.readouterr().err, bad
+    assert not (tmp_path / "rollouts" / "ro-bad.json").exists()  # refused before anything was planned or sent
+
+    # Unsigned: every box refuses with its own code, at once (not a timeout), and runs nothing.
+    code, report = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--rollout-id", "ro-unsigned",
+                                        *one_wave), capsys)
+    assert code == EXIT_PARTIAL, report
+    assert report["counts"] == {"failed": 2}
+    assert all(b["outcome"] == "failed" and b["error"].startswith("unsigned:") for b in report["boxes"]), report
+    assert fleet.deploys() == {box.device_id: 0 for box in fleet.boxes}
+    assert all(s["version"] == "1.0.0" for s in truth(fleet).values())
+
+    # Signed with the operator's key (dated with the default ttl): every box confirms.
+    code, report = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--rollout-id", "ro-signed",
+                                        "--command-key", str(key_file), *one_wave), capsys)
+    assert code == EXIT_OK, report
+    assert report["counts"] == {"confirmed": 2}
+    assert fleet.deploys() == {box.device_id: 1 for box in fleet.boxes}
+    assert all(s["version"] == "2.0.0" and s["state"] == "confirmed" for s in truth(fleet).values())
+
+
+@needs_cryptography
+def test_a_deploy_sent_again_to_a_box_back_after_its_ttl_is_dated_and_signed_again(tmp_path):
+    from agent.cli.bundle import make_key_pair
+    from agent.commands.freshness import ForwardClock, Freshness
+    from agent.protocol.envelope import CommandEnvelope
+
+    private_pem, _public_pem, public_hex = make_key_pair()
+    deploys = []
+    link = None
+
+    def answer(topic, payload):  # the box drops off as the deploy goes out and is back 600 s later
+        if not topic.endswith("/cmd/deploy"):
+            return []
+        deploys.append(payload)
+        if len(deploys) == 1:
+            link.later.append((link.mono + 600.0, Message("%s/box-0/status" % SIM_PREFIX, json.dumps(
+                _online("box-0")).encode(), True)))
+            return [Message("%s/box-0/status" % SIM_PREFIX, json.dumps(
+                {"state": "offline", "groups": ["sim"], "reason": "lost"}).encode(), True)]
+        return [_ack("box-0", payload, FAILED, error={"code": "golden_mismatch", "message": "ends the test"})]
+
+    link = SimulatedLink({"box-0": _online("box-0")}, answer=answer)
+    spec = RolloutSpec(group="sim", bundle="b.tar.gz", sha256=SIM_SHA, prefix=SIM_PREFIX, canary=0, waves=1,
+                       confirm_timeout_s=3600.0)
+    Rollout(spec, spec.default_id(), str(tmp_path), link, progress=link.progress, clock=link.wall,
+            monotonic=lambda: link.mono, settle_s=0.3,
+            envelope=CommandEnvelope(60.0, private_pem, clock=link.wall)).run()
+    first, again = deploys
+    assert again["request_id"] == first["request_id"]  # the same command: the box's record keeps it once
+    assert again["issued_at"] - first["issued_at"] >= 600.0 and again["signature"] != first["signature"]
+    box = Freshness(bytes.fromhex(public_hex), clock=ForwardClock(wall=link.wall, mono=lambda: link.mono))
+    with pytest.raises(CommandError, match="expired"):
+        box.check("box-0", "deploy", first)  # what was sent first is stale by the time the box is back
+    box.check("box-0", "deploy", again)  # the send of now is fresh and signed for this box
+
+
+@needs_cryptography
+def test_an_abort_rolls_back_with_signed_dated_rollbacks(tmp_path):
+    from agent.cli.bundle import make_key_pair
+    from agent.commands.freshness import ForwardClock, Freshness
+    from agent.protocol.envelope import CommandEnvelope
+
+    private_pem, _public_pem, public_hex = make_key_pair()
+    rollbacks = []
+
+    def answer(topic, payload):  # box-0 fails its deploy, box-1 deploys; the rollback is only recorded
+        device, verb = topic.split("/")[1], topic.rsplit("/", 1)[1]
+        if verb == "rollback":
+            rollbacks.append((device, payload))
+        if verb != "deploy":
+            return []
+        if device == "box-0":
+            return [_ack(device, payload, FAILED, error={"code": "golden_mismatch", "message": "off"})]
+        return [_ack(device, payload, SUCCEEDED, result={"model": {"name": "m", "version": "2"}})]
+
+    link = SimulatedLink({"box-0": _online("box-0"), "box-1": _online("box-1")}, answer=answer)
+    spec = RolloutSpec(group="sim", bundle="b.tar.gz", sha256=SIM_SHA, prefix=SIM_PREFIX, canary=0, waves=1,
+                       max_failures=0, rollback_on_abort=True, revert_timeout_s=5.0)
+    Rollout(spec, spec.default_id(), str(tmp_path), link, progress=link.progress, clock=link.wall,
+            monotonic=lambda: link.mono, settle_s=0.3,
+            envelope=CommandEnvelope(None, private_pem, clock=link.wall)).run()
+    [(device, message)] = rollbacks
+    assert device == "box-1" and message["ttl_s"] == 300.0  # a key without --ttl dates with the default
+    box = Freshness(bytes.fromhex(public_hex), clock=ForwardClock(wall=link.wall, mono=lambda: link.mono))
+    box.check("box-1", "rollback", message)
+    with pytest.raises(CommandError, match="signature"):
+        box.check("box-0", "rollback", message)  # signed for box-1 only
 
 
 # --- across a bridge ----------------------------------------------------------------------------------------

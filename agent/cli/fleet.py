@@ -16,7 +16,15 @@ import sys
 from typing import Any, Dict, List, Optional, TextIO
 
 from agent._util.atomic import atomic_write
-from agent.cli.ctl import EXIT_BROKER, EXIT_OK, EXIT_USAGE, add_broker_arguments, broker_addresses, make_client
+from agent.cli.ctl import (
+    EXIT_BROKER,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_broker_arguments,
+    add_envelope_arguments,
+    broker_addresses,
+    make_client,
+)
 from agent.config.schema import ConfigError
 from agent.config.secrets import resolve_secret
 from agent.fleet.inventory import Inventory, record_path
@@ -36,6 +44,7 @@ from agent.fleet.plan import (
 from agent.fleet.report import exit_code, report
 from agent.fleet.rollout import Rollout, default_state_dir
 from agent.fleet.status import DEFAULT_LISTEN_S, SETTLE_S, FleetView, collect, render_table
+from agent.protocol.envelope import CommandEnvelope
 from agent.protocol.topics import name_problem, status_topic
 
 EXIT_INTERRUPTED = 130
@@ -70,6 +79,10 @@ def _state_args(parser: argparse.ArgumentParser, rollout_id_required: bool) -> N
 
 
 def _run_args(parser: argparse.ArgumentParser) -> None:
+    """The options of the actions that send commands (rollout, resume): deploys and rollbacks are dated and
+    signed with ``--ttl`` / ``--command-key`` as ctl's are. Each send is dated afresh (also a deploy sent again
+    to a box that came back), so ``--ttl`` bounds one delivery, not the rollout (docs/fleet.md)."""
+    add_envelope_arguments(parser)
     parser.add_argument("--report", default=None, metavar="FILE",
                         help="write the final JSON report here (default: beside the state file)")
     parser.add_argument("--json", action="store_true", help="print the final JSON report on stdout")
@@ -228,8 +241,9 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[Te
         problems = prefix_problems(args.prefix)
         if problems:
             raise RolloutError(problems[0])
-        spec = rollout_id = None
+        spec = rollout_id = envelope = None
         if command in ("rollout", "resume"):
+            envelope = CommandEnvelope.from_file(args.ttl, args.command_key)  # a bad key: exit 2, nothing sent
             spec = _spec(args) if command == "rollout" else _recorded_spec(args)
             spec.check()
             rollout_id = check_rollout_id(args.rollout_id or spec.default_id())
@@ -240,7 +254,7 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[Te
             return _status(args, link, out)
         if command == "forget":
             return _forget(args, link, out)
-        return _rollout(args, spec, rollout_id, link, out, err, resume=command == "resume")
+        return _rollout(args, spec, rollout_id, envelope, link, out, err, resume=command == "resume")
     except (ValueError, ConfigError, RolloutError) as exc:
         print("atlas-edge fleet: %s" % exc, file=err)
         return EXIT_USAGE
@@ -314,8 +328,8 @@ def _cancel(args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
-def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, link: FleetLink, out: TextIO, err: TextIO,
-             resume: bool) -> int:
+def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, envelope: Any, link: FleetLink, out: TextIO,
+             err: TextIO, resume: bool) -> int:
     state_dir = _state_dir(args)
 
     def progress(line: str) -> None:
@@ -333,7 +347,7 @@ def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, link: FleetLi
     engine = Rollout(spec, rollout_id, state_dir, link, progress=progress, listen_s=args.listen,
                      settle_s=args.settle, expect=getattr(args, "expect", None),
                      inventory=sorted(set(listed or []) | set(recorded)) if listed or recorded else None,
-                     resume=resume, preflight=check)
+                     resume=resume, preflight=check, envelope=envelope)
     state = engine.run()
     record.fold(engine.view)
     record.save()

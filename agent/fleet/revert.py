@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Dict, Set
 from agent.fleet.journal import RolloutState
 from agent.fleet.plan import FAILED_OUTCOME, MALFORMED, ROLLED_BACK, request_id
 from agent.protocol.messages import FAILED, FINAL_STATES, SUCCEEDED
-from agent.protocol.topics import command_topic
 
 if TYPE_CHECKING:  # the engine hands itself in; no import cycle at run time
     from agent.fleet.rollout import Rollout
@@ -60,8 +59,8 @@ class Reverter:
     def _send(self, device: str, rid: str) -> None:
         engine = self.rollout
         self._sent.add(device)
-        engine.link.publish(command_topic(engine.spec.prefix, "rollback", device=device),
-                            {"request_id": rid, "reason": "rollout %s %s" % (engine.rollout_id, self.state.status)})
+        engine.send(device, "rollback", {"request_id": rid,
+                                         "reason": "rollout %s %s" % (engine.rollout_id, self.state.status)})
 
     def _where(self, device: str) -> str:
         view = self.rollout.view.boxes.get(device)

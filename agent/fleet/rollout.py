@@ -64,6 +64,7 @@ from agent.fleet.plan import (
 )
 from agent.fleet.revert import Reverter
 from agent.fleet.status import SETTLE_S, collect
+from agent.protocol.envelope import CommandEnvelope
 from agent.protocol.topics import command_topic
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ class Rollout:
                  clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
                  settle_s: float = SETTLE_S, expect: Optional[int] = None,
                  inventory: Optional[List[str]] = None, resume: bool = False,
-                 preflight: Optional[Callable[[List[Any]], None]] = None) -> None:
+                 preflight: Optional[Callable[[List[Any]], None]] = None,
+                 envelope: Optional[CommandEnvelope] = None) -> None:
         spec.check()
         self.spec = spec
         self.sha = spec.sha256.lower()
@@ -99,6 +101,7 @@ class Rollout:
         self.expect = expect
         self.inventory = inventory
         self.resume = resume
+        self.envelope = envelope or CommandEnvelope()  # dates and signs each deploy and rollback as it is sent
         self.preflight = preflight  # checks the gathered boxes of a new rollout; RolloutError refuses it
         self.clock = clock  # wall time: what the state file and report record
         self.monotonic = monotonic  # deadlines within this run
@@ -316,10 +319,21 @@ class Rollout:
         payload = {"request_id": box["request_id"], "bundle": self.spec.bundle, "sha256": self.sha}
         if self.spec.archive_sha256 is not None:
             payload["archive_sha256"] = self.spec.archive_sha256.lower()
-        self.link.publish(command_topic(self.spec.prefix, "deploy", device=device), payload)
+        self.send(device, "deploy", payload)
         if restart_clock:
             self._anchor[device] = self.monotonic()
         self._sends.append(self.monotonic())
+
+    def send(self, device: str, verb: str, fields: Dict[str, Any]) -> None:
+        """Publish one command to one box, dated and signed now (``--ttl``, ``--command-key``).
+
+        Also a command sent again (a deploy re-sent with its request id when its box comes back, a rollback
+        re-sent by a re-run) is dated and signed afresh: its validity counts from this send, so a box that was
+        away longer than ``--ttl`` still takes it, and the request id keeps it from running twice (the box
+        answers a known id from its record).
+        """
+        self.link.publish(command_topic(self.spec.prefix, verb, device=device),
+                          self.envelope.wrap(device, verb, fields))
 
     def _pace(self) -> None:
         """--max-per-minute: wait (reading messages) until fewer than N deploys went out in the last minute."""
