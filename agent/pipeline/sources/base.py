@@ -26,6 +26,11 @@ CAUSES = ("auth", "not_found", "refused", "timeout", "decode", "stalled", "froze
 PERMANENT_CAUSES = ("auth", "not_found", "config")
 
 
+class DecoderError(RuntimeError):
+    """A hardware decoder cannot serve this stream (its runtime refused, or the codec is not one it decodes):
+    the source's error with cause ``config``, since a retry does not change it."""
+
+
 @dataclass
 class Frame:
     """One picture on its way to the model. ``ts`` is when it was captured: the stream's own timestamps

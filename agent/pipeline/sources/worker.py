@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from agent.pipeline.sources.base import WORKER_HEADER
+from agent.pipeline.sources.base import WORKER_HEADER, DecoderError
 
 # A grab that returns faster than this (or half a frame interval, if smaller) came from FFmpeg's buffer, not
 # from the camera: the backlog of an open. Draining stops after MAX_DRAIN_S whatever happens.
@@ -164,7 +164,7 @@ def main() -> int:
         return serve(spec)
     except BrokenPipeError:  # the daemon went away mid-frame
         return 0
-    except ImportError as exc:  # a decoder whose runtime is not installed
+    except (ImportError, DecoderError) as exc:  # a decoder whose runtime is not installed, or refuses the stream
         send(b"FAIL", {"message": str(exc), "cause": "config"})
         return 3
 
