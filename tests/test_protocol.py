@@ -5,6 +5,7 @@ place; the operator's typed readers for statuses and acks."""
 import dataclasses
 import json
 import math
+import sys
 import threading
 import typing
 from typing import Any, Dict, List, Optional
@@ -18,9 +19,10 @@ from agent.commands.handlers import CommandHandlers
 from agent.config.daemon_config import LIVE_SECTIONS, DaemonConfig, parse_daemon_config
 from agent.config.overrides import Overrides
 from agent.config.schema import ConfigError, describe, parse, setting
+from agent.fleet.link import Message
 from agent.pipeline.handover import BetweenBatches
 from agent.protocol import topics
-from agent.protocol.messages import VERBS, ProtocolError, parse_ack, parse_status
+from agent.protocol.messages import JSON_DEPTH_MAX, VERBS, ProtocolError, decode_json, parse_ack, parse_status
 from agent.protocol.requests import REQUESTS, parse_request
 
 DEVICE = "proto-box"
@@ -274,3 +276,31 @@ def test_a_malformed_status_or_ack_is_a_typed_error_naming_the_field(reader, bod
     with pytest.raises(ProtocolError) as info:
         reader(body)
     assert info.value.field == field
+
+
+def _nested(depth: int) -> bytes:
+    return ('{"request_id": "d", "x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}").encode()
+
+
+def test_json_nesting_is_bounded_before_parsing_whatever_the_recursion_limit():
+    # MindSpore raises the interpreter's recursion limit to 10000 on import: the bound must not follow it.
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10000)
+    try:
+        with pytest.raises(ValueError, match="nested 5000 levels deep"):
+            decode_json(_nested(5000))
+    finally:
+        sys.setrecursionlimit(limit)
+    assert decode_json(_nested(JSON_DEPTH_MAX))["request_id"] == "d"
+    with pytest.raises(ValueError, match="nested %d levels deep" % (JSON_DEPTH_MAX + 1)):
+        decode_json(_nested(JSON_DEPTH_MAX + 1))
+    # Brackets inside strings, escaped quotes included, are text, not nesting.
+    text = json.dumps({"s": "[" * 100 + '\\" {' * 50})
+    assert decode_json(text.encode()) == json.loads(text)
+    with pytest.raises(ValueError):
+        decode_json(b"\xff{}")
+
+
+def test_a_box_message_nested_too_deep_reads_as_not_json_not_a_crash():
+    deep = ("[" * 5000 + "]" * 5000).encode()
+    assert Message("atlas-edge/cam-01/status", deep, True).json() is None

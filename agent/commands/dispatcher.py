@@ -24,7 +24,6 @@ the operator is answered, and can ``cancel``, while a long deploy runs. Handlers
 (:mod:`agent.commands.handlers`).
 """
 
-import json
 import logging
 import queue
 import threading
@@ -46,6 +45,7 @@ from agent.protocol.messages import (
     SUCCEEDED,
     VERBS,
     ack_message,
+    decode_json,
     error_body,
     invalid_body,
     is_request_id,
@@ -242,8 +242,8 @@ class CommandDispatcher:
                                   % (len(payload), self.max_payload_bytes))
             return
         try:
-            message = json.loads(payload.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
+            message = decode_json(payload)
+        except ValueError as exc:  # not UTF-8, not JSON, or nested too deep
             self._reject_unparsed(payload, verb, "bad_json", "payload is not JSON (UTF-8): %s" % exc)
             return
         if retained:  # a retained command would run again at every reconnect of every box that reads it

@@ -10,6 +10,8 @@ import queue
 import time
 from typing import Any, List, NamedTuple, Optional, Sequence
 
+from agent.protocol.messages import decode_json
+
 CONNECT_TIMEOUT_S = 10.0
 KEEPALIVE_S = 30
 SUBSCRIBE_BATCH = 100  # topics per SUBSCRIBE packet: a wave of a few hundred boxes is a few packets
@@ -29,8 +31,8 @@ class Message(NamedTuple):
         if not self.payload:
             return None
         try:
-            return json.loads(self.payload.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+            return decode_json(self.payload)
+        except ValueError:  # not UTF-8, not JSON, or nested too deep (a box's message must not crash the tools)
             return None
 
 

@@ -13,6 +13,7 @@ crashing on it. Both ignore keys they do not know: a newer box may add fields, a
 read the ones it knows.
 """
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -42,6 +43,26 @@ _REQUEST_ID_PEEK = re.compile(rb'"request_id"\s*:\s*"([A-Za-z0-9_.:-]{1,%d})"' %
 PEEK_BYTES = 4096
 MESSAGE_MAX_CHARS = 300  # error messages are cut to this in acks
 ERRORS_MAX = 10  # entries of error.errors in an ack (and so in the request record); the rest are counted
+
+
+# Nesting deeper than this is refused before parsing: Python's parser recurses per level, and its limit is the
+# interpreter's (1000 by default, 10000 once MindSpore is imported), so a deep payload would otherwise be a
+# RecursionError in one process and a parsed structure for later code to recurse on in another.
+JSON_DEPTH_MAX = 32
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def decode_json(payload: bytes) -> Any:
+    """A message body parsed as UTF-8 JSON; ValueError (UnicodeDecodeError is one) when it is not, or when it
+    nests deeper than ``JSON_DEPTH_MAX`` (judged before the parser runs, outside strings)."""
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.finditer(_JSON_STRING.sub(b'""', payload)):
+        depth += 1 if bracket.group() in (b"[", b"{") else -1
+        deepest = max(deepest, depth)
+    if deepest > JSON_DEPTH_MAX:
+        raise ValueError("JSON nested %d levels deep; at most %d are accepted" % (deepest, JSON_DEPTH_MAX))
+    return json.loads(payload.decode("utf-8"))
 
 
 def is_request_id(value: Any) -> bool:
