@@ -114,11 +114,14 @@ def new_version(tmp_path, store, version):
     return "incoming/shapes-%s" % version, sha256_file(os.path.join(target, "manifest.json"))
 
 
-def outbox_rows(path):
+def outbox_rows(path, topic_like="%"):
+    """Messages in the daemon's outbox whose topic matches ``topic_like`` (SQL LIKE); 0 before it exists."""
     if not os.path.exists(path):
         return 0
-    with sqlite3.connect(path, timeout=5) as conn:
-        try:
-            return conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
-        except sqlite3.OperationalError:
-            return 0
+    conn = sqlite3.connect(path, timeout=5)
+    try:
+        return conn.execute("SELECT COUNT(*) FROM messages WHERE topic LIKE ?", (topic_like,)).fetchone()[0]
+    except sqlite3.OperationalError:  # the daemon has not created the table yet
+        return 0
+    finally:
+        conn.close()

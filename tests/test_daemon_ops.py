@@ -11,6 +11,7 @@ import time
 import pytest
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
+from tests.conftest import wait_for
 from tests.daemon_rig import (
     SIZES,
     Subscriber,
@@ -21,6 +22,8 @@ from tests.daemon_rig import (
     wait_status,
     write_config,
 )
+
+RESULTS_TOPICS = "atlas-edge/e2e/results/%"
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -105,13 +108,12 @@ def test_results_queued_while_broker_is_away_survive_sigkill(tmp_path, fresh_bro
     fresh_broker.stop()
     proc = start_daemon(config)
     outbox = str(tmp_path / "state" / "outbox.sqlite")
-    deadline = time.monotonic() + 120
-    while outbox_rows(outbox) < 4 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    queued = outbox_rows(outbox)
+    # Count the results only: telemetry is queued too, and under load four telemetry rows can come first.
+    queued = wait_for(lambda: outbox_rows(outbox, RESULTS_TOPICS) >= 4, timeout=120)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    assert queued >= 4, "results did not reach the outbox while the broker was away"
+    assert queued, "results did not reach the outbox while the broker was away: %d queued" % outbox_rows(
+        outbox, RESULTS_TOPICS)
 
     fresh_broker.start()
     results = Subscriber(fresh_broker, "atlas-edge/e2e/results/#")
@@ -201,6 +203,23 @@ def test_leak_restarts_the_daemon_cleanly_and_a_plateau_does_not(tmp_path, mosqu
         results.close()
 
 
+def _paused_and_drained(broker, results, seen):
+    """Paused, no inference running, as many results received as the daemon says it served, and so on two status
+    answers in a row with the same count (one answer could fall between two chunks of a batch)."""
+    status = _status(broker)
+    drained = (status["paused"] and status["watchdog"]["inference_elapsed_s"] is None
+               and len(results.messages) == status["frames"])
+    settled = drained and seen.get("drained") and seen.get("frames") == status["frames"]
+    seen.update(status, drained=drained)
+    return bool(settled)
+
+
+def _reading_since(messages, since):
+    """Telemetry sent after ``since`` (wall clock) while the camera source was still reading frames."""
+    payloads = [json.loads(m[1]) if isinstance(m[1], bytes) else m[1] for m in messages]
+    return [t for t in payloads if t["ts"] > since and t["sources"]["cam"]["fps_in"] > 0]
+
+
 def test_pause_resume_snapshot_and_restart_through_ctl(tmp_path, mosquitto):
     import cv2
     import numpy as np
@@ -209,14 +228,22 @@ def test_pause_resume_snapshot_and_restart_through_ctl(tmp_path, mosquitto):
     write_sample_frames(str(frames), sizes_hw=SIZES[:2], seed=4)
     results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
     snapshots = Subscriber(mosquitto, "atlas-edge/e2e/snapshot/#")
+    telemetry = Subscriber(mosquitto, "atlas-edge/e2e/telemetry")
     proc = start_daemon(write_config(tmp_path, mosquitto, frames, loop=True))
     try:
         wait_status(mosquitto)
         assert ctl(mosquitto, "pause").returncode == 0
-        time.sleep(0.5)  # a batch in flight and its results in transit
-        count = len(results.messages)
-        time.sleep(1.5)
+        # Drained: no inference in flight and every frame served so far has arrived here.
+        drained = {}
+        assert wait_for(lambda: _paused_and_drained(mosquitto, results, drained), timeout=60), \
+            "the paused daemon never showed a drained pipeline: %r" % drained
+        count, settled_at = len(results.messages), time.time()
+        # The loop turned twice more (two telemetry messages) while the source kept reading frames: an unpaused
+        # pipeline would have served some. The count must not have moved.
+        assert telemetry.wait(lambda m: len(_reading_since(m, settled_at)) >= 2, timeout=30), \
+            "no telemetry showed the paused daemon turning with frames arriving"
         assert len(results.messages) == count, "results kept coming while paused"
+        assert all(t["frames"] == drained["frames"] for t in _reading_since(telemetry.json(), settled_at))
         assert ctl(mosquitto, "resume").returncode == 0
         assert results.wait(lambda m: len(m) > count + 2, timeout=30)
 
@@ -236,6 +263,7 @@ def test_pause_resume_snapshot_and_restart_through_ctl(tmp_path, mosquitto):
             proc.communicate(timeout=60)
         results.close()
         snapshots.close()
+        telemetry.close()
 
 
 def test_home_assistant_discovery_is_retained_and_republished_on_ha_birth(tmp_path, mosquitto):

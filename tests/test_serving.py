@@ -24,6 +24,7 @@ from agent.pipeline.serving import ServingLoop
 from agent.pipeline.sources import Frame, SourceSet
 from benchmarks.paced_backend import PacedStandinBackend, freeze, paced_factory
 from benchmarks.workload import DEMO_BUNDLE, bench_device, load_bundle
+from tests.conftest import WAIT_S, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -48,6 +49,10 @@ class Sink:
 
 
 class Progress:
+    """The loop's liveness marks; counts its idle turns (a paused loop turning with nothing to serve)."""
+
+    idle_turns = 0
+
     def begin_inference(self):
         pass
 
@@ -58,7 +63,7 @@ class Progress:
         pass
 
     def idle_tick(self):
-        pass
+        self.idle_turns += 1
 
 
 class Models:
@@ -221,11 +226,11 @@ def test_a_swap_with_batches_in_flight_serves_each_frame_on_one_model(images):
             if index == 60:
                 handover.submit(swap, timeout=30.0, what="swap")
     finally:
-        while not frames.empty():
-            time.sleep(0.01)
+        drained = wait_for(frames.empty, timeout=WAIT_S)
         stop.set()
         thread.join(30)
         new.close()
+    assert drained, "the loop left %d frames in the queue" % frames.qsize()
     assert probe.overlapped > 0
     assert loop.inference_errors == 0
     assert [r["frame_id"] for r in sink.results] == list(range(120))
@@ -241,10 +246,12 @@ def test_a_swap_with_batches_in_flight_serves_each_frame_on_one_model(images):
 def test_shutdown_under_load_serves_every_frame_it_took(images):
     probe, model, frames, sink, stop, loop, thread = started_loop(images)
     fed = 0
+    deadline = time.monotonic() + WAIT_S
     try:
         while len(sink.results) < 40:
+            assert time.monotonic() < deadline, "only %d results after feeding %d frames" % (len(sink.results), fed)
             frames.put(Frame(source="cam", frame_id=fed, ts=time.time(), image=images["wide"],
-                             enqueued=time.monotonic()))
+                             enqueued=time.monotonic()), timeout=WAIT_S)
             fed += 1
         stop.set()  # frames are queued and chunks are in flight right now
         thread.join(30)
@@ -305,28 +312,30 @@ def test_pause_with_chunks_in_flight_finishes_what_was_taken_then_serves_nothing
                 except queue.Full:
                     pass
             else:
-                time.sleep(0.005)
+                feeding.wait(0.05)
 
     feeder = threading.Thread(target=feed)
     feeder.start()
     try:
         feeding.set()
-        while len(sink.results) < 20:
-            time.sleep(0.005)
+        assert wait_for(lambda: len(sink.results) >= 20, timeout=WAIT_S), "only %d results" % len(sink.results)
         loop.set_paused(True)  # chunks are on the backend and letterboxed right now
-        deadline = time.monotonic() + 10
-        while loop.published != loop.taken and time.monotonic() < deadline:
-            time.sleep(0.01)
-        settled = len(sink.results)
-        time.sleep(0.3)
+        # The second idle turn from here began after the pause was seen: everything taken has been served.
+        turns = loop.progress.idle_turns
+        assert wait_for(lambda: loop.progress.idle_turns >= turns + 2, timeout=WAIT_S), "the paused loop never idled"
+        assert loop.published == loop.taken, "taken before the pause, not finished: %d taken, %d published" % (
+            loop.taken, loop.published)
+        settled, turns = len(sink.results), loop.progress.idle_turns
+        # The loop turns idle five times while frames wait in the queue: unpaused, it would have taken them.
+        assert wait_for(lambda: loop.progress.idle_turns >= turns + 5 and frames.qsize() > 0, timeout=WAIT_S), \
+            "the paused loop did not turn with frames waiting"
         assert len(sink.results) == settled == loop.taken, "results kept coming while paused"
-        assert frames.qsize() > 0  # frames waited in the queue; none was taken while paused
         feeding.clear()
         stale = loop.set_paused(False)
         assert stale > 0 and loop.dropped_on_resume == stale
         feeding.set()
-        while len(sink.results) < settled + 10:
-            time.sleep(0.005)
+        assert wait_for(lambda: len(sink.results) >= settled + 10, timeout=WAIT_S), \
+            "serving did not resume: %d results" % len(sink.results)
     finally:
         stop.set()
         feeder.join(10)
