@@ -22,7 +22,7 @@ import pytest
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from tests.conftest import WAIT_S, wait_for
 from tests.daemon_rig import new_version
-from tests.test_watchdog import NotifyListener
+from tests.notify_support import NotifyListener
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")

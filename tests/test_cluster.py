@@ -16,12 +16,12 @@ import time
 
 import pytest
 from conftest import wait_for
-from test_fleet import bundles, make_fleet, rollout_args, run_cli, truth  # noqa: F401 - fixtures
 
 from agent.cli.ctl import EXIT_OK
 from agent.devtools.broker import BrokerError
 from agent.devtools.rabbitmq import RabbitCluster, describe, find_rabbitmq
 from tests.conftest import MqttProbe
+from tests.fleet_support import bundles, make_fleet, rollout_args, run_cli, truth  # noqa: F401 - fixtures
 
 FAILOVER_BOUND_S = 15.0  # the bound on a box publishing again through another node
 
@@ -59,7 +59,7 @@ def status(node_urls, prefix, tmp_path, capsys, *extra):
 
 
 def test_one_node_status_lists_every_box_and_a_rollout_confirms_them(
-        single, make_fleet, bundles, tmp_path, capsys):  # noqa: F811 - fixtures imported from test_fleet
+        single, make_fleet, bundles, tmp_path, capsys):  # noqa: F811 - fixtures imported from fleet_support
     node = single.nodes[0]
     prefix = "one-%s" % os.urandom(3).hex()
     fleet = make_fleet(5, broker=node, prefix=prefix)
@@ -76,7 +76,7 @@ def test_one_node_status_lists_every_box_and_a_rollout_confirms_them(
 
 
 def test_boxes_on_two_nodes_an_operator_on_the_third_and_a_node_that_stops(
-        cluster, make_fleet, bundles, tmp_path, capsys):  # noqa: F811 - fixtures imported from test_fleet
+        cluster, make_fleet, bundles, tmp_path, capsys):  # noqa: F811 - fixtures imported from fleet_support
     n1, n2, n3 = cluster.nodes
     prefix = "trio-%s" % os.urandom(3).hex()
     probe = MqttProbe(n3, ["%s/+/results/#" % prefix, "%s/+/status" % prefix])  # a subscriber on node 3

@@ -26,6 +26,7 @@ from converters.convert import (
     execute,
     plan_conversion,
 )
+from tests.bundle_support import manifest_of, tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDINS = os.path.join(REPO, "tests", "standins")
@@ -86,24 +87,6 @@ def bundle(tmp_path, exported_models):
                         "count": CALIBRATION_COUNT},
     })
     return str(root)
-
-
-def tree(root):
-    """Every path under ``root`` with its bytes' sha256 (or 'dir'): equal trees are byte-for-byte equal."""
-    result = {}
-    for dirpath, dirs, names in os.walk(root):
-        for name in dirs:
-            result[os.path.relpath(os.path.join(dirpath, name), root)] = "dir"
-        for name in names:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as handle:
-                result[os.path.relpath(path, root)] = hashlib.sha256(handle.read()).hexdigest()
-    return result
-
-
-def manifest_of(root):
-    with open(os.path.join(root, "manifest.json"), encoding="utf-8") as handle:
-        return json.load(handle)
 
 
 def env_with(tmp_path, *path_dirs, **variables):

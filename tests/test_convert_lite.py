@@ -17,8 +17,8 @@ from agent.bundle.manifest import load_manifest
 from agent.bundle.verify import verify_bundle, write_manifest
 from converters import cli, mindir, toolrun
 from tests import lite_support
+from tests.bundle_support import manifest_of, tree
 from tests.lite_support import DEMO_BUNDLE, convert_args, copy_demo, lite_env
-from tests.test_convert import manifest_of, tree
 
 LITE_PYTHON = lite_support.lite_python()
 pytestmark = [

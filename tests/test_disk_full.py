@@ -10,11 +10,11 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 from conftest import WAIT_S, wait_for
-from test_transport import distinct_deliveries
 
 from agent.config.daemon_config import MqttConfig
 from agent.ops.outbox import DISK_FULL, MIN_RESERVE_BYTES, Outbox
 from agent.ops.transport import LOST, OUTBOXED, SENT, MqttTransport
+from tests.outbox_support import distinct_deliveries
 
 DEVICE = "cam-disk"
 SOURCES = ("front", "back")

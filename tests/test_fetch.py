@@ -2,7 +2,6 @@
 authenticates before it writes, the disk budget, the download with its policy, and the same archives sent to a
 real daemon through a real Mosquitto from an HTTP server on loopback."""
 
-import functools
 import gzip
 import http.server
 import io
@@ -26,10 +25,20 @@ from agent.lifecycle.fetch_policy import FetchPolicy
 from agent.lifecycle.store import STAGING_DIR
 from agent.lifecycle.tar import MAX_MEMBERS
 from agent.lifecycle.unpack import Pin, unpack_archive
-from tests import test_model_manager as lifecycle
+from tests import lifecycle_support as lifecycle
+from tests.archive_support import (
+    LoopbackHttpServer,
+    gzip_bomb_archive,
+    lying_archives,
+    many_files_archive,
+    negative_size_archive,
+    pax_negative_size_archive,
+    tar_header,
+    tar_member,
+    write,
+)
 from tests.conftest import wait_for
-from tests.needs import needs_cryptography
-from tests.test_model_manager import (
+from tests.lifecycle_support import (
     ServingLoop,
     assert_unchanged,
     deploy_request,
@@ -37,75 +46,13 @@ from tests.test_model_manager import (
     no_progress,
     snapshot,
 )
+from tests.needs import needs_cryptography
 
 base_bundle = lifecycle.base_bundle  # fixtures: the committed tiny bundle, and a model manager on it
 harness = lifecycle.harness
 WAIT_S = 30.0
 SECONDS = 10.0  # "refused within seconds": a bound no honest refusal comes near, not a speed claim
 LOOPBACK = FetchPolicy(schemes=("http", "https"), hosts=("127.0.0.1",))
-
-
-# --- hostile archives, written byte by byte (tarfile refuses to write most of them) ------------------------
-
-def tar_header(name, size=0, kind=b"0", size_field=None, checksum_delta=0):
-    """One ustar header; ``size_field`` overrides the octal size (e.g. b"-0000001000")."""
-    h = bytearray(512)
-    raw = name.encode()
-    h[0:len(raw)] = raw
-    h[100:108] = b"0000644\0"
-    h[108:116] = h[116:124] = b"0000000\0"
-    h[124:136] = size_field if size_field is not None else b"%011o\0" % size
-    h[136:148] = b"%011o\0" % 0
-    h[156:157] = kind
-    h[257:265] = b"ustar\x0000"
-    h[148:156] = b" " * 8
-    h[148:156] = b"%06o\0 " % (sum(h) + checksum_delta)
-    return bytes(h)
-
-
-def tar_member(name, data):
-    return tar_header(name, len(data)) + data + b"\0" * (-len(data) % 512)
-
-
-def negative_size_archive():
-    """The CVE-2025-8194 wedge: a member whose size is negative, so tarfile seeks back onto its own header."""
-    body = tar_header("a", size_field=b"-0000001000") + b"\0" * 1024
-    return gzip.compress(body, compresslevel=9)
-
-
-def pax_negative_size_archive():
-    record = b"size=-512\n"
-    record = b"%d " % (len(record) + 3) + record
-    return gzip.compress(tar_header("pax", len(record), kind=b"x") + record + b"\0" * (-len(record) % 512)
-                         + tar_header("a", 0) + b"\0" * 1024)
-
-
-def many_files_archive(count, data=b""):
-    """``count`` files named f/NNNNNN with ``data`` each, gzip-compressed (a 200,000-file bomb is ~1 MB)."""
-    chunks = [tar_member("f/%06d" % i, data) for i in range(count)]
-    return gzip.compress(b"".join(chunks) + b"\0" * 1024, compresslevel=6)
-
-
-def gzip_bomb_archive(declared=4 << 30, zeros_mb=64):
-    """A member declaring 4 GiB of zeros: 64 MiB of them follow, as concatenated gzip members (tiny on disk)."""
-    zeros = gzip.compress(b"\0" * (1 << 20), compresslevel=9)
-    return gzip.compress(tar_header("big.bin", declared)) + zeros * zeros_mb
-
-
-def lying_archives():
-    """Headers that lie: a size past the end of the data, a size short of it, a checksum that does not add up."""
-    data = b"x" * 1000
-    return {
-        "size past the data": gzip.compress(tar_header("w.bin", 5000) + data),
-        "size short of the data": gzip.compress(tar_header("w.bin", 10) + data + b"\0" * 1048),
-        "bad checksum": gzip.compress(tar_header("w.bin", 1000, checksum_delta=1) + data + b"\0" * 1048),
-    }
-
-
-def write(path, data):
-    with open(str(path), "wb") as handle:
-        handle.write(data)
-    return str(path)
 
 
 class Peak:
@@ -247,29 +194,6 @@ def test_with_a_key_an_unsigned_or_foreign_signed_archive_is_refused_before_extr
 
 # --- the download and its policy --------------------------------------------------------------------------
 
-class _http_server:
-    """A real HTTP server on 127.0.0.1 serving ``directory``; yields its base URL."""
-
-    def __init__(self, directory, handler=None):
-        handler = handler or functools.partial(_QuietHandler, directory=directory)
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return "http://127.0.0.1:%d" % self.server.server_address[1]
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=WAIT_S)
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
 class _NoLengthHandler(http.server.BaseHTTPRequestHandler):
     """Streams 64 KiB without a Content-Length (HTTP/1.0: the end is the close), as a lying server might."""
 
@@ -297,10 +221,10 @@ def _redirecting_to(target):
 def test_download_refuses_more_than_the_limit_with_or_without_a_length(tmp_path):
     (tmp_path / "big.tar").write_bytes(b"\0" * 10000)
     small = FetchPolicy(LOOPBACK.schemes, LOOPBACK.hosts, max_bytes=1000)
-    with _http_server(str(tmp_path)) as url:
+    with LoopbackHttpServer(str(tmp_path)) as url:
         with pytest.raises(FetchError, match="is 10000 bytes, more than the limit of 1000 bytes"):
             download(url + "/big.tar", str(tmp_path / "out"), small)
-    with _http_server(str(tmp_path), handler=_NoLengthHandler) as url:
+    with LoopbackHttpServer(str(tmp_path), handler=_NoLengthHandler) as url:
         with pytest.raises(FetchError, match="sent more than the limit of 1000 bytes"):
             download(url + "/x", str(tmp_path / "out"), small)
         assert download(url + "/x", str(tmp_path / "out"), LOOPBACK) == 65536
@@ -329,7 +253,7 @@ def test_download_of_a_silent_server_fails_with_a_coarse_cause(tmp_path):
 
 
 def test_download_errors_hide_a_presigned_token_and_the_servers_text(tmp_path):
-    with _http_server(str(tmp_path)) as url:
+    with LoopbackHttpServer(str(tmp_path)) as url:
         with pytest.raises(FetchError) as info:
             download(url + "/missing.tar?token=s3cr3t", str(tmp_path / "out"), LOOPBACK)
     assert "download of %s/missing.tar failed: the server answered HTTP 4xx" % url in str(info.value)
@@ -358,7 +282,7 @@ def test_the_fetch_policy_refuses_loopback_private_and_other_schemes_by_default(
 
 def test_loopback_is_served_only_when_listed_by_address_network_or_name(tmp_path):
     (tmp_path / "b.tar").write_bytes(b"x" * 100)
-    with _http_server(str(tmp_path)) as url:
+    with LoopbackHttpServer(str(tmp_path)) as url:
         port = url.rsplit(":", 1)[1]
         with pytest.raises(FetchError, match="resolves to a loopback"):
             download(url + "/b.tar", str(tmp_path / "out"), FetchPolicy(schemes=("http",)))
@@ -369,19 +293,19 @@ def test_loopback_is_served_only_when_listed_by_address_network_or_name(tmp_path
 
 def test_redirects_across_hosts_or_schemes_are_refused_unless_the_host_is_listed(tmp_path):
     (tmp_path / "b.tar").write_bytes(b"x" * 100)
-    with _http_server(str(tmp_path)) as target:
+    with LoopbackHttpServer(str(tmp_path)) as target:
         port = target.rsplit(":", 1)[1]
         other_host = "http://localhost:%s/b.tar" % port  # same server, another host name
         cases = [(other_host, "a redirect to another host not in fetch.hosts"),
                  ("ftp://127.0.0.1:%s/b.tar" % port, "a redirect to another scheme"),
                  ("https://127.0.0.1:%s/b.tar" % port, "a redirect to another scheme")]
         for location, reason in cases:
-            with _http_server(str(tmp_path), handler=_redirecting_to(location)) as url:
+            with LoopbackHttpServer(str(tmp_path), handler=_redirecting_to(location)) as url:
                 with pytest.raises(FetchError) as info:
                     download(url + "/x", str(tmp_path / "out"), LOOPBACK)
                 assert "refused by the fetch policy: %s" % reason in str(info.value)
                 assert "10.0.0.7" not in str(info.value)  # the server's text stays out
-        with _http_server(str(tmp_path), handler=_redirecting_to(other_host)) as url:
+        with LoopbackHttpServer(str(tmp_path), handler=_redirecting_to(other_host)) as url:
             listed = FetchPolicy(("http",), ("127.0.0.1", "localhost"))
             assert download(url + "/x", str(tmp_path / "out"), listed) == 100
 
@@ -395,7 +319,7 @@ def test_the_archive_digest_is_checked_while_downloading_before_anything_is_unpa
     digest = sha256_file(archive)
     staging = tmp_path / "staging"
     staging.mkdir()
-    with _http_server(str(served)) as url:
+    with LoopbackHttpServer(str(served)) as url:
         with pytest.raises(CommandError) as info:
             fetch_bundle(url + "/tiny-2.tar.gz", str(tmp_path), str(staging), LOOPBACK, Pin(sha), "0" * 64)
         assert info.value.code == "sha256_mismatch" and info.value.field == "archive_sha256"
@@ -436,7 +360,7 @@ def test_deploy_from_an_http_url_listed_in_the_fetch_policy(harness, base_bundle
     served.mkdir()
     sha = new_version(base_bundle, str(tmp_path / "tiny-2"), "2.0.0")
     digest = sha256_file(_tar_of(str(tmp_path / "tiny-2"), served / "tiny-2.tar.gz", arcname="tiny-2"))
-    with _http_server(str(served)) as base_url:
+    with LoopbackHttpServer(str(served)) as base_url:
         url = base_url + "/tiny-2.tar.gz?token=s3cr3t"  # a pre-signed URL: its token stays out of acks
         request = deploy_request({"bundle": url, "sha256": sha, "archive_sha256": digest})
         refused = harness()
@@ -572,7 +496,7 @@ def test_a_running_deploy_is_cancelled_and_changes_nothing(harness, tmp_path):
             outcome["error"] = exc
 
     assert h.manager.cancel() == {"cancelled": False}  # nothing running: nothing to cancel
-    with _http_server(str(tmp_path), handler=_TrickleHandler) as url:
+    with LoopbackHttpServer(str(tmp_path), handler=_TrickleHandler) as url:
         runner = threading.Thread(target=deploy)
         runner.start()
         assert wait_for(lambda: h.manager._operation.locked(), timeout=WAIT_S)
@@ -586,7 +510,7 @@ def test_a_running_deploy_is_cancelled_and_changes_nothing(harness, tmp_path):
 
 def test_a_trickling_server_is_stopped_by_the_download_deadline(tmp_path):
     policy = FetchPolicy(LOOPBACK.schemes, LOOPBACK.hosts, deadline_s=1.0)
-    with _http_server(str(tmp_path), handler=_TrickleHandler) as url:
+    with LoopbackHttpServer(str(tmp_path), handler=_TrickleHandler) as url:
         with pytest.raises(FetchError, match="took longer than 1 s"):
             download(url + "/slow.tar.gz", str(tmp_path / "out"), policy)
 

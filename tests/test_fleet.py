@@ -7,6 +7,7 @@ assertions is its own slot table and its own count of deploy and rollback comman
 operator reported.
 """
 
+# ruff: noqa: F811 - the fixtures bundles and make_fleet come from tests.fleet_support
 import json
 import os
 import signal
@@ -16,7 +17,6 @@ import threading
 
 import pytest
 
-from agent.bundle.verify import sha256_file
 from agent.cli import fleet as fleet_cli
 from agent.cli.ctl import EXIT_OK, EXIT_USAGE
 from agent.devtools.broker import EmbeddedBroker
@@ -42,57 +42,18 @@ from agent.fleet.report import EXIT_ABORTED, EXIT_PARTIAL
 from agent.fleet.rollout import Rollout
 from agent.fleet.status import FleetView, render_table
 from agent.protocol.messages import FAILED, REQUEST_ID_RE, SUCCEEDED
-from benchmarks.fleet_sim import GOLDEN, SLOW, BundleServer, SimulatedFleet, build_bundles, slot_summary
+from benchmarks.fleet_sim import GOLDEN, SLOW
 from tests.conftest import REPO_ROOT, wait_for
+from tests.fleet_support import (  # noqa: F401 - bundles and make_fleet are fixtures
+    bundles,
+    make_fleet,
+    rollout_args,
+    run_cli,
+    truth,
+)
 from tests.needs import needs_cryptography
 
 CI_BOXES = 20  # the issue's test-size fleet; the benchmark runs 100
-WINDOW_S = 1.0  # observation window of the simulated boxes: short, but judged on >= 10 batches
-CONFIRM_TIMEOUT_S = 60.0  # a bound for a loaded CI machine; tests never assert durations
-
-
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("fleet-bundles"))
-    v1, archive, sha = build_bundles(root)
-    server = BundleServer(root)
-    yield {"v1": v1, "url": server.url(os.path.basename(archive)), "sha": sha, "archive_sha": sha256_file(archive)}
-    server.close()
-
-
-@pytest.fixture
-def make_fleet(tmp_path, mosquitto, bundles):
-    fleets = []
-
-    def make(count, broker=None, prefix=None, **kwargs):
-        broker = broker or mosquitto
-        prefix = prefix or "fleet-%s" % os.urandom(3).hex()  # earlier tests' retained status stays out of view
-        fleet = SimulatedFleet(str(tmp_path / ("boxes%d" % len(fleets))), broker.host, broker.port, bundles["v1"],
-                               count, observation_s=WINDOW_S, prefix=prefix, **kwargs)
-        fleet.prefix = prefix
-        fleets.append(fleet)
-        return fleet.start()
-
-    yield make
-    for fleet in fleets:
-        fleet.close()
-
-
-def rollout_args(broker, fleet, bundles, tmp_path, *extra):
-    return ["rollout", "--broker", broker.url, "--prefix", fleet.prefix, "--group", "sim",
-            "--bundle", bundles["url"], "--sha256", bundles["sha"], "--archive-sha256", bundles["archive_sha"],
-            "--state-dir", str(tmp_path / "rollouts"),
-            "--confirm-timeout", str(CONFIRM_TIMEOUT_S), "--json"] + list(extra)
-
-
-def run_cli(args, capsys):
-    code = fleet_cli.main(args)
-    out = capsys.readouterr().out
-    return code, (json.loads(out) if out.strip().startswith("{") else out)
-
-
-def truth(fleet):
-    return {box.device_id: slot_summary(box.serving()) for box in fleet.boxes}
 
 
 # --- plan, abort rule, ids (no broker) ----------------------------------------------------------------------

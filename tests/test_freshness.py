@@ -10,9 +10,9 @@ import pytest
 from agent.commands.freshness import ForwardClock, Freshness
 from agent.errors import CommandError
 from agent.protocol.envelope import sign_command
+from tests.commands_support import SHA, system_factory  # noqa: F401 - fixture
 from tests.conftest import WAIT_S, wait_for
 from tests.needs import needs_cryptography
-from tests.test_commands import SHA, system_factory  # noqa: F401 - fixture
 
 factory = system_factory
 

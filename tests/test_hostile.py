@@ -14,16 +14,16 @@ import pytest
 
 from agent.bundle.verify import sha256_file
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
-from tests.conftest import MqttProbe, wait_for
-from tests.daemon_rig import SIZES, start_daemon, write_config
-from tests.test_fetch import (
-    _http_server,
+from tests.archive_support import (
+    LoopbackHttpServer,
     gzip_bomb_archive,
     lying_archives,
     many_files_archive,
     negative_size_archive,
     write,
 )
+from tests.conftest import MqttProbe, wait_for
+from tests.daemon_rig import SIZES, start_daemon, write_config
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -85,7 +85,7 @@ def box(tmp_path_factory, mosquitto):
     drain = threading.Thread(target=lambda: log_tail.extend(proc.stdout), daemon=True)
     drain.start()
     try:
-        with _http_server(str(www)) as url:
+        with LoopbackHttpServer(str(www)) as url:
             made = Box(proc, probe, url, str(tmp_path / "state"))
             made.www = str(www)
             assert wait_for(lambda: proc.poll() is None and made.probe.count("atlas-edge/e2e/results") >= 2,

@@ -10,8 +10,6 @@ import json
 import os
 import time
 
-from test_fleet import bundles, rollout_args, run_cli  # noqa: F401 - bundles is a fixture
-
 from agent.cli.ctl import EXIT_OK
 from agent.fleet.inventory import Inventory, record_path
 from agent.fleet.link import Message
@@ -19,6 +17,7 @@ from agent.fleet.report import EXIT_PARTIAL
 from agent.fleet.status import FleetView, render_table
 from benchmarks.fleet_sim import SimulatedFleet
 from tests.conftest import wait_for
+from tests.fleet_support import bundles, rollout_args, run_cli  # noqa: F401 - bundles is a fixture
 
 NOW = 1.8e9
 

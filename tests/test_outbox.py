@@ -1,6 +1,5 @@
 """The durable outbox: order, byte budget with counted drop-oldest, survival of a killed process."""
 
-import errno
 import os
 import signal
 import sqlite3
@@ -13,6 +12,7 @@ from conftest import REPO_ROOT, WAIT_S
 from agent._util import quarantine
 from agent._util import sqlite as sqlite_util
 from agent.ops.outbox import MEMORY_MAX_BYTES, Outbox, message_size
+from tests.outbox_support import RefusingCommit, read_only_fs
 
 TOPIC = "atlas-edge/cam-01/results/front"  # 31 bytes
 
@@ -250,25 +250,3 @@ def test_delivered_rows_are_never_peeked_again_even_when_the_delete_fails(tmp_pa
     assert box.bytes == sum(message_size(m.topic, m.payload) for m in box.peek(10))
 
 
-class RefusingCommit:
-    """Wraps an outbox's SQLite connection: every COMMIT fails as SQLite's does on a full disk (reads and BEGIN
-    still work, as they do on a full disk)."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-        self.refused = 0
-
-    def execute(self, sql: str, *args):
-        if sql == "COMMIT":
-            self.refused += 1
-            raise sqlite3.OperationalError("database or disk is full")
-        return self.conn.execute(sql, *args)
-
-    @property
-    def in_transaction(self) -> bool:
-        return self.conn.in_transaction
-
-
-def read_only_fs(src, dst):
-    """In place of os.replace: what rename(2) says on a file system remounted read-only."""
-    raise OSError(errno.EROFS, "Read-only file system", src)

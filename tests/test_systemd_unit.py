@@ -15,16 +15,15 @@ import stat
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List
+from typing import Dict
 
 import pytest
 import yaml
 
 from agent.config.daemon_config import WatchdogConfig
 from agent.config.device_config import load_device_config
+from tests.unit_support import ROOT, UNIT, directives, one
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNIT = os.path.join(ROOT, "systemd", "atlas-edge.service")
 TEMPLATE = os.path.join(ROOT, "systemd", "atlas-edge@.service")
 ENV_EXAMPLE = os.path.join(ROOT, "systemd", "atlas-edge.env.example")
 INSTALL = os.path.join(ROOT, "systemd", "install.sh")
@@ -34,29 +33,6 @@ EXEC_START = "/opt/atlas-edge/venv/bin/atlas-edge"
 def unit_text() -> str:
     with open(UNIT, encoding="utf-8") as handle:
         return handle.read()
-
-
-def directives(text: str) -> Dict[str, Dict[str, List[str]]]:
-    """section -> key -> values in order (systemd allows a key many times, e.g. DeviceAllow=)."""
-    sections: Dict[str, Dict[str, List[str]]] = {}
-    current = None
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("["):
-            current = sections.setdefault(line.strip("[]"), {})
-            continue
-        key, _, value = line.partition("=")
-        assert current is not None, "directive outside a section: %r" % line
-        current.setdefault(key.strip(), []).append(value.strip())
-    return sections
-
-
-def one(section: Dict[str, List[str]], key: str) -> str:
-    values = section[key]
-    assert len(values) == 1, "%s given %d times" % (key, len(values))
-    return values[0]
 
 
 def mib(value: str) -> int:

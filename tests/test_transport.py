@@ -9,12 +9,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
 from conftest import REPO_ROOT, WAIT_S, wait_for
-from test_outbox import RefusingCommit
 
 from agent.config.daemon_config import MqttConfig, TlsConfig
 from agent.config.schema import ConfigError
@@ -27,6 +26,7 @@ from agent.ops.transport import (
     MqttTransport,
     encode_payload,
 )
+from tests.outbox_support import RefusingCommit, distinct_deliveries
 
 FAST_RECONNECT = {"reconnect_min_s": 0.05, "reconnect_max_s": 0.2}
 
@@ -393,23 +393,6 @@ def test_a_result_joins_the_back_of_its_sources_backlog(mosquitto, tmp_path, pro
     assert transport.publish_result("front", {"seq": 11}) == SENT  # backlog gone: the fast path again
     assert wait_for(lambda: len(results(probe, "cam-order")) == 12)
     assert [m["seq"] for m in results(probe, "cam-order", "back")] == [0]
-
-
-def distinct_deliveries(probe) -> List[Tuple[str, Dict[str, Any]]]:
-    """(topic, message) as the probe got them, without the broker's own DUP redeliveries to the probe.
-
-    A broker restarted under a persistent-session subscriber resends, flagged DUP, what it had in flight to
-    that subscriber: a DUP copy of a payload the probe already has is that leg repeating itself, not the
-    transport; a DUP copy of something not yet seen is the only copy and is kept.
-    """
-    with probe._lock:
-        copies = list(probe.messages)
-    seen, kept = set(), []
-    for topic, payload, _, dup in copies:
-        if not (dup and (topic, payload) in seen):
-            kept.append((topic, json.loads(payload)))
-        seen.add((topic, payload))
-    return kept
 
 
 @pytest.mark.parametrize("round_", range(2))

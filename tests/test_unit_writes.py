@@ -19,15 +19,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from typing import Dict, List, Set, Tuple
 
 import pytest
 import yaml
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
+from tests.conftest import wait_for
 from tests.daemon_rig import Subscriber, new_version, outbox_rows
-from tests.test_systemd_unit import ROOT, UNIT, directives, one
+from tests.unit_support import ROOT, UNIT, directives, one
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -130,15 +130,6 @@ def ctl(broker, *args, timeout=60):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def wait_until(predicate, timeout=WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
 def test_a_full_run_writes_only_where_the_unit_lets_it(tmp_path, fresh_broker):
     with open(UNIT, encoding="utf-8") as handle:
         unit = handle.read()
@@ -187,7 +178,8 @@ def test_a_full_run_writes_only_where_the_unit_lets_it(tmp_path, fresh_broker):
         results.close()
         fresh_broker.stop()
         outbox = os.path.join(state, "outbox.sqlite")
-        assert wait_until(lambda: outbox_rows(outbox) >= 3, timeout=60), "results did not reach the outbox"
+        results_like = "atlas-edge/%s/results/%%" % DEVICE  # results only: telemetry is queued too
+        assert wait_for(lambda: outbox_rows(outbox, results_like) >= 3, timeout=60), "results did not reach the outbox"
         fresh_broker.start()
         results = Subscriber(fresh_broker, "atlas-edge/%s/results/#" % DEVICE)
         assert results.wait(lambda m: any(json.loads(p).get("historical") for _t, p, _r in m), timeout=WAIT_S)

@@ -5,10 +5,7 @@ socket."""
 import logging
 import mmap
 import os
-import shutil
-import socket
 import subprocess
-import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
@@ -25,6 +22,8 @@ from agent.health.progress import ProgressMonitor
 from agent.health.readers import read_cgroup_limit_mb, read_rss_mb
 from agent.health.sdnotify import SystemdNotifier
 from agent.health.watchdog import Watchdog
+from tests.conftest import wait_for
+from tests.notify_support import NotifyListener
 
 MIB = 1024 * 1024
 WAIT_S = 10.0  # bound on every wait for another thread; never an assertion about speed
@@ -459,63 +458,11 @@ def test_slow_calls_add_up_and_a_timely_call_resets():
 # ---------------------------------------------------------------------------------------------- the thread
 
 
-class NotifyListener:
-    """A test-owned notify socket and a thread that records every datagram with its arrival time."""
-
-    def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="wd-", dir="/tmp")
-        self.path = os.path.join(self.directory, "notify")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.settimeout(0.05)
-        self.messages: List[Tuple[float, str]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(4096)
-            except socket.timeout:
-                continue
-            with self._lock:
-                self.messages.append((time.monotonic(), data.decode()))
-
-    def received(self, text: str, after: float = 0.0) -> List[float]:
-        with self._lock:
-            return [t for t, m in self.messages if m == text and t > after]
-
-    def wait_for(self, text: str, count: int, after: float = 0.0) -> bool:
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            if len(self.received(text, after)) >= count:
-                return True
-            time.sleep(0.01)
-        return False
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(WAIT_S)
-        self.sock.close()
-        shutil.rmtree(self.directory)
-
-
 @pytest.fixture
 def listener():
     owned = NotifyListener()
     yield owned
     owned.close()
-
-
-def wait_until(condition, timeout: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_pings_follow_progress_stop_on_a_hang_and_resume(listener):
@@ -561,8 +508,8 @@ def test_pings_follow_progress_stop_on_a_hang_and_resume(listener):
         assert listener.wait_for("WATCHDOG=1", 3)
         assert listener.messages[0][1] == "READY=1"
         hang.set()
-        assert wait_until(lambda: bool(hung_at))
-        assert wait_until(lambda: bool(restarts))
+        assert wait_for(lambda: bool(hung_at))
+        assert wait_for(lambda: bool(restarts))
         time.sleep(3 * watchdog.ping_interval_s)
         after_hang = listener.received("WATCHDOG=1", after=hung_at[0])
         hang_alerts = [a for a in alerts if a["kind"] == "hang"]
@@ -630,7 +577,7 @@ def test_thread_without_systemd_stops_within_its_timeout():
     watchdog.start()
     with pytest.raises(RuntimeError, match="already started"):
         watchdog.start()
-    assert wait_until(lambda: watchdog.memory.last_sample is not None)
+    assert wait_for(lambda: watchdog.memory.last_sample is not None)
     assert watchdog.stop(WAIT_S)
 
 
