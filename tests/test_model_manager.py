@@ -37,6 +37,7 @@ from agent.lifecycle.store import STAGING_DIR
 from agent.pipeline import backends
 from agent.pipeline.backends.opencv_backend import OpenCvBackend
 from tests import lifecycle_support as lifecycle
+from tests.clock_support import ManualClock
 from tests.lifecycle_support import (
     BATCH,
     LONG_WINDOW_S,
@@ -824,18 +825,8 @@ def test_operator_rollback_while_pending_and_no_second_deploy_meanwhile(harness,
     assert info.value.code == "nothing_to_roll_back"
 
 
-class SteppedClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_the_window_runs_on_the_injected_monotonic_clock_not_the_wall_clock(harness, base_bundle, monkeypatch):
-    clock = SteppedClock()
+    clock = ManualClock()
     h = harness(clock=clock, observation_s=60.0)
     h.manager.start()
     sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")

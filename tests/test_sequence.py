@@ -6,16 +6,7 @@ import os
 import pytest
 
 from agent.pipeline.results import SEQ_SEED_PER_S, SequenceCounter
-
-
-class SteppedClock:
-    """A wall clock a test sets by hand (an NTP step is an assignment)."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock_support import ManualClock
 
 
 def test_numbers_count_per_source_from_one(tmp_path):
@@ -39,7 +30,7 @@ def test_a_restart_continues_above_every_number_used(tmp_path):
 
 
 def test_wall_clock_steps_do_not_touch_the_numbers(tmp_path):
-    clock = SteppedClock(1_700_000_000.0)
+    clock = ManualClock(1_700_000_000.0)
     counter = SequenceCounter(str(tmp_path / "sequence.json"), block=4, clock=clock)
     numbers = []
     for step in (0.0, -3600.0, 86400.0, -86400.0):  # back an hour, forward a day, back again
@@ -54,7 +45,7 @@ def test_a_damaged_file_is_moved_aside_and_numbers_restart_above_the_old_ones(tm
     path = tmp_path / "sequence.json"
     SequenceCounter(str(path), block=5).next("front")
     path.write_bytes(content)
-    clock = SteppedClock(1_700_000_000.0 - 3600)  # even with the clock an hour behind
+    clock = ManualClock(1_700_000_000.0 - 3600)  # even with the clock an hour behind
     counter = SequenceCounter(str(path), clock=clock)
     assert counter.next("front") == int(clock.now * SEQ_SEED_PER_S)
     assert [a["kind"] for a in counter.alerts] == ["state_file_damaged"]

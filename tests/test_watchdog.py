@@ -22,25 +22,12 @@ from agent.health.progress import ProgressMonitor
 from agent.health.readers import read_cgroup_limit_mb, read_rss_mb
 from agent.health.sdnotify import SystemdNotifier
 from agent.health.watchdog import Watchdog
+from tests.clock_support import ManualClock
 from tests.conftest import wait_for
 from tests.notify_support import NotifyListener
 
 MIB = 1024 * 1024
 WAIT_S = 10.0  # bound on every wait for another thread; never an assertion about speed
-
-
-class ManualClock:
-    """A stand-in monotonic clock the test advances by hand, so trends are judged on known time steps."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> float:
-        self.now += seconds
-        return self.now
 
 
 def touched_bytes(mib: int) -> mmap.mmap:
