@@ -22,6 +22,7 @@ import pytest
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from tests.conftest import WAIT_S, wait_for
 from tests.daemon_rig import new_version
+from tests.lifecycle_support import NOISE_PROOF_FACTOR
 from tests.notify_support import NotifyListener
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
@@ -88,7 +89,10 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
     write_sample_frames(str(frames), sizes_hw=((240, 320),), seed=3)
     config = parse_daemon_config({
         "device_id": "clock", "device": "cpu-dev", "state_dir": str(tmp_path / "state"),
-        "model": {"bundle": DEMO_BUNDLE, "backend": "opencv", "observation_s": OBSERVATION_S},
+        # The latency rule is not under test: on two loaded cores a median can double and roll the model back
+        # before its window ends, which would read as a window cut short by the clock step.
+        "model": {"bundle": DEMO_BUNDLE, "backend": "opencv", "observation_s": OBSERVATION_S,
+                  "latency_regression": NOISE_PROOF_FACTOR},
         "sources": [{"name": "cam", "uri": str(frames), "loop": True, "max_fps": SOURCE_FPS}],
         "mqtt": {"host": mosquitto.host, "port": mosquitto.port},
         "publish": {"max_rate_hz": PUBLISH_HZ, "telemetry_interval_s": 0.5},
@@ -136,8 +140,8 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
         back = time.monotonic()
         pings_at_back = len(notify.received("WATCHDOG=1"))
         assert wait_for(lambda: daemon.models.status().get("pending") is None, timeout=WAIT_S + OBSERVATION_S)
-        assert time.monotonic() - before_deploy >= OBSERVATION_S
         status = daemon.models.status()
+        assert time.monotonic() - before_deploy >= OBSERVATION_S, status  # a rollback shows in its slots
         assert status["slots"][status["serving"]]["version"] == "1.1.0"  # confirmed, not rolled back
         assert wait_for(lambda: len(results.since(back)) >= 3), "results stopped after the backward step"
         for i in range(5):
