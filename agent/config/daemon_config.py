@@ -319,6 +319,7 @@ def parse_daemon_config(data: Mapping[str, Any], source: str = "") -> DaemonConf
 
 def load_daemon_config(path: str) -> DaemonConfig:
     from agent.config.schema import load_yaml
+    from agent.config.source_uri import is_local_path
 
     config = load_yaml(DaemonConfig, path)
     base = os.path.dirname(os.path.abspath(path))
@@ -330,11 +331,6 @@ def load_daemon_config(path: str) -> DaemonConfig:
     sources = [replace(s, uri=os.path.join(base, s.uri)) if is_local_path(s.uri) else s for s in config.sources]
     return replace(config, state_dir=os.path.join(base, config.state_dir), sources=sources,
                    model=replace(model, bundle=os.path.join(base, model.bundle)))
-
-
-def is_local_path(uri: str) -> bool:
-    """A source URI naming a folder or a video file (not ``rtsp://...``, not ``camera:N``)."""
-    return not (uri.startswith("camera:") or "://" in uri)
 
 
 def merge_config(config: DaemonConfig, changes: Mapping[str, Any]) -> DaemonConfig:

@@ -21,9 +21,14 @@ KINDS = ("folder", "file", "stream", "camera")
 LIVE_KINDS = ("stream", "camera")
 
 
+def is_local_path(uri: str) -> bool:
+    """A source URI naming a folder or a video file (not ``rtsp://...``, not ``camera:N``)."""
+    return not ("://" in uri or uri.startswith("camera:"))
+
+
 def source_kind(uri: str) -> str:
     """The kind of source ``uri`` names; ValueError (a message for ``validate``) when no reader takes it."""
-    if "://" in uri or uri.startswith("camera:"):
+    if not is_local_path(uri):
         scheme = uri.split(":", 1)[0].lower()
         kind = SCHEMES.get(scheme)
         if kind is None:
