@@ -309,7 +309,11 @@ class Daemon:
         live = replace(self.config, thresholds=new.thresholds, batching=new.batching, publish=new.publish,
                        sources=new.sources)
         self.notifier.reloading()
-        self.handover.post(lambda: self._apply_config(live), what="SIGHUP reload")  # systemd's reload does not wait
+        self.handover.post(lambda: self._apply_reloaded_config(live), what="SIGHUP reload")  # reload does not wait
+
+    def _apply_reloaded_config(self, live: DaemonConfig) -> None:
+        """Logged only once applied and READY=1 sent: a reader of the journal then sees the unit active again."""
+        self._apply_config(live)
         log.info("SIGHUP: config reloaded (live sections applied; others need a restart)")
 
 

@@ -68,7 +68,9 @@ def test_reload_applies_a_threshold_change(box):
     box.c.write("/etc/atlas-edge/config.yaml", daemon_config("box-main", conf=0.95))
     box.c.run("systemctl reload %s" % MAIN, timeout=60)
     box.c.wait_until("the SIGHUP reload logged", lambda: "config reloaded" in box.c.journal(MAIN, cursor))
-    assert box.c.show(MAIN, "NRestarts")["NRestarts"] == "0" and active(box, MAIN)
+    # READY=1 (sent before that log line) ends "reloading"; systemd reads the notify socket on its own time
+    box.c.wait_until("the unit active again after the reload", lambda: active(box, MAIN))
+    assert box.c.show(MAIN, "NRestarts")["NRestarts"] == "0"
     # results published after the reload carry no detection under the new threshold
     later = box.results("box-main", 6)[-3:]
     assert all(d["score"] >= 0.95 for r in later for d in r["detections"])
