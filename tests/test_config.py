@@ -185,6 +185,29 @@ def test_relative_source_paths_are_relative_to_the_config_file(tmp_path):
                         "absolute": "/srv/frames", "usb": "camera:0", "stream": "rtsp://10.0.0.5/live"}
 
 
+def test_public_key_files_are_relative_to_the_config_file_and_hex_keys_stay(tmp_path, monkeypatch):
+    pytest.importorskip("cryptography")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from agent.commands.freshness import freshness_of
+
+    site = tmp_path / "site"
+    site.mkdir()
+    public = ed25519.Ed25519PrivateKey.generate().public_key()
+    (site / "operators.pem").write_bytes(public.public_bytes(serialization.Encoding.PEM,
+                                                              serialization.PublicFormat.SubjectPublicKeyInfo))
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    path = site / "daemon.yaml"
+    path.write_text(yaml.safe_dump({"device_id": "cam-01", "model": {"bundle": "b", "public_key": raw.hex()},
+                                    "commands": {"public_key": "operators.pem"}}))
+    monkeypatch.chdir(tmp_path)  # not the config's folder: "operators.pem" is not found from here
+    config = load_daemon_config(str(path))
+    assert config.commands.public_key == str(site / "operators.pem")
+    assert config.model.public_key == raw.hex()
+    assert freshness_of(config.commands).public_key == raw
+
+
 def test_an_unknown_device_name_is_a_config_error_listing_the_known_ones():
     with pytest.raises(ConfigError) as info:
         parse_daemon_config({"device_id": "cam-01", "model": {"bundle": "b"}, "device": "no-such-box"})

@@ -324,13 +324,19 @@ def load_daemon_config(path: str) -> DaemonConfig:
     config = load_yaml(DaemonConfig, path)
     base = os.path.dirname(os.path.abspath(path))
     # Relative paths in a file are relative to that file, so `run --config examples/x.yaml` works from anywhere.
-    model = config.model
-    key = model.public_key
-    if key and os.path.isfile(os.path.join(base, key)):
-        model = replace(model, public_key=os.path.join(base, key))
+    model = replace(config.model, bundle=os.path.join(base, config.model.bundle),
+                    public_key=_key_beside(base, config.model.public_key))
+    commands = replace(config.commands, public_key=_key_beside(base, config.commands.public_key))
     sources = [replace(s, uri=os.path.join(base, s.uri)) if is_local_path(s.uri) else s for s in config.sources]
-    return replace(config, state_dir=os.path.join(base, config.state_dir), sources=sources,
-                   model=replace(model, bundle=os.path.join(base, model.bundle)))
+    return replace(config, state_dir=os.path.join(base, config.state_dir), sources=sources, model=model,
+                   commands=commands)
+
+
+def _key_beside(base: str, key: Optional[str]) -> Optional[str]:
+    """A public key is hex or a PEM file: a file named relative to the config file resolves beside it."""
+    if key and os.path.isfile(os.path.join(base, key)):
+        return os.path.join(base, key)
+    return key
 
 
 def merge_config(config: DaemonConfig, changes: Mapping[str, Any]) -> DaemonConfig:
