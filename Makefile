@@ -75,8 +75,14 @@ pycompat: venv
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 # With a Python 3.7 the Lite venv is built first, so the host lane's conversion tests find it too.
+# The rig tests that take minutes of real time run once per `make test`, on the side that runs the code in the
+# field: the camera rig on the box's Python 3.7 (Lite lane), the fleet and cluster rigs on the operator's
+# workstation (host lane). Without a Python 3.7 the host lane runs them all. `pytest -m camera_rig` runs one kind.
+HOST_MARKS = not slow$(if $(PYTHON37), and not camera_rig)
+LITE_MARKS = not slow and not fleet_rig
+
 test: venv mosquitto rabbitmq camera-rig lint imports pycompat $(if $(PYTHON37),lite)
-	$(BIN)/pytest -m "not slow" -q; rc=$$?; \
+	$(BIN)/pytest -m "$(HOST_MARKS)" -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc
 	@if [ -n "$(PYTHON37)" ]; then $(MAKE) --no-print-directory test-lite; \
 	else echo "Lite lane skipped: no Python 3.7"; fi
@@ -110,10 +116,10 @@ test-systemd: venv
 		rc=$$?; echo "systemd lane: $$(( $$(date +%s) - start )) s"; \
 		if [ $$rc -eq 5 ]; then echo "systemd lane collected no tests" >&2; exit 1; fi; exit $$rc; fi
 
-# The whole suite on the box's oldest Python with the real mindspore_lite; host-only tests skip themselves
-# (no MindSpore there) and tests/conftest.py does not collect quant/'s.
+# The whole suite on the box's oldest Python with the real mindspore_lite, less the fleet rigs (LITE_MARKS);
+# host-only tests skip themselves (no MindSpore there) and tests/conftest.py does not collect quant/'s.
 test-lite: lite mosquitto rabbitmq camera-rig
-	$(LITE_PY) -m pytest -m "not slow" -q -p no:cacheprovider; rc=$$?; \
+	$(LITE_PY) -m pytest -m "$(LITE_MARKS)" -q -p no:cacheprovider; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest (Lite lane) collected no tests" >&2; exit 1; fi; exit $$rc
 
 demo-bundle: venv

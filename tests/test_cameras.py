@@ -20,6 +20,7 @@ from tests.conftest import MqttProbe, wait_for
 from tests.daemon_rig import start_daemon, write_config
 
 pytestmark = [
+    pytest.mark.camera_rig,
     pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                        reason="examples/demo-bundle is missing (make demo-bundle)"),
 ]

@@ -23,6 +23,8 @@ from agent.devtools.rabbitmq import RabbitCluster, describe, find_rabbitmq
 from tests.conftest import MqttProbe
 from tests.fleet_support import bundles, make_fleet, rollout_args, run_cli, truth  # noqa: F401 - fixtures
 
+pytestmark = pytest.mark.fleet_rig  # operator-side rig: run once, in the host lane (Makefile)
+
 FAILOVER_BOUND_S = 15.0  # the bound on a box publishing again through another node
 
 

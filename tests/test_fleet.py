@@ -53,6 +53,8 @@ from tests.fleet_support import (  # noqa: F401 - bundles and make_fleet are fix
 )
 from tests.needs import needs_cryptography
 
+pytestmark = pytest.mark.fleet_rig  # operator-side rig: run once, in the host lane (Makefile)
+
 CI_BOXES = 20  # the test-size fleet; the benchmark runs 100
 
 

@@ -27,6 +27,8 @@ from agent.fleet.report import EXIT_ABORTED, EXIT_COMPLETED, EXIT_PARTIAL
 from tests.conftest import REPO_ROOT, WAIT_S, wait_for
 from tests.fleet_boxes import BoxFleet, model, random_prefix
 
+pytestmark = pytest.mark.fleet_rig  # operator-side rig: run once, in the host lane (Makefile)
+
 SHA = "2" * 64
 BUNDLE = "shapes-2.0.0.tar.gz"
 ACL_FILE = os.path.join(REPO_ROOT, "systemd", "mosquitto-acl.example")

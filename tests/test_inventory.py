@@ -10,6 +10,8 @@ import json
 import os
 import time
 
+import pytest
+
 from agent.cli.ctl import EXIT_OK
 from agent.fleet.inventory import Inventory, record_path
 from agent.fleet.link import Message
@@ -18,6 +20,8 @@ from agent.fleet.status import FleetView, render_table
 from benchmarks.fleet_sim import SimulatedFleet
 from tests.conftest import wait_for
 from tests.fleet_support import bundles, rollout_args, run_cli  # noqa: F401 - bundles is a fixture
+
+pytestmark = pytest.mark.fleet_rig  # operator-side rig: run once, in the host lane (Makefile)
 
 NOW = 1.8e9
 
