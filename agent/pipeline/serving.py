@@ -13,10 +13,11 @@ change, a swap or a rollback lands there, so a batch runs on one model from its 
 batch letterboxed for a model that was just swapped out is letterboxed again for the new one). Shutdown and
 pause stop taking frames and finish everything already taken.
 
-The loop knows nothing of MQTT or systemd: it publishes through a :class:`ResultSink` (the daemon passes the
-MQTT transport), marks liveness on a :class:`ProgressSink` (the daemon passes the watchdog's progress monitor)
-and asks a :class:`ModelSource` (the model manager) for the model of each batch. Those are structural types, so
-``pipeline`` imports neither ``ops`` nor ``health``.
+The loop knows nothing of MQTT or systemd: it publishes through a :class:`~agent.pipeline.seams.ResultSink` (the
+daemon passes the MQTT transport), marks liveness on a :class:`~agent.pipeline.seams.ProgressSink` (the daemon
+passes the watchdog's progress monitor) and asks a :class:`~agent.pipeline.seams.ModelSource` (the model manager)
+for the model of each batch. Those are structural types, so ``pipeline`` imports neither ``ops`` nor ``health``.
+The backend thread is :mod:`agent.pipeline.backend_thread`.
 """
 
 import logging
@@ -26,13 +27,14 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from agent._util.compat import Protocol
 from agent._util.ratelog import LogLimiter
 from agent.config.daemon_config import PublishConfig
+from agent.pipeline.backend_thread import BackendCall, BackendThread
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.model import FrameResult, LoadedModel, PreparedChunk
 from agent.pipeline.results import SequenceCounter, result_payload
+from agent.pipeline.seams import ModelSource, ProgressSink, ResultSink
 from agent.pipeline.sources import Frame, SourceSet
 from agent.pipeline.stats import StageStats
 
@@ -42,138 +44,10 @@ log = logging.getLogger(__name__)
 PAUSED_POLL_S = 0.05
 # Characters of a backend's error message carried in an ``inference_error`` event (a traceback can be huge).
 EVENT_ERROR_CHARS = 200
-# The backend's busy fraction is reported over this trailing window (the same span as the fps figure).
-BUSY_WINDOW_S = 5.0
-# Backend calls remembered for the busy fraction: a 5 s window of 1 ms calls, with room to spare.
-BUSY_HISTORY = 8192
 # How long the batcher waits for a first frame when nothing is in flight (keeps stop, pause and handover prompt).
 IDLE_WAIT_S = 0.1
 
 ResultCallback = Callable[[Frame, Dict[str, Any]], None]
-
-
-class ResultSink(Protocol):
-    """Where results and telemetry go (the MQTT transport, which falls back to its outbox)."""
-
-    def publish_result(self, source: str, payload: Dict[str, Any]) -> None: ...
-
-    def publish_telemetry(self, telemetry: Dict[str, Any]) -> None: ...
-
-
-class ProgressSink(Protocol):
-    """Liveness marks (the watchdog's progress monitor): around each backend call and per finished frame."""
-
-    def begin_inference(self) -> None: ...
-
-    def end_inference(self) -> None: ...
-
-    def frame_done(self, count: int = 1) -> None: ...
-
-    def idle_tick(self) -> None: ...
-
-
-class ModelSource(Protocol):
-    """The model of the next batch (the model manager), told how each batch went for its probation window."""
-
-    @property
-    def current(self) -> LoadedModel: ...
-
-    def between_batches(self) -> None: ...
-
-    def record_batch(self, frames: int, infer_ms_per_frame: float, failed: bool) -> None: ...
-
-
-class _Call:
-    """One backend call handed to the backend thread; ``done`` is set when it returned or raised."""
-
-    __slots__ = ("fn", "done", "outputs", "error", "started", "ended")
-
-    def __init__(self, fn: Callable[[], List[Any]]) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self.outputs: List[Any] = []
-        self.error: Optional[BaseException] = None
-        self.started = 0.0
-        self.ended = 0.0
-
-    @property
-    def seconds(self) -> float:
-        return self.ended - self.started
-
-
-class BackendThread:
-    """The one thread that calls the backend: calls run in submission order, one at a time.
-
-    It marks each call on the progress sink (the watchdog's hang check) and keeps the calls' start and end
-    times, from which :meth:`busy_fraction` says how much of the trailing window the backend was working.
-    """
-
-    def __init__(self, progress: ProgressSink, clock: Callable[[], float] = time.monotonic) -> None:
-        self.progress = progress
-        self.clock = clock
-        self.busy_s = 0.0  # total seconds in backend calls (benchmarks difference it over a run)
-        self._calls: "queue.Queue[Optional[_Call]]" = queue.Queue()
-        self._history: Deque[Tuple[float, float]] = deque(maxlen=BUSY_HISTORY)
-        self._running: Optional[_Call] = None
-        self._first_start: Optional[float] = None
-        self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="backend", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        """Finish the calls already submitted, then end the thread."""
-        if self._thread is not None:
-            self._calls.put(None)
-            self._thread.join()
-            self._thread = None
-
-    def submit(self, fn: Callable[[], List[Any]]) -> _Call:
-        call = _Call(fn)
-        self._calls.put(call)
-        return call
-
-    def _run(self) -> None:
-        while True:
-            call = self._calls.get()
-            if call is None:
-                return
-            self.progress.begin_inference()
-            call.started = self.clock()
-            with self._lock:
-                self._running = call
-                if self._first_start is None:
-                    self._first_start = call.started
-            try:
-                call.outputs = call.fn()
-            except Exception as exc:  # handed to the serving thread, which reports it
-                call.error = exc
-            finally:
-                call.ended = self.clock()
-                self.progress.end_inference()
-                with self._lock:
-                    self._running = None
-                    self._history.append((call.started, call.ended))
-                    self.busy_s += call.ended - call.started
-                call.done.set()
-
-    def busy_fraction(self, now: Optional[float] = None) -> Optional[float]:
-        """Share of the last :data:`BUSY_WINDOW_S` seconds spent in backend calls; None before the first call."""
-        now = self.clock() if now is None else now
-        with self._lock:
-            if self._first_start is None:
-                return None
-            spans = list(self._history)
-            if self._running is not None:
-                spans.append((self._running.started, now))
-        since = max(now - BUSY_WINDOW_S, self._first_start)
-        if now <= since:
-            return None
-        busy = sum(min(end, now) - max(start, since) for start, end in spans if end > since)
-        return min(1.0, busy / (now - since))
 
 
 class _Batch:
@@ -208,7 +82,7 @@ class _Chunk:
         self.first = first  # the batch's first chunk: the point before it is a point between batches
         self.ready_at = time.monotonic()
         self.submitted_at = 0.0
-        self.call: Optional[_Call] = None
+        self.call: Optional[BackendCall] = None
 
 
 class ServingLoop:
