@@ -1,4 +1,5 @@
-"""Finding a conversion tool, recording its version, running it, and judging the result.
+"""Finding a conversion tool, recording its version, running it, and judging the result; and the versions of
+the host's own toolchain (MindSpore, NumPy, OpenCV) that a bundle producer records in the manifest.
 
 Tools run as argument lists (no shell) in a temporary working directory, because ATC drops ``kernel_meta/``
 and fusion dumps into its current directory. A run counts only when the process exits 0, prints the tool's
@@ -7,6 +8,7 @@ success line, *and* leaves a non-empty output file: both tools have been seen to
 
 import logging
 import os
+import platform
 import re
 import shlex
 import signal
@@ -179,6 +181,26 @@ def converter_version(tool_path: str) -> str:
                 return match.group(1)
             folder = os.path.dirname(folder)
     return UNKNOWN_VERSION
+
+
+def toolchain_versions() -> Dict[str, Optional[str]]:
+    """The host's own toolchain that made a bundle (``qat``, ``bundle create``): the manifest's ``toolchain``,
+    as :func:`locate` gives a converted artifact's. MindSpore is imported here, never at module import."""
+    import cv2
+    import mindspore
+    import numpy as np
+
+    try:
+        from mindspore_gs.version import __version__ as gs_version
+    except ImportError:
+        gs_version = None
+    return {
+        "mindspore": mindspore.__version__,
+        "mindspore_gs": gs_version,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "opencv": cv2.__version__,
+    }
 
 
 # --- the converter as MindSpore Lite's Python API, in another interpreter -----------------------------------

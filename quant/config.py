@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from agent.bundle.manifest import Postprocessing, Preprocessing  # the manifest's own schema: one definition
 from agent.config.schema import load_yaml, setting
+from converters.bundle_writer import CalibrationConfig, GoldenConfig  # the writer's own settings: one definition
 
 TASKS = ("classify", "detect-yolov8")
 DATA_KINDS = ("digits", "shapes", "imagefolder", "yolo")
@@ -92,18 +93,6 @@ class ExportConfig:
             if not 2 <= batch <= 64:
                 problems.append(("extra_batches[%d]" % i, "must be in 2..64 (got %d)" % batch))
         return problems
-
-
-@dataclass(frozen=True)
-class GoldenConfig:
-    cases_per_tier: int = setting(2, ge=1, le=16)
-    atol: float = setting(1e-3, ge=0)
-    rtol: float = setting(1e-3, ge=0)
-
-
-@dataclass(frozen=True)
-class CalibrationConfig:
-    count: int = setting(8, ge=1, le=1000, doc="NHWC float32 .bin files at the main tier")
 
 
 @dataclass(frozen=True)

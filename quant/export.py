@@ -15,6 +15,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 
+from converters.runtimes import run_mindir, run_onnx_opencv
+
 log = logging.getLogger(__name__)
 
 INPUT_NAME = "images"
@@ -48,24 +50,6 @@ def export_onnx(network: nn.Cell, input_shape: Tuple[int, ...], path: str) -> st
     if not os.path.isfile(path):
         raise RuntimeError("mindspore.onnx.export did not write %s" % path)
     return path
-
-
-def run_mindir(path: str, inputs: np.ndarray) -> np.ndarray:
-    """Output 0 of a MindIR file on ``inputs`` through ``mindspore.load`` + ``nn.GraphCell``."""
-    graph = nn.GraphCell(ms.load(path))
-    result = graph(ms.Tensor(inputs))
-    if isinstance(result, (tuple, list)):
-        result = result[0]
-    return result.asnumpy()
-
-
-def run_onnx_opencv(path: str, inputs: np.ndarray) -> np.ndarray:
-    """Output 0 of an ONNX file on ``inputs`` through OpenCV's DNN module (the box's CPU fallback backend)."""
-    import cv2
-
-    net = cv2.dnn.readNetFromONNX(path)
-    net.setInput(inputs)
-    return net.forward()
 
 
 def check_export(path: str, inputs: np.ndarray, expected: np.ndarray, atol: float = EXPORT_ATOL) -> float:

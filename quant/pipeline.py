@@ -25,10 +25,11 @@ import numpy as np
 
 from agent.config.schema import to_dict
 from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec
-from quant.bundle_writer import ArtifactPlan, write_bundle_manifest, write_calibration, write_golden
+from converters.bundle_writer import ArtifactPlan, tier_name, write_calibration, write_golden, write_manifest_for
+from converters.toolrun import toolchain_versions
 from quant.config import RunConfig
 from quant.datasets import DatasetError, SplitData
-from quant.report import metric_delta, metric_line, toolchain_versions, write_report
+from quant.report import metric_delta, metric_line, write_report
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,6 @@ class RunOptions:
 
 def preprocess_spec(config: RunConfig) -> PreprocessSpec:
     return PreprocessSpec.from_manifest(to_dict(config.preprocessing))
-
-
-def tier_name(tier: Tuple[int, int]) -> str:
-    return "%dx%d" % (tier[0], tier[1])
 
 
 def default_work_dir(out_dir: str) -> str:
@@ -301,9 +298,10 @@ class QatRun:
         self.seconds["total"] = round(time.monotonic() - started_all, 2)
         report = self._report(network, float_metrics, qat_metrics)
         print(write_report(self.out, report), end="")
-        write_bundle_manifest(
-            self.out, config, self.labels, self.artifacts, calibration, golden, report["toolchain"]
-        )
+        write_manifest_for(
+            self.out, config.name, config.version, config.task, self.labels, config.export.tiers,
+            to_dict(config.preprocessing), to_dict(config.postprocessing), self.artifacts, calibration, golden,
+            report["toolchain"])
         return report
 
     def _check_out_dir(self) -> None:

@@ -2,31 +2,10 @@
 
 import json
 import os
-import platform
 from typing import Any, Dict, Optional
-
-import numpy as np
 
 REPORT_JSON = "report.json"
 REPORT_TEXT = "report.txt"
-
-
-def toolchain_versions() -> Dict[str, Optional[str]]:
-    """Versions that produced the bundle (also the manifest's ``toolchain``)."""
-    import cv2
-    import mindspore
-
-    try:
-        from mindspore_gs.version import __version__ as gs_version
-    except ImportError:
-        gs_version = None
-    return {
-        "mindspore": mindspore.__version__,
-        "mindspore_gs": gs_version,
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "opencv": cv2.__version__,
-    }
 
 
 def metric_line(metrics: Dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""``atlas-edge bundle create`` (byom/): models exported by real frameworks become bundles that serve what
+"""``atlas-edge bundle create`` (converters/byom/): models exported by real frameworks become bundles that serve what
 those frameworks predict, and bad input is refused by name with nothing written.
 
 The fixtures under tests/fixtures/byom/ were made by make_fixture.py (Ultralytics' own export and predictor for
@@ -24,7 +24,8 @@ from agent.bundle.verify import verify_bundle  # noqa: E402
 from agent.cli.main import main as cli_main  # noqa: E402
 from agent.config.device_config import load_device_config  # noqa: E402
 from agent.pipeline.model import load_model  # noqa: E402
-from byom.create import CreateError, read_labels_file  # noqa: E402
+from converters.byom.decide import read_labels_file  # noqa: E402
+from converters.byom.model_file import CreateError  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "byom")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +153,7 @@ DFL_OPENCV_ATOL = 1e-5  # the MatMul sums the same 16 products as the Conv; only
 def test_dfl_conv_becomes_a_matmul_that_computes_the_same_outputs():
     """MindSpore Lite 2.0.0's converter cannot infer the shape of Ultralytics' DFL Conv (a 1x1 Conv with weights
     arange(16) on a transposed softmax); the bundle computes it as a MatMul, and OpenCV gets the same outputs."""
-    from byom.onnx_graph import dfl_conv_as_matmul
+    from converters.byom.onnx_graph import dfl_conv_as_matmul
 
     original = onnx.load(fixture("yolov8t.onnx"))
     rewritten = onnx.load(fixture("yolov8t.onnx"))
@@ -181,7 +182,7 @@ def test_dfl_conv_after_a_softmax_keeps_its_values_and_the_tensors_others_read()
     from onnx import TensorProto, helper, numpy_helper
     from onnx.reference import ReferenceEvaluator
 
-    from byom.onnx_graph import dfl_conv_as_matmul
+    from converters.byom.onnx_graph import dfl_conv_as_matmul
 
     bins = numpy_helper.from_array(np.arange(16, dtype=np.float32).reshape(1, 16, 1, 1), "bins")
     conv = {"kernel_shape": [1, 1], "strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1}

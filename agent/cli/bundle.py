@@ -1,8 +1,8 @@
 """``atlas-edge bundle create|verify|sign|keygen``: make a bundle from your own model, check it as a box would,
 and sign it for boxes that ask.
 
-``create`` is a host command (its logic is :mod:`byom.create`, which needs the ``host`` extra: MindSpore, onnx); it
-is imported only when ``create`` runs, so the box's ``verify`` never loads host code.
+``create`` is a host command (its logic is :mod:`converters.byom.create`, which needs the ``host`` extra: MindSpore,
+onnx); it is imported only when ``create`` runs, so the box's ``verify`` never loads host code.
 
 ``verify`` runs exactly the box's checks (:func:`agent.bundle.verify.verify_bundle`, then, with ``--device``,
 :func:`agent.pipeline.artifacts.select_artifacts`, and with ``--run-golden`` the load + warm-up + golden self-test of
@@ -107,7 +107,8 @@ def _add_create_arguments(sub: Any) -> None:
 
 def _create(args: argparse.Namespace) -> int:
     try:
-        from byom.create import CreateError, CreateOptions, create_bundle, parse_tiers
+        from converters.byom.create import CreateError, CreateOptions, create_bundle
+        from converters.byom.decide import parse_tiers
     except ImportError as exc:
         print("atlas-edge bundle create needs the host extra (%s): pip install 'atlas-edge[host]'" % exc,
               file=sys.stderr)
@@ -133,7 +134,7 @@ def _create(args: argparse.Namespace) -> int:
 def _triple(flag: str, text: Optional[str]) -> Optional[Tuple[float, float, float]]:
     if text is None:
         return None
-    from byom.create import CreateError
+    from converters.byom.model_file import CreateError
 
     try:
         values = tuple(float(v) for v in text.split(","))

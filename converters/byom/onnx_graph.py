@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from byom.model_file import CreateError, ModelInfo, Tier, dims, import_onnx
+from converters.byom.model_file import CreateError, ModelInfo, Tier, dims, import_onnx
 
 log = logging.getLogger(__name__)
 

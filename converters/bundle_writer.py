@@ -1,12 +1,17 @@
-"""Writes the bundle's non-model files and its manifest (contract: docs/bundle.md).
+"""Writes the bundle's non-model files and its manifest: what every bundle producer shares (docs/bundle.md).
+
+``atlas-edge qat`` (:mod:`quant.pipeline`) and ``atlas-edge bundle create`` (:mod:`converters.byom.create`) make
+bundles through this module; ``atlas-edge convert`` adds artifacts to one later. Every manifest is written by
+:func:`agent.bundle.verify.write_manifest`, which hashes every file and must come last.
 
 * Calibration set: NHWC float32 ``.bin`` files at the main tier, normalised exactly as the bundle's
   ``preprocessing`` says (converter_lite's ``[data_preprocess_param] input_type=BIN`` input).
 * Golden set: held-out images letterboxed (uint8 BGR, never normalised) to each tier, and the raw output 0 of
-  every runnable batch-1 artifact of that tier, produced by the runtime that consumes the artifact (cv2.dnn
-  for ONNX, ``mindspore.load`` + ``nn.GraphCell`` for MindIR) after the box's own preprocessing. A box replays
-  these to prove its preprocessing and runtime give the same numbers.
-* The manifest, through :func:`agent.bundle.verify.write_manifest`, which hashes every file; it must come last.
+  every runnable batch-1 artifact of that tier, produced by the runtime that consumes the artifact
+  (:mod:`converters.runtimes`) after the box's own preprocessing. A box replays these to prove its
+  preprocessing and runtime give the same numbers.
+* The settings of both sets (:class:`CalibrationConfig`, :class:`GoldenConfig`): sections of ``qat``'s config
+  and the defaults of ``bundle create``.
 """
 
 import dataclasses
@@ -16,11 +21,30 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from agent.config.schema import setting
 from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
+from converters.runtimes import run_mindir, run_onnx_opencv
 
 CALIBRATION_DIR = "calibration"
 GOLDEN_DIR = "golden"
 INPUT_NAME = "images"
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenConfig:
+    cases_per_tier: int = setting(2, ge=1, le=16)
+    atol: float = setting(1e-3, ge=0)
+    rtol: float = setting(1e-3, ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationConfig:
+    count: int = setting(8, ge=1, le=1000, doc="NHWC float32 .bin files at the main tier")
+
+
+def tier_name(tier: Tuple[int, int]) -> str:
+    """A tier in file names and reports: ``640x384`` (height x width)."""
+    return "%dx%d" % (tier[0], tier[1])
 
 
 @dataclasses.dataclass
@@ -57,16 +81,16 @@ def write_calibration(
     out_dir: str, images_bgr: np.ndarray, spec: PreprocessSpec, count: int, seed: int
 ) -> Dict[str, Any]:
     """``count`` images picked with ``seed`` from letterboxed uint8 BGR (N, H, W, 3) -> calibration/*.bin."""
-    from quant.datasets import network_input
-
     count = min(count, len(images_bgr))
     directory = os.path.join(out_dir, CALIBRATION_DIR)
     os.makedirs(directory, exist_ok=True)
     picks = np.sort(np.random.default_rng(seed).choice(len(images_bgr), size=count, replace=False))
-    tensors = network_input(images_bgr[picks], spec, layout="NHWC")  # (count, H, W, 3) float32
-    for i, tensor in enumerate(tensors):
-        tensor.astype(np.float32).tofile(os.path.join(directory, "calib_%04d.bin" % i))
     height, width = images_bgr.shape[1:3]
+    batcher = BatchPreprocessor(spec, (height, width), max_batch=count, input_layout="NHWC")  # the box's path
+    for i, pick in enumerate(picks):
+        batcher.fill_letterboxed(i, images_bgr[pick])
+    for i, tensor in enumerate(batcher.batch):  # (H, W, 3) float32 each
+        tensor.astype(np.float32).tofile(os.path.join(directory, "calib_%04d.bin" % i))
     return {
         "dir": CALIBRATION_DIR,
         "layout": "NHWC",
@@ -87,8 +111,6 @@ def write_golden(
     rtol: float,
 ) -> Dict[str, Any]:
     """Golden cases for every tier from the first ``cases_per_tier`` held-out originals."""
-    from quant.export import run_mindir, run_onnx_opencv
-
     os.makedirs(os.path.join(out_dir, GOLDEN_DIR), exist_ok=True)
     cases: List[Dict[str, Any]] = []
     for tier in tiers:
@@ -111,23 +133,6 @@ def write_golden(
                 expected[art.file] = out_file
             cases.append({"image": image_file, "tier": list(tier), "expected": expected})
     return {"atol": atol, "rtol": rtol, "cases": cases}
-
-
-def write_bundle_manifest(
-    out_dir: str,
-    config: Any,
-    labels: List[str],
-    artifacts: Sequence[ArtifactPlan],
-    calibration: Dict[str, Any],
-    golden: Dict[str, Any],
-    toolchain: Dict[str, Any],
-) -> Dict[str, Any]:
-    """Fill in and write manifest.json for a :class:`quant.config.RunConfig` run; returns what was written."""
-    from agent.config.schema import to_dict
-
-    return write_manifest_for(
-        out_dir, config.name, config.version, config.task, labels, config.export.tiers,
-        to_dict(config.preprocessing), to_dict(config.postprocessing), artifacts, calibration, golden, toolchain)
 
 
 def write_manifest_for(

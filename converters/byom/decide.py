@@ -1,59 +1,24 @@
-"""``atlas-edge bundle create``: a bundle from a model trained elsewhere (an ONNX or MindIR file).
+"""What ``bundle create`` decides before writing anything: tiers, task, labels, preprocessing, postprocessing.
 
-Importing a model is not quantization, so it has a host package of its own; it reuses the other bundle
-producer's machinery (``atlas-edge qat``): :mod:`quant.bundle_writer` for the golden set, calibration set and
-manifest, and the read-back runners of :mod:`quant.export` (cv2.dnn for ONNX, ``mindspore.load`` +
-``nn.GraphCell`` for MindIR). The ONNX graph edits are :mod:`byom.onnx_graph`. ``converters/`` consumes
-bundles; this makes them.
-
-Order matters:
-
-* What the file itself says is checked before anything is written: a model with one float NCHW 3-channel input
-  and one output, tiers that fit the input (fixed shapes must equal ``--tiers``, dynamic sides must be multiples
-  of the stride), a readable labels file and images, ``--out`` empty or a bundle.
-* Each tier's artifact is then made in a staging directory beside ``--out`` (a dynamic ONNX is re-written with
-  fixed shapes by the ``onnx`` package) and *run* by the runtime that will consume it; the output it gives decides
-  or checks the task's layout and the class count the labels must match. Any failure removes the staging
-  directory: ``--out`` is untouched.
-* The manifest is written last (it hashes every file), then the staging directory replaces ``--out``.
+Each decision comes from what the model file says (its input shape, exporter metadata, and the output shape
+of a trial run at a tier) and the flags (:class:`CreateOptions`), and a contradiction between them is a
+:class:`CreateError` naming both.
 """
 
 import ast
 import dataclasses
-import logging
-import os
-import shutil
-import tempfile
 from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-import numpy as np
 
 from agent.bundle.manifest import TASKS as MANIFEST_TASKS
 from agent.bundle.manifest import Postprocessing, Preprocessing
-from agent.bundle.verify import sha256_file
 from agent.config.schema import ConfigError, parse, to_dict
 from agent.pipeline.postprocess import YOLOV5_LEADING_CHANNELS, YOLOV8_BOX_CHANNELS
-from agent.pipeline.preprocess import PreprocessSpec, letterbox
-from byom.model_file import CreateError, ModelInfo, Tier, inspect_model
-from byom.onnx_graph import fixed_onnx
-from quant.bundle_writer import ArtifactPlan, write_calibration, write_golden, write_manifest_for
-from quant.config import CalibrationConfig, GoldenConfig
-from quant.pipeline import tier_name
-from quant.report import toolchain_versions
-
-log = logging.getLogger(__name__)
-
+from converters.byom.model_file import CreateError, ModelInfo, Tier
 
 TASKS = ("auto",) + MANIFEST_TASKS  # --task: the manifest's tasks, or decide from metadata and output shape
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 DEFAULT_STRIDE = 32  # YOLO's largest stride (P5) when the model does not say; P6 models say 64
 YOLO_STRIDE_SETS = ((8, 16, 32), (8, 16, 32, 64))  # P3-P5 and P3-P6 heads
 YOLOV5_ANCHORS_PER_CELL = 3
-# A camera-like frame size for generated golden/calibration images: letterboxing it to a tier pads like a real
-# source does, so the golden set exercises the box's letterbox, not only its normalisation.
-GENERATED_FRAME_HW = (480, 640)
-GENERATED_SEED = 2024
-CALIBRATION_SEED = 7
 # What Ultralytics' predictor uses unless told otherwise (ultralytics/cfg/default.yaml); an Ultralytics export
 # is served with the thresholds its users validated it with.
 ULTRALYTICS_POSTPROCESSING = {"conf": 0.25, "iou": 0.7, "max_det": 300}
@@ -314,177 +279,3 @@ def decide_postprocessing(info: ModelInfo, options: CreateOptions) -> Dict[str, 
     except ConfigError as exc:
         raise CreateError(str(exc)) from None
     return data
-
-
-# --- images -----------------------------------------------------------------------------------------------------
-
-def load_images(directory: Optional[str], count: int) -> Tuple[List[np.ndarray], str]:
-    """(BGR images, manifest note): every image in ``directory`` (sorted by name), else ``count`` generated
-    scenes of a camera-like size."""
-    import cv2
-
-    if directory is None:
-        from agent.devtools.scenes import generate_scenes
-
-        scenes = generate_scenes(GENERATED_SEED, count, GENERATED_FRAME_HW)
-        note = "generated: %d synthetic %dx%d scenes (agent.devtools.scenes, seed %d); give --images DIR " \
-               "for frames like the ones the box will see" % (count, GENERATED_FRAME_HW[0], GENERATED_FRAME_HW[1],
-                                                                GENERATED_SEED)
-        return [image for image, _boxes, _classes in scenes], note
-    if not os.path.isdir(directory):
-        raise CreateError("--images %s: not a directory" % directory)
-    names = sorted(n for n in os.listdir(directory) if n.lower().endswith(IMAGE_SUFFIXES))
-    if not names:
-        raise CreateError("--images %s: no %s files" % (directory, "/".join(IMAGE_SUFFIXES)))
-    images = []
-    for name in names:
-        image = cv2.imread(os.path.join(directory, name), cv2.IMREAD_COLOR)
-        if image is None:
-            raise CreateError("--images %s: cannot decode %s" % (directory, name))
-        images.append(image)
-    return images, "--images %s: %d image(s)" % (os.path.basename(os.path.normpath(directory)), len(images))
-
-
-# --- artifacts ----------------------------------------------------------------------------------------------
-
-def run_artifact(path: str, fmt: str, tier: Tier) -> Tuple[int, ...]:
-    """Output 0's shape at ``tier`` through the runtime that will consume the artifact."""
-    from quant.export import run_mindir, run_onnx_opencv
-
-    runner = run_onnx_opencv if fmt == "onnx" else run_mindir
-    try:
-        output = runner(path, np.zeros((1, 3) + tuple(tier), np.float32))
-    except Exception as exc:  # cv2.error / RuntimeError from the runtimes: report, do not crash
-        raise CreateError("%s at %dx%d does not run with %s: %s" % (
-            os.path.basename(path), tier[0], tier[1], "cv2.dnn" if fmt == "onnx" else "mindspore", exc)) from None
-    if not np.issubdtype(output.dtype, np.floating):
-        raise CreateError("%s: output 0 is %s, not float" % (os.path.basename(path), output.dtype))
-    return tuple(output.shape)
-
-
-# --- the command ------------------------------------------------------------------------------------------------
-
-def check_out_dir(out: str) -> None:
-    """An existing --out must be a bundle (or empty): never replace an unrelated directory."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise CreateError("--out %s exists and is not a directory" % out)
-    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "manifest.json")):
-        raise CreateError("--out %s exists, is not empty and is not a bundle; refusing to replace it" % out)
-
-
-def create_bundle(options: CreateOptions) -> Dict[str, Any]:
-    """Make the bundle; returns the written manifest. CreateError (nothing written) on bad input."""
-    if options.task not in TASKS:
-        raise CreateError("--task must be one of %s (got %r)" % ("|".join(TASKS), options.task))
-    check_out_dir(options.out)
-    info = inspect_model(options.model)
-    if len(info.output_names) != 1:
-        raise CreateError("--model %s has %d outputs (%s); the agent decodes one (YOLO detection or "
-                          "classification)" % (info.path, len(info.output_names), ", ".join(info.output_names)))
-    declared = metadata_task(info)
-    maybe_detector = (options.task if options.task != "auto" else declared) != "classify"
-    tiers = decide_tiers(info, options.tiers, needs_stride=maybe_detector and info.dynamic)
-    preprocessing, preprocessing_origin = decide_preprocessing(info, options)
-    postprocessing = decide_postprocessing(info, options)
-    golden_config, calibration_config = GoldenConfig(), CalibrationConfig()
-    golden_cases = options.golden or golden_config.cases_per_tier
-    calibration_count = options.calibration or calibration_config.count
-    if options.labels:
-        read_labels_file(options.labels)  # a broken file fails before any work; counts are checked below
-    images, images_note = load_images(options.images, max(golden_cases, calibration_count))
-
-    out = os.path.abspath(options.out)
-    parent = os.path.dirname(out)
-    created_parents = _missing_parents(parent)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".%s.partial-" % os.path.basename(out), dir=parent)
-    try:
-        plan = _Plan(info, options, tiers, declared, preprocessing, preprocessing_origin, postprocessing,
-                     images, images_note, golden_cases, calibration_count, golden_config)
-        manifest = _produce(staging, plan)
-        _publish(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for directory in reversed(created_parents):
-            try:
-                os.rmdir(directory)
-            except OSError:
-                break
-        raise
-    log.info("bundle written to %s", out)
-    return manifest
-
-
-@dataclasses.dataclass
-class _Plan:
-    """Everything decided (and checked) before the first file is written."""
-
-    info: ModelInfo
-    options: CreateOptions
-    tiers: List[Tier]
-    declared_task: Optional[str]
-    preprocessing: Dict[str, Any]
-    preprocessing_origin: str
-    postprocessing: Dict[str, Any]
-    images: List[np.ndarray]
-    images_note: str
-    golden_cases: int
-    calibration_count: int
-    golden_config: GoldenConfig
-
-
-def _produce(staging: str, plan: _Plan) -> Dict[str, Any]:
-    """Artifacts (each run once by its runtime), labels, calibration and golden sets, manifest: into staging."""
-    info, options, tiers = plan.info, plan.options, plan.tiers
-    artifacts = []
-    task: Optional[str] = None
-    output_shapes: Dict[Tier, Tuple[int, ...]] = {}
-    for tier in tiers:
-        file = "model_%s.%s" % (tier_name(tier), info.format)
-        path = os.path.join(staging, file)
-        if info.format == "onnx":
-            fixed_onnx(info, tier, path)
-        else:
-            shutil.copyfile(info.path, path)
-        os.chmod(path, 0o644)
-        shape = run_artifact(path, info.format, tier)
-        tier_task = decide_task(options.task, shape, tier, plan.declared_task)
-        if task is not None and tier_task != task:
-            raise CreateError("output %s at %dx%d reads as %s, but as %s at another tier" % (
-                shape, tier[0], tier[1], tier_task, task))
-        task = tier_task
-        output_shapes[tier] = shape
-        artifacts.append(ArtifactPlan(file, tier, 1, info.format, "float32", "serve"))
-    assert task is not None
-    counts = {class_count(task, s) for s in output_shapes.values()}
-    if len(counts) != 1:
-        raise CreateError("the class count differs between tiers: %s" % output_shapes)
-    labels = decide_labels(info, options.labels, counts.pop(), output_shapes[tiers[0]])
-
-    spec = PreprocessSpec.from_manifest(plan.preprocessing)
-    boxed = np.stack([letterbox(image, tiers[0], pad_value=spec.pad_value, scaleup=spec.scaleup,
-                                center=spec.center)[0] for image in plan.images])
-    calibration = write_calibration(staging, boxed, spec, plan.calibration_count, CALIBRATION_SEED)
-    golden = write_golden(staging, plan.images, artifacts, spec, tiers, plan.golden_cases, plan.golden_config.atol,
-                          plan.golden_config.rtol)
-    name = options.name or os.path.splitext(os.path.basename(info.path))[0]
-    source = {"model": os.path.basename(info.path), "sha256": sha256_file(info.path), "producer": info.producer,
-              "preprocessing": plan.preprocessing_origin, "images": plan.images_note}
-    return write_manifest_for(staging, name, options.version, task, labels, tiers, plan.preprocessing,
-                              plan.postprocessing, artifacts, calibration, golden, toolchain_versions(),
-                              source=source, input_name=info.input_name)
-
-
-def _missing_parents(directory: str) -> List[str]:
-    missing = []
-    while directory and not os.path.exists(directory):
-        missing.append(directory)
-        directory = os.path.dirname(directory)
-    return list(reversed(missing))
-
-
-def _publish(staging: str, out: str) -> None:
-    """Swap the finished staging directory in for --out (an existing bundle there is replaced)."""
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.replace(staging, out)

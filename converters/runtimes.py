@@ -1,0 +1,30 @@
+"""Output 0 of an artifact on this host, through the runtime that consumes it on a box without an NPU.
+
+``cv2.dnn`` for ONNX (the box's CPU fallback backend), ``mindspore.load`` + ``nn.GraphCell`` for MindIR. Every
+bundle producer reads its artifacts back through these: ``qat``'s export checks (:mod:`quant.export`), the
+golden set (:mod:`converters.bundle_writer`) and ``bundle create`` (:mod:`converters.byom.create`). MindSpore is
+imported inside the function that runs a MindIR, so importing this module never needs it.
+"""
+
+import numpy as np
+
+
+def run_mindir(path: str, inputs: np.ndarray) -> np.ndarray:
+    """Output 0 of a MindIR file on ``inputs`` through ``mindspore.load`` + ``nn.GraphCell``."""
+    import mindspore as ms
+    from mindspore import nn
+
+    graph = nn.GraphCell(ms.load(path))
+    result = graph(ms.Tensor(inputs))
+    if isinstance(result, (tuple, list)):
+        result = result[0]
+    return result.asnumpy()
+
+
+def run_onnx_opencv(path: str, inputs: np.ndarray) -> np.ndarray:
+    """Output 0 of an ONNX file on ``inputs`` through OpenCV's DNN module (the box's CPU fallback backend)."""
+    import cv2
+
+    net = cv2.dnn.readNetFromONNX(path)
+    net.setInput(inputs)
+    return net.forward()
