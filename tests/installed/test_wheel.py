@@ -6,6 +6,8 @@ there, so ``agent`` can only come from site-packages. Collected only when named 
 that lane every test here skips, saying so.
 """
 
+import csv
+import glob
 import os
 import signal
 import subprocess
@@ -39,6 +41,27 @@ def test_what_runs_is_the_installed_package_not_a_checkout():
     assert not any(os.path.isfile(os.path.join(p or ".", "pyproject.toml")) for p in sys.path)  # no checkout
     with pytest.raises(ImportError):
         __import__("benchmarks")  # not installed under a generic top-level name
+
+
+def installed_dist_info() -> str:
+    """atlas-edge's dist-info beside the installed ``agent`` (no importlib.metadata on the box's Python 3.7)."""
+    site = os.path.dirname(os.path.dirname(agent.__file__))
+    found = glob.glob(os.path.join(site, "atlas_edge-*.dist-info"))
+    assert len(found) == 1, (site, found)
+    return found[0]
+
+
+def test_the_wheel_installs_agent_quant_and_converters_and_no_other_top_level_name():
+    """The design card's layout: nothing else in site-packages under a generic name (byom, benchmarks...)."""
+    dist_info = installed_dist_info()
+    with open(os.path.join(dist_info, "top_level.txt"), encoding="utf-8") as handle:
+        declared = {line.strip() for line in handle if line.strip()}
+    with open(os.path.join(dist_info, "RECORD"), encoding="utf-8", newline="") as handle:
+        paths = [row[0] for row in csv.reader(handle) if row]
+    # console scripts lie outside site-packages (../../../bin/atlas-edge); the dist-info is the metadata itself
+    installed = {p.split("/", 1)[0] for p in paths if not p.startswith("..")} - {os.path.basename(dist_info)}
+    assert declared == {"agent", "quant", "converters"}, declared
+    assert installed == {"agent", "quant", "converters"}, sorted(installed)
 
 
 def test_demo_shows_three_results(tmp_path):
