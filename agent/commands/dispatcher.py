@@ -21,17 +21,17 @@ Threads: :meth:`CommandDispatcher.submit` runs on paho's thread and only enqueue
 and parses each message and sends ``accepted`` at once. Two workers run handlers: the control worker runs
 :data:`CONTROL_VERBS` (status, pause, resume, rollback, cancel), the other everything else one at a time, so
 the operator is answered, and can ``cancel``, while a long deploy runs. Handlers are the daemon's
-(:mod:`agent.commands.handlers`).
+(:mod:`agent.commands.handlers`); every ack is recorded, published and counted by :mod:`agent.commands.answers`.
 """
 
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agent._util.compat import Protocol
-from agent._util.ratelog import LogLimiter
+from agent.commands.answers import AckSink, Answers, Job
 from agent.commands.freshness import Freshness
 from agent.commands.ratelimit import TokenBucket
 from agent.commands.record import RequestRecord
@@ -44,12 +44,10 @@ from agent.protocol.messages import (
     MESSAGE_MAX_CHARS,
     SUCCEEDED,
     VERBS,
-    ack_message,
     decode_json,
     error_body,
     invalid_body,
     is_request_id,
-    peek_request_id,
 )
 from agent.protocol.requests import parse_request
 from agent.protocol.topics import ANNOUNCE, GROUP, command_verb
@@ -64,7 +62,6 @@ DEFAULT_RECORD_SIZE = 1024  # request ids remembered for idempotent retries
 INBOX_SIZE = 4096  # raw messages waiting for the intake thread; beyond this they are dropped (counted)
 STOP_POLL_S = 0.2
 VERB_MAX_CHARS = 64  # an unknown verb is echoed in its failed ack cut to this
-DROP_LOG_FIRST, DROP_LOG_EVERY = 10, 100  # drops are logged the first times, then once per 100 per reason
 # Verbs the operator must reach while a deploy runs: they run on their own worker, never behind a deploy.
 CONTROL_VERBS = ("status", "pause", "resume", "rollback", "cancel")
 DEFAULT_GROUP_VERBS = ("status", "pause", "resume", "cancel")  # safe on every box of a group at once
@@ -74,20 +71,12 @@ Progress = Callable[[str], None]
 Handler = Callable[[Any, Progress], Optional[Mapping[str, Any]]]
 
 
-class AckPublisher(Protocol):
+class AckPublisher(AckSink, Protocol):
     """What the dispatcher needs of the transport (:class:`agent.ops.transport.MqttTransport`)."""
 
     prefix: str
     device_id: str
     groups: Tuple[str, ...]
-
-    def publish_ack(self, request_id: str, payload: Dict[str, Any]) -> str: ...
-
-
-class _Job(NamedTuple):
-    request_id: str
-    verb: str
-    request: Any
 
 
 class CommandDispatcher:
@@ -130,18 +119,14 @@ class CommandDispatcher:
         self._bucket = TokenBucket(rate_per_s, burst)
         self._record = RequestRecord(record_path, record_size)
         self._inbox: "queue.Queue[Tuple[str, bytes, float, bool]]" = queue.Queue(INBOX_SIZE)
-        self._jobs: "queue.Queue[_Job]" = queue.Queue(queue_size)
-        self._control: "queue.Queue[_Job]" = queue.Queue(queue_size)
+        self._jobs: "queue.Queue[Job]" = queue.Queue(queue_size)
+        self._control: "queue.Queue[Job]" = queue.Queue(queue_size)
         self._freshness = freshness or Freshness()
         self._group_verbs = frozenset(group_verbs)
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self._busy = threading.Event()  # the worker is inside a handler
-        self._lock = threading.Lock()
-        self._dropped: Dict[str, int] = {}
-        self._failed: Dict[str, int] = {}
-        self._counters = dict.fromkeys(("received", "accepted", "succeeded", "duplicates", "announced"), 0)
-        self._drop_log = LogLimiter(logger, DROP_LOG_FIRST, DROP_LOG_EVERY)
+        self._answers = Answers(transport, self._record)
         self._on_alert = on_alert
         self._on_announce = on_announce
 
@@ -152,7 +137,7 @@ class CommandDispatcher:
         try:
             self._inbox.put_nowait((topic, bytes(payload), time.monotonic(), retained))
         except queue.Full:
-            self._drop("inbox_full", topic)
+            self._answers.drop("inbox_full", topic)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 
@@ -187,7 +172,8 @@ class CommandDispatcher:
                     job = jobs.get_nowait()
                 except queue.Empty:
                     break
-                self._finish(job, FAILED, error=error_body("interrupted", "the agent stopped before running it"))
+                self._answers.finish(job, FAILED,
+                                     error=error_body("interrupted", "the agent stopped before running it"))
 
     def close(self) -> None:
         self._record.close()
@@ -214,7 +200,7 @@ class CommandDispatcher:
                 self._intake(topic, payload, arrived, retained)
             except Exception:
                 logger.exception("commands: intake failed for a message on %s", topic)
-                self._drop("internal", topic)
+                self._answers.drop("internal", topic)
             finally:
                 self._inbox.task_done()
 
@@ -223,75 +209,79 @@ class CommandDispatcher:
         verb = command_verb(self.transport.prefix, self.transport.device_id, self._groups, topic)
         return None if verb is None else verb[:VERB_MAX_CHARS]
 
-    def _intake(self, topic: str, payload: bytes, arrived: float,  # noqa: C901 - one check per rule
-                retained: bool = False) -> None:
-        with self._lock:
-            self._counters["received"] += 1
+    def _intake(self, topic: str, payload: bytes, arrived: float, retained: bool = False) -> None:
+        """The checks on the raw message, in order, up to a request id to answer; then :meth:`_admit`."""
+        answers = self._answers
+        answers.count("received")
         verb = self._verb_of(topic)
         if verb is None:
-            self._drop("bad_topic", topic)
+            answers.drop("bad_topic", topic)
             return
         if not self._bucket.take(arrived):
-            self._reject_unparsed(payload, verb, "rate_limited", "more than the allowed commands per second")
+            answers.reject_unparsed(payload, verb, "rate_limited", "more than the allowed commands per second")
             return
         if verb == ANNOUNCE:
             self._announce(topic)
             return
         if len(payload) > self.max_payload_bytes:
-            self._reject_unparsed(payload, verb, "too_large", "payload of %d bytes exceeds %d"
-                                  % (len(payload), self.max_payload_bytes))
+            answers.reject_unparsed(payload, verb, "too_large", "payload of %d bytes exceeds %d"
+                                    % (len(payload), self.max_payload_bytes))
             return
         try:
             message = decode_json(payload)
         except ValueError as exc:  # not UTF-8, not JSON, or nested too deep
-            self._reject_unparsed(payload, verb, "bad_json", "payload is not JSON (UTF-8): %s" % exc)
+            answers.reject_unparsed(payload, verb, "bad_json", "payload is not JSON (UTF-8): %s" % exc)
             return
         if retained:  # a retained command would run again at every reconnect of every box that reads it
-            self._reject_unparsed(payload, verb, "retained", "retained command messages are refused; publish "
-                                  "commands without the retain flag")
+            answers.reject_unparsed(payload, verb, "retained", "retained command messages are refused; publish "
+                                    "commands without the retain flag")
             return
         if not isinstance(message, dict):
-            self._drop("not_object", topic)
+            answers.drop("not_object", topic)
             return
         if "request_id" not in message:
-            self._drop("no_request_id", topic)
+            answers.drop("no_request_id", topic)
             return
         request_id = message["request_id"]
         if not is_request_id(request_id):
-            self._drop("bad_request_id", topic)
+            answers.drop("bad_request_id", topic)
             return
+        self._admit(topic, verb, request_id, message)
+
+    def _admit(self, topic: str, verb: str, request_id: str, message: Dict[str, Any]) -> None:
+        """A command with a request id: answer a retry from its record, refuse it, or queue it and accept it."""
+        answers = self._answers
         recorded = self._record.get(request_id)
         if recorded is not None:
-            self._answer_duplicate(recorded, request_id, verb)
+            answers.answer_duplicate(recorded, request_id, verb)
             return
         if verb not in self.handlers:
             known = ", ".join(v for v in VERBS if v in self.handlers)
-            self._finish(_Job(request_id, verb, None), FAILED, error=error_body(
+            answers.finish(Job(request_id, verb, None), FAILED, error=error_body(
                 "unknown_verb", "unknown verb %r (this device handles: %s)" % (verb, known), "verb"))
             return
         refusal = self._refusal(topic, verb, message)
         if refusal is not None:  # nothing ran: recorded as failed, so a retry gets the same answer
-            self._finish(_Job(request_id, verb, None), FAILED, error=refusal)
+            answers.finish(Job(request_id, verb, None), FAILED, error=refusal)
             return
         try:
             request = parse_request(verb, message)
         except ConfigError as exc:  # nothing ran: recorded as failed, so a retry gets the same answer
-            self._finish(_Job(request_id, verb, None), FAILED, error=invalid_body(exc))
+            answers.finish(Job(request_id, verb, None), FAILED, error=invalid_body(exc))
             return
-        job = _Job(request_id, verb, request)
+        job = Job(request_id, verb, request)
         try:
             (self._control if verb in CONTROL_VERBS else self._jobs).put_nowait(job)
         except queue.Full:
             # Not recorded: it never ran, so a retry once the queue has room may run it.
-            self._count_failed("busy")
-            self._publish(self._ack(job, FAILED, error=error_body(
+            answers.count_failed("busy")
+            answers.publish(answers.ack(job, FAILED, error=error_body(
                 "busy", "%d commands already waiting; retry later" % self._jobs.maxsize)))
             return
-        with self._lock:
-            self._counters["accepted"] += 1
-        ack = self._ack(job, ACCEPTED)
+        answers.count("accepted")
+        ack = answers.ack(job, ACCEPTED)
         self._record.save(ack)
-        self._publish(ack)
+        answers.publish(ack)
 
     def _announce(self, topic: str) -> None:
         """Answer an operator's announce request at once (here, not behind a running deploy on the worker).
@@ -299,10 +289,9 @@ class CommandDispatcher:
         Not a command: no request id, no ack, nothing recorded; the answer is the box's live status.
         """
         if self._on_announce is None:
-            self._drop("no_announce", topic)
+            self._answers.drop("no_announce", topic)
             return
-        with self._lock:
-            self._counters["announced"] += 1
+        self._answers.count("announced")
         self._on_announce()
 
     def _refusal(self, topic: str, verb: str, message: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -319,31 +308,9 @@ class CommandDispatcher:
             return error_body(exc.code, exc.message, exc.field)
         return None
 
-    def _answer_duplicate(self, recorded: Dict[str, Any], request_id: str, verb: str) -> None:
-        with self._lock:
-            self._counters["duplicates"] += 1
-        if recorded.get("verb") != verb:
-            self._count_failed("duplicate_request_id")
-            self._publish(self._ack(_Job(request_id, verb, None), FAILED, error=error_body(
-                "duplicate_request_id",
-                "request_id %s was already used for %r" % (request_id, recorded.get("verb")), "request_id")))
-            return
-        logger.info("commands: %s %s is a retry; answering from its record (%s)", verb, request_id,
-                    recorded.get("state"))
-        self._publish(dict(recorded, replayed=True))
-
-    def _reject_unparsed(self, payload: bytes, verb: str, code: str, message: str) -> None:
-        """Fail a message we do not parse: ack it if its head names a request id, else count the drop."""
-        request_id = peek_request_id(payload)
-        if request_id is None:
-            self._drop(code, verb)
-            return
-        self._count_failed(code)
-        self._publish(self._ack(_Job(request_id, verb, None), FAILED, error=error_body(code, message)))
-
     # -- worker thread ------------------------------------------------------------------------------------
 
-    def _worker_loop(self, jobs: "queue.Queue[_Job]") -> None:
+    def _worker_loop(self, jobs: "queue.Queue[Job]") -> None:
         while not self._stop.is_set():
             try:
                 job = jobs.get(timeout=STOP_POLL_S)
@@ -356,15 +323,15 @@ class CommandDispatcher:
             finally:
                 jobs.task_done()
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: Job) -> None:
         handler = self.handlers[job.verb]
 
         def progress(message: str) -> None:
-            self._publish(self._ack(job, IN_PROGRESS, message=str(message)[:MESSAGE_MAX_CHARS]))
+            self._answers.publish(self._answers.ack(job, IN_PROGRESS, message=str(message)[:MESSAGE_MAX_CHARS]))
 
-        started = self._ack(job, IN_PROGRESS)
+        started = self._answers.ack(job, IN_PROGRESS)
         self._record.save(started)
-        self._publish(started)
+        self._answers.publish(started)
         main = job.verb not in CONTROL_VERBS
         if main:
             self._busy.set()
@@ -373,60 +340,24 @@ class CommandDispatcher:
             if result is not None and not isinstance(result, Mapping):
                 raise TypeError("handler for %s returned %s, not a dict" % (job.verb, type(result).__name__))
         except CommandError as exc:
-            self._finish(job, FAILED, error=error_body(exc.code, exc.message, exc.field))
+            self._answers.finish(job, FAILED, error=error_body(exc.code, exc.message, exc.field))
             return
         except ConfigError as exc:
-            self._finish(job, FAILED, error=invalid_body(exc))
+            self._answers.finish(job, FAILED, error=invalid_body(exc))
             return
         except Exception as exc:
             logger.exception("commands: handler for %s %s raised", job.verb, job.request_id)
-            self._finish(job, FAILED, error=error_body("internal", "%s: %s" % (type(exc).__name__, exc)))
+            self._answers.finish(job, FAILED, error=error_body("internal", "%s: %s" % (type(exc).__name__, exc)))
             return
         finally:
             if main:
                 self._busy.clear()
-        with self._lock:
-            self._counters["succeeded"] += 1
-        self._finish(job, SUCCEEDED, result=dict(result or {}))
-
-    # -- acks and counters --------------------------------------------------------------------------------
-
-    @staticmethod
-    def _ack(job: _Job, state: str, result: Optional[Dict[str, Any]] = None,
-             error: Optional[Dict[str, Any]] = None, message: Optional[str] = None) -> Dict[str, Any]:
-        return ack_message(job.request_id, job.verb, state, result=result, error=error, message=message)
-
-    def _finish(self, job: _Job, state: str, result: Optional[Dict[str, Any]] = None,
-                error: Optional[Dict[str, Any]] = None) -> None:
-        """Record the final outcome before publishing it, so a retry after a crash is still answered."""
-        if error is not None:
-            self._count_failed(error["code"])
-            logger.warning("commands: %s %s failed: %s: %s", job.verb, job.request_id, error["code"],
-                           error["message"])
-        ack = self._ack(job, state, result=result, error=error)
-        self._record.save(ack)
-        self._publish(ack)
-
-    def _publish(self, ack: Dict[str, Any]) -> None:
-        self.transport.publish_ack(ack["request_id"], ack)
-
-    def _drop(self, reason: str, where: str) -> None:
-        with self._lock:
-            self._dropped[reason] = self._dropped.get(reason, 0) + 1
-        # Counted always; logged without flooding (a hostile stream must not bury the journal).
-        self._drop_log.log(logging.WARNING, reason, "commands: dropped a message on %s: %s (no request_id to "
-                           "answer)", where[:120], reason)
-
-    def _count_failed(self, code: str) -> None:
-        with self._lock:
-            self._failed[code] = self._failed.get(code, 0) + 1
+        self._answers.count("succeeded")
+        self._answers.finish(job, SUCCEEDED, result=dict(result or {}))
 
     def stats(self) -> Dict[str, Any]:
         """received, accepted, succeeded, duplicates; failed and dropped by code/reason (for ``status``)."""
-        with self._lock:
-            result: Dict[str, Any] = dict(self._counters)
-            result["failed"] = dict(self._failed)
-            result["dropped"] = dict(self._dropped)
+        result = self._answers.counts()
         result["busy"] = self._busy.is_set()
         result["queued"] = self._jobs.qsize() + self._control.qsize()
         result["record_in_memory"] = self._record.in_memory
