@@ -611,14 +611,14 @@ def test_a_withdrawn_switch_whose_table_cannot_be_written_back_reports_the_timeo
         harness, base_bundle, monkeypatch):
     """The table naming the new slot pending reached the disk, the swap timed out, and writing the old table
     back fails: memory follows what serves, the timeout stays the reported error, and it names the table."""
-    import agent.lifecycle.model_manager as manager_module
+    import agent.lifecycle.swap as swap_module
 
     h = harness()
     h.manager.start()
     sha = new_version(base_bundle, h.incoming("tiny-2"), "2.0.0")
     status_before = h.manager.status()
     created = _recording_backends(monkeypatch)
-    real_save = manager_module.save_slots
+    real_save = swap_module.save_slots
     writes = []
 
     def save_then_fill_the_disk(path, table):  # the first write (pending) succeeds, the write-back does not
@@ -628,7 +628,7 @@ def test_a_withdrawn_switch_whose_table_cannot_be_written_back_reports_the_timeo
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         real_save(path, table)
 
-    monkeypatch.setattr(manager_module, "save_slots", save_then_fill_the_disk)
+    monkeypatch.setattr(swap_module, "save_slots", save_then_fill_the_disk)
     with pytest.raises(CommandError) as info:  # no serving loop runs the queue
         h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress, timeout_s=0.3)
     assert info.value.code == "switch_timeout" and "still serving the old one" in info.value.message
@@ -638,7 +638,7 @@ def test_a_withdrawn_switch_whose_table_cannot_be_written_back_reports_the_timeo
     assert h.manager.current.manifest.version == "1.0.0" and h.manager.status() == status_before
     # the disk still says 'b pending': a restart treats it as a crash while pending and serves 1.0.0
     assert load_slots(h.state_file).pending == "b"
-    monkeypatch.setattr(manager_module, "save_slots", real_save)
+    monkeypatch.setattr(swap_module, "save_slots", real_save)
     with ServingLoop(h.manager) as loop:  # not refused as busy: memory holds no pending slot
         result = h.manager.deploy(deploy_request({"bundle": "incoming/tiny-2", "sha256": sha}), no_progress)
         loop.wait_batches(2)

@@ -2,9 +2,10 @@
 
 The orchestrator: the bundle store (:mod:`agent.lifecycle.store`) holds the files, the probation window
 (:mod:`agent.lifecycle.probation`) judges a new model, the slot table (:mod:`agent.lifecycle.slots`) records
-the decisions, start-up (:mod:`agent.lifecycle.recovery`) undoes what a crash or damage left, and the serving
-loop's one handover queue (:class:`agent.pipeline.handover.BetweenBatches`)
-makes every change of the serving model happen between two batches.
+the decisions, start-up (:mod:`agent.lifecycle.recovery`) undoes what a crash or damage left, the swap
+(:mod:`agent.lifecycle.swap`) changes what serves, with the table, under one lock, and the serving loop's one
+handover queue (:class:`agent.pipeline.handover.BetweenBatches`) makes every change of the serving model happen
+between two batches.
 
 Threads and who does what (the daemon's serving loop is the only thread that runs inference):
 
@@ -34,7 +35,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from agent.bundle.manifest import MANIFEST, Manifest
@@ -46,7 +47,6 @@ from agent.config.schema import ConfigError, FieldError
 from agent.errors import CommandError
 from agent.lifecycle.fetch import fetch_bundle, redact
 from agent.lifecycle.fetch_policy import FetchPolicy
-from agent.lifecycle.probation import CONFIRM, ROLLBACK, Probation
 from agent.lifecycle.recovery import Recovery
 from agent.lifecycle.slots import (
     CONFIRMED,
@@ -56,13 +56,11 @@ from agent.lifecycle.slots import (
     SlotTable,
     filled_slot,
     other_slot,
-    save_slots,
-    with_confirmed,
     with_pending,
-    with_rolled_back,
     with_swapped,
 )
 from agent.lifecycle.store import BundleStore
+from agent.lifecycle.swap import ModelSwap, identity
 from agent.lifecycle.unpack import Pin, check_manifest_pin
 from agent.pipeline.artifacts import select_artifacts
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
@@ -106,22 +104,6 @@ def check_succession(serving: Slot, manifest: Manifest, request: DeployRequest) 
                            "it anyway" % (manifest.version, why, serving.version), field="allow_downgrade")
 
 
-@dataclass
-class _Ended:
-    """A window that just ended, and what is left to do outside the lock."""
-
-    retired: Optional[LoadedModel]
-    event: Dict[str, Any]
-    result: Dict[str, Any]
-
-
-def _identity(model: Optional[LoadedModel]) -> Optional[Dict[str, Any]]:
-    if model is None:
-        return None
-    return {"name": model.manifest.name, "version": model.manifest.version,
-            "manifest_sha256": model.bundle.manifest_sha256}
-
-
 class ModelManager:
     """The serving model, its A/B slots, deploys, the probation window and rollbacks (see module doc)."""
 
@@ -149,15 +131,10 @@ class ModelManager:
         self.store = BundleStore(start.state_path(start.model.store), self.public_key, wall_clock=wall_clock)
         self.state_file = start.state_path(STATE_FILE)
         self.wall_clock = wall_clock
-        self._lock = threading.Lock()  # table, current/fallback models, probation, swap_queued, closed
         self._operation = threading.Lock()  # one deploy or standby restore at a time
         self._cancel = threading.Event()  # set by cancel(): the running deploy stops at its next check
-        self._table: Optional[SlotTable] = None
-        self._current: Optional[LoadedModel] = None
-        self._fallback: Optional[LoadedModel] = None  # the confirmed model, kept loaded while one is pending
-        self._probation = Probation()
-        self._swap_queued = False  # a deploy's swap waits in the handover queue: a rollback may follow it there
-        self._closed = False
+        # What serves, the table and the window (agent/lifecycle/swap.py): changed only by a swap or a window's end.
+        self._swap = ModelSwap(self.state_file, clock, handover, config, self._emit, self._gc)
 
     # --- start and the serving loop's side ----------------------------------------------------------------
 
@@ -166,9 +143,9 @@ class ModelManager:
         with self._operation:
             model, table = Recovery(self.store, self.state_file, self.config.model.bundle, self.public_key,
                                     self._load, self._emit, self.on_phase, self.wall_clock).run()
-            with self._lock:
-                self._table = table
-                self._current = model
+            with self._swap.lock:
+                self._swap.table = table
+                self._swap.current = model
             self._gc()
             log.info("serving %s from slot %s", model.label, table.serving)
             return model
@@ -176,24 +153,23 @@ class ModelManager:
     @property
     def current(self) -> LoadedModel:
         """The model for the next batch; read it after the handover queue ran, once per batch."""
-        model = self._current
+        model = self._swap.current
         if model is None:
             raise RuntimeError("ModelManager.start() has not run")
         return model
 
     def between_batches(self) -> None:
         """Serving thread only: judge the pending model's window, and roll back or confirm it right here."""
-        if self._probation.window is None:
+        if self._swap.probation.window is None:
             return  # the common case costs one attribute read
         try:
-            self._evaluate()
+            self._swap.evaluate()
         except Exception:  # a full disk must not stop serving; the window is judged again next batch
             log.exception("judging the pending model failed")
 
     def record_batch(self, frames: int, infer_ms_per_frame: float, failed: bool) -> None:
         """Serving thread only, after each batch, for the model that :attr:`current` returned for it."""
-        with self._lock:
-            self._probation.record(frames, infer_ms_per_frame, failed)
+        self._swap.record_batch(frames, infer_ms_per_frame, failed)
 
     @property
     def config(self) -> DaemonConfig:
@@ -203,7 +179,7 @@ class ModelManager:
     def apply_thresholds(self) -> None:
         """The live config's post-processing overrides, to the models in memory (a model loaded later reads
         them at load); the daemon calls it after it switched the live config."""
-        for model in (self._current, self._fallback):
+        for model in (self._swap.current, self._swap.fallback):
             if model is not None:
                 self._apply_thresholds(model)
 
@@ -234,14 +210,14 @@ class ModelManager:
             model, new_slot = self._prepare(request, serving, slot, progress)
             try:
                 progress("switching to %s in slot %s" % (model.label, slot))
-                self._switch(model, slot, lambda t: with_pending(t, slot, new_slot), opens_window=True,
-                             timeout_s=timeout_s)
+                self._swap.switch(model, slot, lambda t: with_pending(t, slot, new_slot), opens_window=True,
+                                  timeout=self.switch_timeout_s if timeout_s is None else timeout_s)
             finally:
                 self.store.settled(new_slot.bundle)  # recorded in the table now, or garbage
         finally:
             self._operation.release()
             self._gc()
-        return {"slot": slot, "state": "pending", "model": _identity(model),
+        return {"slot": slot, "state": "pending", "model": identity(model),
                 "previous": table.slots[table.serving].identity(),
                 "observation_s": self.config.model.observation_s}
 
@@ -255,12 +231,12 @@ class ModelManager:
         detail = "rollback command" if reason == TRIGGER_OPERATOR else reason
         text = "%s: %s" % (TRIGGER_OPERATOR, detail)
         timeout = self.switch_timeout_s if timeout_s is None else timeout_s
-        with self._lock:
+        with self._swap.lock:
             self._started_table()
-            pending = self._probation.window is not None or self._swap_queued
+            pending = self._swap.probation.window is not None or self._swap.swap_queued
         if pending:
             try:
-                return self.handover.submit(lambda: self._rollback_pending(text), timeout, what="rollback")
+                return self.handover.submit(lambda: self._swap.rollback_pending(text), timeout, what="rollback")
             except HandoverTimeout:
                 raise CommandError("switch_timeout", "the serving loop did not roll back within %.1f s; "
                                    "nothing changed" % timeout) from None
@@ -280,8 +256,8 @@ class ModelManager:
         return {"cancelled": running}
 
     def status(self) -> Dict[str, Any]:
-        with self._lock:
-            table, window = self._table, self._probation.window
+        with self._swap.lock:
+            table, window = self._swap.table, self._swap.probation.window
         if table is None:
             return {"serving": None, "slots": {}}
         result = table.public()
@@ -292,14 +268,7 @@ class ModelManager:
 
     def close(self) -> None:
         """Release every model; a swap still queued fails with 'shutting_down' when (if ever) the loop runs it."""
-        with self._lock:
-            self._closed = True
-            models = [self._current, self._fallback]
-            self._current = self._fallback = None
-            self._probation.reset()
-        for model in models:
-            if model is not None:
-                model.close()
+        self._swap.close()
 
     # --- deploy steps ------------------------------------------------------------------------------------
 
@@ -335,140 +304,6 @@ class ModelManager:
         return model, filled_slot(CONFIRMED, installed, bundle.manifest_sha256, bundle.manifest.name,
                                   bundle.manifest.version)
 
-    def _switch(self, model: LoadedModel, slot: str, transition: Callable[[SlotTable], SlotTable],
-                opens_window: bool, timeout_s: Optional[float]) -> None:
-        """Persist the new table, submit the swap to the serving loop and wait until it ran.
-
-        The table goes to disk first: from then on a crash comes back on the confirmed slot. If it cannot be
-        written, or the loop does not take the swap within the timeout, the table in memory stays (or goes
-        back to) the one that serves, and ``model`` is closed: whatever fails, it holds no device memory.
-        """
-        timeout = self.switch_timeout_s if timeout_s is None else timeout_s
-        taken = []
-
-        def swap() -> None:  # serving thread
-            self._take(model, slot, opens_window)
-            taken.append(True)
-
-        try:
-            with self._lock:
-                if self._closed:
-                    raise CommandError("shutting_down", "the daemon is stopping")
-                before = self._table
-                assert before is not None
-                after = transition(before)
-                try:
-                    save_slots(self.state_file, after)
-                except OSError as exc:
-                    raise CommandError("storage", "could not write the slot table %s: %s; still serving the "
-                                       "old model" % (self.state_file, exc)) from exc
-                self._table = after
-                self._swap_queued = opens_window
-            try:
-                self.handover.submit(swap, timeout, what="switch to %s" % model.label)
-            except HandoverTimeout:
-                raise self._withdrawn(before, timeout) from None
-        finally:
-            with self._lock:
-                self._swap_queued = False
-            if not taken:
-                model.close()
-
-    def _withdrawn(self, before: SlotTable, timeout: float) -> CommandError:
-        """The loop did not take the swap: the old table again, in memory always and on disk if it can be."""
-        message = "the serving loop did not take the new model within %.1f s; still serving the old one" % timeout
-        with self._lock:
-            self._table = before
-            try:
-                save_slots(self.state_file, before)
-            except OSError as exc:  # the disk keeps 'pending': a restart undoes it, as after a crash
-                log.error("could not write the slot table %s back after a withdrawn switch: %s",
-                          self.state_file, exc)
-                message += ("; the slot table %s could not be written back (%s), a restart will report the "
-                            "withdrawn model as rolled back" % (self.state_file, exc))
-        return CommandError("switch_timeout", message)
-
-    def _take(self, model: LoadedModel, slot: str, opens_window: bool) -> None:
-        """Serving thread: the swap itself. The outgoing model is closed only after the reference moved."""
-        retired: Optional[LoadedModel] = None
-        with self._lock:
-            if self._closed:
-                raise CommandError("shutting_down", "the daemon stopped before the switch")
-            previous = self._current
-            self._current = model
-            if opens_window:
-                self._fallback = previous
-                self._probation.open(slot, self.clock())
-            else:
-                retired = previous
-                self._probation.reset()
-        if retired is not None:
-            retired.close()
-        self._emit({"event": "switched", "slot": slot, "model": _identity(model),
-                    "state": "pending" if opens_window else "confirmed",
-                    "observation_s": self.config.model.observation_s if opens_window else None})
-
-    def _evaluate(self) -> None:
-        """Serving thread: confirm the pending model, or roll it back if unhealthy (decided on this thread)."""
-        now = self.clock()
-        model_cfg = self.config.model
-        with self._lock:
-            window = self._probation.window
-            if window is None:
-                return
-            decision, reason, figures = window.verdict(
-                now, model_cfg.observation_s, model_cfg.latency_regression, model_cfg.max_error_rate)
-            if decision is None:
-                return
-            ended = self._end_window(decision, reason, figures)
-        self._after_window(ended)
-
-    def _rollback_pending(self, reason: str) -> Dict[str, Any]:
-        """Serving thread (through the handover queue): an operator's rollback of the pending model."""
-        with self._lock:
-            window = self._probation.window
-            if window is None:
-                raise CommandError("nothing_to_roll_back", "no model is pending any more (its switch was "
-                                   "withdrawn or its window ended); send rollback again for the previous model")
-            ended = self._end_window(ROLLBACK, reason, window.figures(self.clock()))
-        self._after_window(ended)
-        return ended.result
-
-    def _end_window(self, decision: str, reason: str, figures: Dict[str, Any]) -> _Ended:
-        """Under the lock: move the references and the table; the caller finishes with :meth:`_after_window`."""
-        table = self._table
-        assert table is not None
-        window = self._probation.close(decision)
-        pending_slot = table.slots[window.slot]
-        if decision == ROLLBACK:
-            retired, self._current = self._current, self._fallback
-            after = with_rolled_back(table, reason)
-            event = {"event": "rollback", "reason": reason, "trigger": reason.split(":", 1)[0],
-                     "slot": window.slot, "from": pending_slot.identity(), "to": _identity(self._current),
-                     "figures": figures}
-        else:
-            assert decision == CONFIRM
-            retired = self._fallback
-            after = with_confirmed(table)
-            event = {"event": "confirmed", "slot": window.slot, "model": pending_slot.identity(),
-                     "figures": figures}
-        self._fallback = None
-        self._table = after
-        try:
-            save_slots(self.state_file, after)
-        except OSError:  # serving goes on; a restart would see 'pending' and come back on the confirmed
-            log.exception("could not persist the slot table after %s", decision)
-        result = {"slot": after.serving, "state": CONFIRMED, "model": _identity(self._current),
-                  "rolled_back": pending_slot.identity(), "reason": reason}
-        return _Ended(retired, event, result)
-
-    def _after_window(self, ended: _Ended) -> None:
-        if ended.retired is not None:
-            ended.retired.close()
-        log.info("%s: %s", ended.event["event"], ended.event.get("reason", ended.event.get("figures")))
-        self._gc()
-        self._emit(ended.event)
-
     def _restore_standby(self, table: SlotTable, reason: str, timeout_s: float) -> Dict[str, Any]:
         """Nothing pending: reload the previously confirmed bundle and make it the confirmed, serving one."""
         standby = table.slot_in(STANDBY)
@@ -477,7 +312,7 @@ class ModelManager:
         kept = table.slots[standby]
         model = self._load(self.store.verify(kept))
         current = table.slots[table.serving]
-        self._switch(model, standby, with_swapped, opens_window=False, timeout_s=timeout_s)
+        self._swap.switch(model, standby, with_swapped, opens_window=False, timeout=timeout_s)
         self._gc()
         self._emit({"event": "rollback", "reason": reason, "trigger": TRIGGER_OPERATOR, "slot": table.serving,
                     "from": current.identity(), "to": kept.identity(), "figures": None})
@@ -487,7 +322,7 @@ class ModelManager:
     # --- helpers -------------------------------------------------------------------------------------------
 
     def _started_table(self) -> SlotTable:
-        table = self._table
+        table = self._swap.table
         if table is None:
             raise CommandError("not_started", "the model manager has not started")
         return table
@@ -504,9 +339,9 @@ class ModelManager:
 
     def _gc(self) -> None:
         """Delete store entries the table no longer names: the store keeps two bundles at most."""
-        if self._table is None:  # before start() nothing is known to be garbage
+        if self._swap.table is None:  # before start() nothing is known to be garbage
             return
-        self.store.gc(lambda: self._table.bundles() if self._table is not None else [])
+        self.store.gc(lambda: self._swap.table.bundles() if self._swap.table is not None else [])
 
     def _emit(self, event: Dict[str, Any]) -> None:
         try:
