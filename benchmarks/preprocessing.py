@@ -14,7 +14,8 @@ from typing import Any, Dict, Tuple
 import cv2
 import numpy as np
 
-from agent.pipeline.preprocess import PAD_VALUE, BatchPreprocessor, PreprocessSpec, plan_letterbox
+from agent.pipeline.input_batch import BatchPreprocessor
+from agent.pipeline.preprocess import PAD_VALUE, PreprocessSpec, plan_letterbox
 from benchmarks.harness import RunContext, compare, ratio_summary, scaled, summarize, target
 
 log = logging.getLogger(__name__)

@@ -62,7 +62,8 @@ def build_standin_bundle(root: str) -> str:
 
     from agent.bundle.verify import write_manifest
     from agent.devtools.scenes import generate_scene
-    from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
+    from agent.pipeline.input_batch import BatchPreprocessor
+    from agent.pipeline.preprocess import PreprocessSpec, letterbox
 
     os.makedirs(os.path.join(root, "golden"), exist_ok=True)
     ms.set_seed(GOLDEN_SEED)

@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from agent.config.schema import setting
-from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
+from agent.pipeline.input_batch import BatchPreprocessor
+from agent.pipeline.preprocess import PreprocessSpec, letterbox
 from converters.runtimes import run_mindir, run_onnx_opencv
 
 CALIBRATION_DIR = "calibration"

@@ -19,7 +19,8 @@ import cv2
 import numpy as np
 
 from agent.devtools.scenes import SHAPE_LABELS, generate_scene
-from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, letterbox
+from agent.pipeline.input_batch import BatchPreprocessor
+from agent.pipeline.preprocess import PreprocessSpec, letterbox
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from agent.config.schema import to_dict
-from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec
+from agent.pipeline.input_batch import BatchPreprocessor
+from agent.pipeline.preprocess import PreprocessSpec
 from converters.bundle_writer import ArtifactPlan, tier_name, write_calibration, write_golden, write_manifest_for
 from converters.toolrun import toolchain_versions
 from quant.config import RunConfig

@@ -12,7 +12,8 @@ import cv2
 import numpy as np
 import pytest
 
-from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec
+from agent.pipeline.input_batch import BatchPreprocessor
+from agent.pipeline.preprocess import PreprocessSpec
 from converters import aipp, grammar
 
 IMAGENET_RGB = PreprocessSpec(color="rgb", mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))

@@ -207,7 +207,8 @@ def test_synthetic_yolov8_output_has_clustered_candidates_and_both_decoders_agre
 
 
 def test_straightforward_preprocess_matches_the_agent_on_a_720p_frame():
-    from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec
+    from agent.pipeline.input_batch import BatchPreprocessor
+    from agent.pipeline.preprocess import PreprocessSpec
 
     frame = preprocessing.camera_frame((720, 1280))
     filler = BatchPreprocessor(PreprocessSpec(), (320, 320), 1)

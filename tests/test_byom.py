@@ -333,7 +333,8 @@ def test_mindspore_mindir_classifier_serves_its_network(tmp_path):
     import mindspore as ms
     from mindspore import nn
 
-    from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec
+    from agent.pipeline.input_batch import BatchPreprocessor
+    from agent.pipeline.preprocess import PreprocessSpec
 
     class Tiny(nn.Cell):
         def __init__(self):

@@ -1,4 +1,5 @@
-"""Tests for agent/pipeline/preprocess.py against an independent Ultralytics-rule letterbox written here."""
+"""Tests for agent/pipeline/preprocess.py and input_batch.py against an independent Ultralytics-rule letterbox
+written here."""
 
 import tracemalloc
 import zlib
@@ -9,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.pipeline.input_batch import BatchPreprocessor
 from agent.pipeline.preprocess import (
     PAD_VALUE,
-    BatchPreprocessor,
     LetterboxPlan,
     PreprocessSpec,
     letterbox,

@@ -17,7 +17,8 @@ ms = pytest.importorskip("mindspore")
 pytest.importorskip("mindspore_gs")
 
 from agent.bundle.verify import verify_bundle  # noqa: E402
-from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec  # noqa: E402
+from agent.pipeline.input_batch import BatchPreprocessor  # noqa: E402
+from agent.pipeline.preprocess import PreprocessSpec  # noqa: E402
 from converters.runtimes import run_mindir, run_onnx_opencv  # noqa: E402
 from quant.config import load_config  # noqa: E402
 from quant.export import read_fake_quant_params  # noqa: E402

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from agent.bundle.verify import verify_bundle
+from agent.pipeline.input_batch import BatchPreprocessor
 from agent.pipeline.postprocess import decode_yolov8
-from agent.pipeline.preprocess import BatchPreprocessor, PreprocessSpec, scale_boxes
+from agent.pipeline.preprocess import PreprocessSpec, scale_boxes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLE = os.path.join(REPO, "examples", "demo-bundle")

@@ -20,8 +20,9 @@ from agent.config.schema import FieldError
 from agent.pipeline.artifacts import pick_tier, select_artifacts
 from agent.pipeline.backends import create_backend
 from agent.pipeline.backends.base import Backend, BackendOptions, TensorSpec
+from agent.pipeline.input_batch import BatchPreprocessor
 from agent.pipeline.postprocess import decode
-from agent.pipeline.preprocess import BatchPreprocessor, LetterboxPlan, PreprocessSpec, scale_boxes
+from agent.pipeline.preprocess import LetterboxPlan, PreprocessSpec, scale_boxes
 
 log = logging.getLogger(__name__)
 
