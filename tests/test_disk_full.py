@@ -12,7 +12,8 @@ import pytest
 from conftest import WAIT_S, wait_for
 
 from agent.config.daemon_config import MqttConfig
-from agent.ops.outbox import DISK_FULL, MIN_RESERVE_BYTES, Outbox
+from agent.ops.outbox import Outbox
+from agent.ops.outbox_budget import DISK_FULL, MIN_RESERVE_BYTES
 from agent.ops.transport import LOST, OUTBOXED, SENT, MqttTransport
 from tests.outbox_support import distinct_deliveries
 

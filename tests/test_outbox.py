@@ -11,7 +11,8 @@ from conftest import REPO_ROOT, WAIT_S
 
 from agent._util import quarantine
 from agent._util import sqlite as sqlite_util
-from agent.ops.outbox import MEMORY_MAX_BYTES, Outbox, message_size
+from agent.ops.outbox import MEMORY_MAX_BYTES, Outbox
+from agent.ops.outbox_budget import message_size
 from tests.outbox_support import RefusingCommit, read_only_fs
 
 TOPIC = "atlas-edge/cam-01/results/front"  # 31 bytes

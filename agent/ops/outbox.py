@@ -5,18 +5,10 @@ Results wait here while the broker is away and are replayed in order once it is 
 being killed (``kill -9``, OOM killer, watchdog restart). Ids come from ``AUTOINCREMENT`` so they are never
 reused and id order is insertion order, even after the queue has been emptied.
 
-**Budget.** The stored topic + payload bytes are bounded by ``max_bytes`` and by the space the file system
-actually has: (outbox files + free space - the reserve) / :data:`DISK_OVERHEAD`. The reserve (the box-wide
-:data:`agent._util.disk.RESERVE_BYTES` by default) keeps room for the WAL and for the deletes and commits that
-drain the queue, so a full disk never stops the outbox from draining.
-When a new message does not fit, the oldest messages are dropped to make room, counted by reason:
-``dropped_oldest`` (the configured budget) or ``disk_full`` (the disk); a message larger than the whole budget
-is refused (``rejected_too_large``). The counters are lifetime totals kept in the same file.
-
-**Disk pressure is a state.** The first ``disk_full`` drop starts it (one alert, one WARNING); further drops are
-logged rate-limited with the real cause; it ends (one alert) once the stored bytes are back under half the disk
-budget or the disk no longer limits the budget. Alerts are queued and taken by :meth:`Outbox.take_alerts` on a
-thread that holds no transport lock (a publish from inside ``put`` could deadlock).
+**Budget.** The stored bytes are bounded by ``max_bytes`` and by the disk; when a new message does not fit,
+the oldest are dropped, counted by reason, and a full disk is a state with alerts: :mod:`agent.ops.outbox_budget`.
+Alerts are queued and taken by :meth:`Outbox.take_alerts` on a thread that holds no transport lock (a publish
+from inside ``put`` could deadlock).
 
 **Delivered is an in-memory mark first.** :meth:`Outbox.remove` marks rows delivered at once (they are never
 peeked, counted or replayed again) and deletes them; a delete the disk refuses is retried later
@@ -30,16 +22,23 @@ Only the standard library is used (``sqlite3``), so the box needs nothing extra.
 """
 
 import logging
-import os
 import sqlite3
 import threading
 import time
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-from agent._util.disk import RESERVE_BYTES, free_bytes
+from agent._util.disk import RESERVE_BYTES
 from agent._util.quarantine import state_alert
 from agent._util.ratelog import LogLimiter
 from agent._util.sqlite import is_disk_full, open_recovering, transaction
+from agent.ops.outbox_budget import (
+    DISK_FULL,
+    MIN_RESERVE_BYTES,
+    WAL_AUTOCHECKPOINT_PAGES,
+    WAL_LIMIT_BYTES,
+    DiskPressure,
+    message_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,31 +46,14 @@ logger = logging.getLogger(__name__)
 # file stays consistent). FULL would fsync every put, which costs milliseconds per frame on SD cards.
 DEFAULT_SYNCHRONOUS = "NORMAL"
 SYNCHRONOUS_MODES = ("OFF", "NORMAL", "FULL", "EXTRA")
-# Counters kept in the file; see the module docstring.
+# Counters kept in the file; the drop reasons are agent.ops.outbox_budget's.
 COUNTER_NAMES = ("stored", "replayed", "dropped_oldest", "disk_full", "rejected_too_large")
 DROP_REASONS = ("dropped_oldest", "disk_full", "rejected_too_large")
 # SQLite's limit on bound parameters is 999 on older builds (the box's Python may link an old SQLite).
 _SQL_CHUNK = 500
 
-# The WAL is checkpointed every 128 pages (512 KiB at 4 KiB pages) and truncated back to this size afterwards,
-# so the WAL's share of the disk is bounded and known (SQLite's defaults let it grow to 4 MiB and stay there).
-WAL_AUTOCHECKPOINT_PAGES = 128
-WAL_LIMIT_BYTES = 512 * 1024
-# The least free space that still lets the outbox drain: room for its WAL to reach the limit once more plus a
-# drain's deletes and commit. The daemon keeps the box-wide reserve (agent._util.disk.RESERVE_BYTES), which is
-# far larger; tests on a 3 MB file system use this one.
-MIN_RESERVE_BYTES = 2 * WAL_LIMIT_BYTES
-# Disk bytes per stored topic + payload byte: B-tree pages are not full and rows carry headers. Measured
-# about 1.15 for 300-byte results; 1.5 keeps the estimate on the safe side for small messages.
-DISK_OVERHEAD = 1.5
-# Disk pressure ends when the stored bytes are down to this share of the disk budget (hysteresis: a box at
-# the edge of its disk raises one alert pair, not one per message).
-PRESSURE_EXIT_SHARE = 0.5
-# After SQLite itself reported a full disk, the budget is cut to this share of what was stored then.
-FULL_SHRINK = 0.9
 # An outbox that fell back to memory (its file unusable) holds at most this much: RAM is scarcer than disk.
 MEMORY_MAX_BYTES = 8 * 1024 * 1024
-DISK_FULL = "disk_full"
 
 _TABLES = {
     "messages": ("id", "topic", "payload", "qos", "retain", "size", "created"),
@@ -91,11 +73,6 @@ class OutboxMessage(NamedTuple):
     payload: bytes
     qos: int
     retain: bool
-
-
-def message_size(topic: str, payload: bytes) -> int:
-    """Bytes a message counts against the budget: its topic (UTF-8) and payload."""
-    return len(topic.encode("utf-8")) + len(payload)
 
 
 class Outbox:
@@ -124,10 +101,7 @@ class Outbox:
         self._log = LogLimiter(logger)
         self._acked: Set[int] = set()  # delivered, delete pending (the disk refused it so far)
         self._topics: Dict[str, int] = {}  # undelivered messages per topic
-        self._disk_cap: Optional[int] = None  # learned from SQLITE_FULL; cleared when pressure ends
-        self._pressure_since: Optional[float] = None  # monotonic
-        self._pressure_drops = 0
-        self._pressure_cause = ""
+        self._pressure = DiskPressure(path, reserve_bytes, self._log, self._alert)
         opened = open_recovering(path, _TABLES, self._load, "outbox", "the messages waiting in it were not sent",
                                  "outbox_in_memory", synchronous)
         self._conn = opened.conn
@@ -166,83 +140,16 @@ class Outbox:
 
     # -- the budget and disk pressure -----------------------------------------------------------------------
 
-    def _budget(self) -> Tuple[int, str]:
-        """(bytes the stored messages may take, the drop reason when that is what limits them)."""
-        if self.in_memory:
-            return self.max_bytes, "dropped_oldest"
-        disk = self._disk_budget()
-        if disk < self.max_bytes:
-            return disk, DISK_FULL
-        return self.max_bytes, "dropped_oldest"
-
-    def _disk_budget(self) -> int:
-        directory = os.path.dirname(os.path.abspath(self.path))
-        files = 0
-        for name in (self.path, self.path + "-wal"):
-            try:
-                files += os.path.getsize(name)
-            except OSError:
-                pass
-        try:
-            free = free_bytes(directory)
-        except OSError:
-            return self.max_bytes  # cannot tell: the configured budget and SQLITE_FULL handling remain
-        budget = max(0, int((files + free - self.reserve_bytes) / DISK_OVERHEAD))
-        if self._disk_cap is not None:
-            budget = min(budget, self._disk_cap)
-        return budget
-
-    def _enter_pressure(self, cause: str, budget: int) -> None:
-        if self._pressure_since is not None:
-            return
-        self._pressure_since = time.monotonic()
-        self._pressure_drops = 0
-        self._pressure_cause = cause
-        logger.warning("outbox %s: disk pressure (%s): keeping at most %d bytes of messages, dropping the "
-                       "oldest (counted as disk_full)", self.path, cause, budget)
-        self._alert(DISK_FULL, "outbox %s: the disk is nearly full (%s); the oldest unsent messages are "
-                    "dropped to keep %d bytes" % (self.path, cause, budget), state="started", file=self.path,
-                    budget_bytes=budget, reserve_bytes=self.reserve_bytes, cause=cause)
-
-    def _disk_refused(self, cause: str) -> None:
-        """SQLite reported a full disk: cap the budget below what is stored now, and say so once."""
-        self._disk_cap = int(self._bytes * FULL_SHRINK)
-        self._enter_pressure(cause, self._disk_cap)
-
-    def _maybe_end_pressure(self) -> None:
-        if self._pressure_since is None:
-            return
-        disk = self._disk_budget_uncapped()
-        if disk < self.max_bytes and self._bytes > disk * PRESSURE_EXIT_SHARE:
-            return
-        duration = time.monotonic() - self._pressure_since
-        logger.warning("outbox %s: disk pressure ended after %.1f s; %d message(s) were dropped as disk_full "
-                       "(%d log line(s) stood for them)", self.path, duration, self._pressure_drops,
-                       self._log.count(DISK_FULL))
-        self._alert(DISK_FULL, "outbox %s: disk pressure ended after %.0f s; %d message(s) were dropped"
-                    % (self.path, duration, self._pressure_drops), state="ended", file=self.path,
-                    dropped=self._pressure_drops, duration_s=round(duration, 3), cause=self._pressure_cause)
-        self._pressure_since = None
-        self._disk_cap = None
-        self._log.reset(DISK_FULL)
-
-    def _disk_budget_uncapped(self) -> int:
-        cap, self._disk_cap = self._disk_cap, None
-        try:
-            return self._disk_budget()
-        finally:
-            self._disk_cap = cap
-
     def check_space(self) -> None:
         """Re-evaluate disk pressure (the replay loop calls this; it may end with no message being put)."""
         if self.in_memory:
             return
         with self._lock:
-            self._maybe_end_pressure()
+            self._pressure.maybe_end(self.max_bytes, self._bytes)
 
     @property
     def disk_pressure(self) -> bool:
-        return self._pressure_since is not None
+        return self._pressure.active
 
     def _alert(self, kind: str, message: str, **figures: Any) -> None:
         self._alerts.append(state_alert(kind, message, **figures))
@@ -270,7 +177,7 @@ class Outbox:
         if not batch:
             return []
         with self._lock:
-            budget, reason = self._budget()
+            budget, reason = self._pressure.budget(self.max_bytes, self.in_memory)
             try:
                 return self._insert(batch, budget, reason)
             except sqlite3.Error as exc:
@@ -278,14 +185,14 @@ class Outbox:
                     raise
                 cause = "%s: %s" % (type(exc).__name__, exc)
             # The estimate was too generous (another writer filled the disk): learn the cap and retry once.
-            self._disk_refused(cause)
+            self._pressure.refused(cause, self._bytes)
             try:
-                return self._insert(batch, self._disk_cap, DISK_FULL)
+                return self._insert(batch, self._pressure.cap, DISK_FULL)
             except sqlite3.Error as exc:
                 if not is_disk_full(exc):
                     raise
                 self._counters[DISK_FULL] += len(batch)  # not persisted: the disk refuses even that
-                self._pressure_drops += len(batch)
+                self._pressure.drops += len(batch)
                 self._log.log(logging.WARNING, DISK_FULL, "outbox %s: disk full (%s): %d new message(s) "
                               "dropped", self.path, exc, len(batch))
                 return []
@@ -335,21 +242,8 @@ class Outbox:
             self._topics[topic] = self._topics.get(topic, 0) + n
         for name, value in counts.items():
             self._counters[name] += value
-        self._report_drops(counts, reason, budget)
+        self._pressure.report_drops(counts, reason, budget, self.max_bytes, self._bytes)
         return ids
-
-    def _report_drops(self, counts: Dict[str, int], reason: str, budget: int) -> None:
-        drops = counts[reason] if reason != "rejected_too_large" else 0
-        if reason == DISK_FULL and drops:
-            self._enter_pressure("free space below the %d-byte reserve" % self.reserve_bytes, budget)
-            self._pressure_drops += drops
-            self._log.log(logging.WARNING, DISK_FULL, "outbox %s: disk budget %d bytes reached, dropped the %d "
-                          "oldest message(s) (disk_full)", self.path, budget, drops)
-        elif drops:
-            self._log.log(logging.WARNING, "dropped_oldest", "outbox %s: byte budget %d reached, dropped the %d "
-                          "oldest message(s)", self.path, budget, drops)
-        if not drops:
-            self._maybe_end_pressure()
 
     def _drop_oldest(self, need: int) -> Tuple[int, List[Tuple[int, str]]]:
         """Delete the oldest messages until at least ``need`` bytes are freed; returns (bytes, [(id, topic)])."""
@@ -416,13 +310,13 @@ class Outbox:
                           "(%s: %s); retrying later, they are not sent again", self.path, len(unique),
                           type(exc).__name__, exc)
             if is_disk_full(exc):
-                self._disk_refused("%s: %s" % (type(exc).__name__, exc))
+                self._pressure.refused("%s: %s" % (type(exc).__name__, exc), self._bytes)
             return 0
         self._acked.clear()
         self._count -= removed
         self._bytes -= freed
         self._counters["replayed"] += removed
-        self._maybe_end_pressure()
+        self._pressure.maybe_end(self.max_bytes, self._bytes)
         return removed
 
     def _bump(self, counts: Dict[str, int]) -> None:
