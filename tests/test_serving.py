@@ -265,6 +265,23 @@ def test_shutdown_under_load_serves_every_frame_it_took(images):
     assert [r["frame_id"] for r in sink.results] == list(range(loop.taken))
 
 
+@pytest.mark.parametrize("max_frames", [1, 6, 9])
+def test_max_frames_takes_and_publishes_exactly_that_many_while_stages_overlap(images, max_frames):
+    """`demo --frames N`: the pipelined loop prepares the next batch while one runs; it must not take more than
+    N from the queue (a batch of MAX_BATCH frames would overshoot), and it stops once those N are published."""
+    model = paced_model(images)
+    frames = queued(images)
+    try:
+        sink = Sink()
+        loop = make_loop(Models(model), frames, sink)
+        reason = loop.serve(max_frames=max_frames)
+    finally:
+        model.close()
+    assert reason == "%d frames done" % max_frames
+    assert loop.taken == loop.published == len(sink.results) == max_frames
+    assert frames.qsize() == 48 - max_frames  # the rest stays queued, untouched
+
+
 class FailsOnceBackend(PacedStandinBackend):
     """STAND-IN: paced, and its 5th paced call raises, as a runtime's failing call would."""
 

@@ -8,7 +8,7 @@ seeds' server: 8 frames or 10 ms, whichever first).
 import queue
 import threading
 import time
-from typing import Callable, Generic, List, TypeVar
+from typing import Callable, Generic, List, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -30,14 +30,16 @@ class Batcher(Generic[T]):
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000.0
 
-    def next_batch(self, stop_event: threading.Event, idle_timeout_s: float = 0.1) -> List[T]:
-        """One batch, or [] when nothing arrived within ``idle_timeout_s`` (so the caller's loop stays live)."""
+    def next_batch(self, stop_event: threading.Event, idle_timeout_s: float = 0.1,
+                   at_most: Optional[int] = None) -> List[T]:
+        """One batch (of at most ``at_most`` items when given), or [] when nothing arrived within
+        ``idle_timeout_s`` (so the caller's loop stays live)."""
         try:
             first = self.source.get(timeout=idle_timeout_s)
         except queue.Empty:
             return []
         batch = [first]
-        max_batch = self.max_batch
+        max_batch = self.max_batch if at_most is None else min(self.max_batch, at_most)
         deadline = self.clock() + self.max_wait_s
         while len(batch) < max_batch and not stop_event.is_set():
             remaining = deadline - self.clock()

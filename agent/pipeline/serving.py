@@ -175,8 +175,9 @@ class ServingLoop:
 
     def _turn(self, max_frames: Optional[int], until_sources_end: bool, taking: bool = True) -> Optional[str]:
         """Prepare the next chunk, collect the running one, pass a point between batches, submit, publish."""
+        room = None if max_frames is None else max(0, max_frames - self.taken)  # `--frames N` takes N, no more
         if self._ready is None:
-            self._ready = self._prepare_next(taking and not self.paused)
+            self._ready = self._prepare_next(taking and not self.paused and room != 0, room)
         finished = self._collect()
         if self._ready is None or self._ready.first:  # nothing on the backend, no batch half-served
             self.handover.run_pending()
@@ -196,11 +197,11 @@ class ServingLoop:
             elif until_sources_end and self.sources.all_finished() and self.frames.empty():
                 reason = "sources finished"
         self._maybe_telemetry()
-        if max_frames is not None and self.stats.frames >= max_frames:
+        if room == 0 and not self._in_flight():  # each frame taken ends published, rate-limited or failed
             reason = "%d frames done" % max_frames
         return reason
 
-    def _prepare_next(self, taking: bool) -> Optional[_Chunk]:
+    def _prepare_next(self, taking: bool, at_most: Optional[int] = None) -> Optional[_Chunk]:
         """Letterbox the next chunk: the rest of the batch being prepared, else a new batch from the batcher."""
         batch = self._preparing
         if batch is None or not batch.todo:
@@ -209,7 +210,8 @@ class ServingLoop:
                 return None
             # With a chunk on the backend, only take frames that are already waiting: its results must not
             # wait for the next frame to arrive.
-            frames = self.batcher.next_batch(self.stop_event, 0.0 if self._running is not None else IDLE_WAIT_S)
+            frames = self.batcher.next_batch(self.stop_event, 0.0 if self._running is not None else IDLE_WAIT_S,
+                                             at_most)
             if not frames:
                 return None
             self.taken += len(frames)
