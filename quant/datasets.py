@@ -2,7 +2,7 @@
 
 Every image is letterboxed to the training tier with :func:`agent.pipeline.preprocess.letterbox` and kept as uint8 BGR,
 exactly what the box produces from a camera frame; :func:`network_input` then applies the bundle's colour
-order and normalisation through :class:`agent.pipeline.preprocess.BatchPreprocessor`. So training, calibration, golden
+order and normalisation through :class:`agent.pipeline.input_batch.BatchPreprocessor`. So training, calibration, golden
 sets and the box share one preprocessing definition.
 
 Sources: an ImageFolder tree (``root/<class>/*.jpg``), a YOLO-format tree (``images/`` + ``labels/*.txt``),
