@@ -104,6 +104,8 @@ class MqttProbe:
         import paho.mqtt.client as mqtt
 
         self.messages: List[Tuple[str, bytes, bool, bool]] = []  # (topic, payload, retain, dup)
+        self.arrived: List[float] = []  # time.monotonic() of each message's arrival: rates are judged on it
+        self._decoded: Dict[int, Any] = {}  # index in messages -> its JSON, decoded once when first asked for
         self._lock = threading.Lock()
         self._subscribed = threading.Event()
         self._topics = topics
@@ -131,6 +133,7 @@ class MqttProbe:
         with self._lock:
             self.messages.append((message.topic, bytes(message.payload), bool(message.retain),
                                   bool(message.dup)))
+            self.arrived.append(time.monotonic())
 
     def publish(self, topic: str, payload: bytes, qos: int = 1) -> None:
         info = self.client.publish(topic, payload, qos)
@@ -138,8 +141,27 @@ class MqttProbe:
 
     def on(self, topic: str) -> List[Dict[str, Any]]:
         """JSON payloads received on ``topic`` so far, in order."""
+        return [payload for _t, payload in self._decode(lambda t: t == topic)]
+
+    def json(self, topic_prefix: str = "", since: float = float("-inf")) -> List[Tuple[str, Any]]:
+        """(topic, JSON payload) of each message so far whose topic starts with ``topic_prefix`` and that arrived
+        at or after ``since`` (``time.monotonic()``), in order."""
+        return self._decode(lambda t: t.startswith(topic_prefix), since)
+
+    def _decode(self, wanted: Callable[[str], bool], since: float = float("-inf")) -> List[Tuple[str, Any]]:
+        """Each payload is decoded once, when first asked for, and shared between calls (a poll over thousands
+        of results stays cheap): callers read them, never change them."""
         with self._lock:
-            return [json.loads(p) for t, p, _, _ in self.messages if t == topic]
+            picked = [i for i, ((t, _, _, _), at) in enumerate(zip(self.messages, self.arrived))
+                      if at >= since and wanted(t)]
+            for i in picked:
+                if i not in self._decoded:
+                    self._decoded[i] = json.loads(self.messages[i][1])
+            return [(self.messages[i][0], self._decoded[i]) for i in picked]
+
+    def wait(self, predicate: Callable[[List[Tuple[str, Any]]], bool], timeout: float = WAIT_S) -> bool:
+        """Poll (bounded by ``timeout``) until ``predicate`` holds for :meth:`json`; False when it never did."""
+        return wait_for(lambda: predicate(self.json()), timeout, interval=0.05)
 
     def count(self, topic_prefix: str = "") -> int:
         with self._lock:

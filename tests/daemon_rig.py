@@ -1,6 +1,6 @@
-"""A real daemon for the tests that run one: its config, its process, ctl against it, a subscriber to what it
-publishes, a new bundle version in its store. A helper module (not a test module): the daemon tests import it
-instead of importing each other.
+"""A real daemon for the tests that run one: its config, its process, ctl against it, a new bundle version in
+its store (what it publishes is read with ``conftest.MqttProbe``). A helper module (not a test module): the
+daemon tests import it instead of importing each other.
 """
 
 import json
@@ -9,50 +9,13 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import threading
-import time
 
-import paho.mqtt.client as mqtt
 import yaml
 
 from agent.cli.demo import DEMO_BUNDLE
+from tests.conftest import wait_for
 
 SIZES = ((1080, 1920), (720, 1280), (480, 640), (640, 480), (800, 800), (540, 960), (1080, 1920), (600, 600))
-
-
-class Subscriber:
-    def __init__(self, broker, topic):
-        self.messages = []
-        self.lock = threading.Lock()
-        ready = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="e2e-%d-%d" % (os.getpid(), id(self)))
-        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)
-        self.client.on_subscribe = lambda *a: ready.set()
-        self.client.on_message = self._on_message
-        self.client.connect(broker.host, broker.port)
-        self.client.loop_start()
-        assert ready.wait(10), "subscription to %s not confirmed" % topic
-
-    def _on_message(self, client, userdata, message):
-        with self.lock:
-            self.messages.append((message.topic, message.payload, message.retain))
-
-    def wait(self, predicate, timeout=60.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
-                if predicate(list(self.messages)):
-                    return True
-            time.sleep(0.05)
-        return False
-
-    def json(self):
-        with self.lock:
-            return [(t, json.loads(p)) for t, p, _r in self.messages]
-
-    def close(self):
-        self.client.loop_stop()
-        self.client.disconnect()
 
 
 def write_config(tmp_path, broker, frames_dir, loop=False, bundle=DEMO_BUNDLE, device="cpu-dev", **extra):
@@ -93,13 +56,16 @@ def ctl(broker, *args, timeout=60):
 
 
 def wait_status(broker, deadline_s=90):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        result = ctl(broker, "status", "--timeout", "5", timeout=5)
-        if result.returncode == 0:
-            return result
-        time.sleep(0.5)
-    raise AssertionError("daemon never answered status")
+    """Ask for status until the daemon answers (it may still be starting, or its token bucket refilling)."""
+    answers = []
+
+    def answered():
+        answers.append(ctl(broker, "status", "--timeout", "5", timeout=5))
+        return answers[-1].returncode == 0
+
+    if not wait_for(answered, timeout=deadline_s, interval=0.5):
+        raise AssertionError("daemon never answered status: %s" % (answers[-1].stdout + answers[-1].stderr)[-500:])
+    return answers[-1]
 
 
 def new_version(tmp_path, store, version):

@@ -15,7 +15,6 @@ import json
 import os
 import threading
 import time
-from typing import List
 
 import pytest
 
@@ -51,30 +50,6 @@ class SteppedWallClock:
         return self.real() + self.offset
 
 
-class Arrivals:
-    """Messages of one topic filter with the monotonic time they arrived (rates are judged on this clock)."""
-
-    def __init__(self, broker, topic: str) -> None:
-        import paho.mqtt.client as mqtt
-
-        self.items: List = []
-        ready = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="arrivals-%s" % os.urandom(4).hex())
-        self.client.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)
-        self.client.on_subscribe = lambda *a: ready.set()
-        self.client.on_message = lambda c, u, m: self.items.append((time.monotonic(), json.loads(m.payload)))
-        self.client.connect(broker.host, broker.port)
-        self.client.loop_start()
-        assert ready.wait(WAIT_S)
-
-    def since(self, t0: float) -> List:
-        return [payload for t, payload in list(self.items) if t >= t0]
-
-    def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
-
-
 def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosquitto, probe_factory,
                                                                     monkeypatch):
     from agent.config.daemon_config import parse_daemon_config
@@ -98,8 +73,9 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
         "publish": {"max_rate_hz": PUBLISH_HZ, "telemetry_interval_s": 0.5},
         "watchdog": {"interval_s": 0.5, "inference_deadline_s": INFERENCE_DEADLINE_S},
     })
-    results = Arrivals(mosquitto, "atlas-edge/clock/results/cam")
-    telemetry = Arrivals(mosquitto, "atlas-edge/clock/telemetry")
+    # The probes note each message's arrival on the monotonic clock: rates are judged on it.
+    results = probe_factory(mosquitto, ["atlas-edge/clock/results/cam"])
+    telemetry = probe_factory(mosquitto, ["atlas-edge/clock/telemetry"])
     probe = probe_factory(mosquitto, ["atlas-edge/clock/ack/#", "atlas-edge/clock/telemetry/alert"])
 
     def command(verb, request_id, **fields):
@@ -115,7 +91,7 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
     thread = threading.Thread(target=daemon.run, daemon=True)
     thread.start()
     try:
-        assert wait_for(lambda: len(results.since(0)) >= 4), "no results"
+        assert wait_for(lambda: results.count() >= 4), "no results"
         source, sha = new_version(tmp_path, os.path.join(config.state_dir, "bundles"), "1.1.0")
         before_deploy = time.monotonic()  # the window starts after this
         deployed = command("deploy", "deploy-1", bundle=source, sha256=sha)
@@ -125,13 +101,17 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
         # Forward a day inside the window: a wall-clock window would end now, a wall-clock watchdog would
         # see every call in flight as a day overdue.
         wall.offset = DAY_S
-        forward = time.monotonic()
-        time.sleep(0.5)
+        stepped = time.time()
+        # The serving loop has judged the window on the stepped clock: two telemetry messages stamped after the
+        # step (0.5 s of loop turns apart, each turn between batches judges the pending model's window).
+        assert wait_for(lambda: len([t for _topic, t in telemetry.json() if t["ts"] >= stepped]) >= 2), \
+            "no telemetry after the forward step"
         still_pending = daemon.models.status().get("pending") is not None
         assert still_pending or time.monotonic() - before_deploy >= OBSERVATION_S, "window ended at the step"
         # The publish limit still holds after the forward step.
-        time.sleep(RATE_SPAN_S)
-        published = len(results.since(forward + 0.5)) - len(results.since(forward + 0.5 + RATE_SPAN_S))
+        span_from = time.monotonic()
+        time.sleep(RATE_SPAN_S)  # the span the rate is measured over, not synchronisation
+        published = len(results.json(since=span_from)) - len(results.json(since=span_from + RATE_SPAN_S))
         assert published <= PUBLISH_HZ * RATE_SPAN_S + RATE_SLACK, published
 
         # Back an hour from there: a wall-clock window would last an hour longer, a wall-clock rate limit or
@@ -143,7 +123,7 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
         status = daemon.models.status()
         assert time.monotonic() - before_deploy >= OBSERVATION_S, status  # a rollback shows in its slots
         assert status["slots"][status["serving"]]["version"] == "1.1.0"  # confirmed, not rolled back
-        assert wait_for(lambda: len(results.since(back)) >= 3), "results stopped after the backward step"
+        assert wait_for(lambda: len(results.json(since=back)) >= 3), "results stopped after the backward step"
         for i in range(5):
             answered = command("status", "status-%d" % i)
             assert answered["state"] == "succeeded", answered
@@ -154,12 +134,10 @@ def test_wall_clock_steps_change_no_window_rate_deadline_or_order(tmp_path, mosq
         daemon.request_stop("test over")
         thread.join(60)
         notify.close()
-        results.close()
-        telemetry.close()
     # The per-source sequence number never went backwards across the steps (consumers order results by it).
-    numbers = [r["seq"] for r in results.since(0)]
+    numbers = [r["seq"] for _topic, r in results.json()]
     assert len(numbers) > 10 and all(b > a for a, b in zip(numbers, numbers[1:])), numbers
     # The steps were real to the daemon: its telemetry's wall time jumped a day, then went back an hour.
-    stamps = [t["ts"] for t in telemetry.since(0)]
+    stamps = [t["ts"] for _topic, t in telemetry.json()]
     assert max(stamps) - min(stamps) > DAY_S - HOUR_S
     assert any(later < earlier - HOUR_S / 2 for earlier, later in zip(stamps, stamps[1:]))

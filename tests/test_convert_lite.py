@@ -5,7 +5,6 @@ Runs in both lanes when a Lite Python exists (the host lane finds .venv-lite; th
 naming what is missing, otherwise. Every failing mode is checked to leave the bundle byte for byte unchanged.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -158,7 +157,8 @@ def test_daemon_serves_the_converted_bundle_on_lite_over_mosquitto(converted, tm
     import yaml
 
     from agent.cli.demo import write_sample_frames
-    from tests.daemon_rig import Subscriber, iou
+    from tests.conftest import MqttProbe
+    from tests.daemon_rig import iou
 
     root, status, output = converted
     assert status == cli.EXIT_OK, output
@@ -170,16 +170,16 @@ def test_daemon_serves_the_converted_bundle_on_lite_over_mosquitto(converted, tm
               "mqtt": {"host": mosquitto.host, "port": mosquitto.port},
               "batching": {"max_batch": 1, "max_wait_ms": 5}, "publish": {"telemetry_interval_s": 1.0}}
     (tmp_path / "daemon.yaml").write_text(yaml.safe_dump(config))
-    results = Subscriber(mosquitto, "atlas-edge/lite/results/#")
-    status_topic = Subscriber(mosquitto, "atlas-edge/lite/status")
+    results = MqttProbe(mosquitto, ["atlas-edge/lite/results/#"])
+    status_topic = MqttProbe(mosquitto, ["atlas-edge/lite/status"])
     proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(tmp_path / "daemon.yaml")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         assert results.wait(lambda m: len(m) >= len(E2E_SIZES), timeout=120), \
             proc.stdout.read() if proc.poll() is not None else "no results yet"
-        assert status_topic.wait(lambda m: any(json.loads(p).get("backend") == "mslite" for _t, p, _r in m),
-                                 timeout=20), status_topic.json()
+        assert status_topic.wait(lambda m: any(s.get("backend") == "mslite" for _t, s in m), timeout=20), \
+            status_topic.json()
     finally:
         proc.terminate()
         proc.wait(30)

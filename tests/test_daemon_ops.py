@@ -11,10 +11,9 @@ import time
 import pytest
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
-from tests.conftest import wait_for
+from tests.conftest import WAIT_S, MqttProbe, wait_for
 from tests.daemon_rig import (
     SIZES,
-    Subscriber,
     ctl,
     new_version,
     outbox_rows,
@@ -33,8 +32,8 @@ def test_ctl_status_config_and_deploy_against_the_daemon(tmp_path, mosquitto):
     frames = tmp_path / "frames"
     write_sample_frames(str(frames), sizes_hw=SIZES[:3], seed=9)
     config = write_config(tmp_path, mosquitto, frames, loop=True)
-    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
-    events = Subscriber(mosquitto, "atlas-edge/e2e/events")
+    results = MqttProbe(mosquitto, ["atlas-edge/e2e/results/#"])
+    events = MqttProbe(mosquitto, ["atlas-edge/e2e/events"])
     proc = start_daemon(config)
     try:
         status = json.loads(wait_status(mosquitto).stdout.strip().splitlines()[-1])
@@ -55,14 +54,14 @@ def test_ctl_status_config_and_deploy_against_the_daemon(tmp_path, mosquitto):
         deployed = ctl(mosquitto, "deploy", "--json", json.dumps({"bundle": source, "sha256": sha}), "--timeout",
                        "120", timeout=120)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        assert results.wait(lambda m: json.loads(m[-1][1])["model"]["version"] == "1.1.0", timeout=60)
+        assert results.wait(lambda m: m[-1][1]["model"]["version"] == "1.1.0", timeout=60)
         # After the switch every result has a confidence of at least the new threshold.
-        newest = [json.loads(p) for _t, p, _r in results.messages[-3:]]
+        newest = [r for _t, r in results.json()[-3:]]
         assert all(d["score"] >= 0.5 for r in newest for d in r["detections"])
 
         rolled = ctl(mosquitto, "rollback", "--json", '{"reason": "test"}')
         assert rolled.returncode == 0, rolled.stdout + rolled.stderr + str(events.json())
-        assert results.wait(lambda m: json.loads(m[-1][1])["model"]["version"] == "1.0.0", timeout=60)
+        assert results.wait(lambda m: m[-1][1]["model"]["version"] == "1.0.0", timeout=60)
         serving = json.loads(ctl(mosquitto, "status").stdout.strip().splitlines()[-1])["result"]
         assert 0 < serving["backend_busy_fraction"] <= 1  # the backend thread's share of the last 5 s
         assert proc.poll() is None
@@ -70,6 +69,7 @@ def test_ctl_status_config_and_deploy_against_the_daemon(tmp_path, mosquitto):
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
         results.close()
+        events.close()
 
 
 def _status(broker):
@@ -116,11 +116,10 @@ def test_results_queued_while_broker_is_away_survive_sigkill(tmp_path, fresh_bro
         outbox, RESULTS_TOPICS)
 
     fresh_broker.start()
-    results = Subscriber(fresh_broker, "atlas-edge/e2e/results/#")
+    results = MqttProbe(fresh_broker, ["atlas-edge/e2e/results/#"])
     proc = start_daemon(config)
     try:
-        assert results.wait(lambda m: sum(json.loads(p).get("historical", False) for _t, p, _r in m) >= 4,
-                            timeout=120)
+        assert results.wait(lambda m: sum(r.get("historical", False) for _t, r in m) >= 4, timeout=120)
         replayed = [r for _t, r in results.json() if r.get("historical")]
         assert sorted(r["frame_id"] for r in replayed[:4]) == [0, 1, 2, 3]
         assert all(r["source"] == "cam" for r in replayed)
@@ -179,23 +178,25 @@ def run_daemon_in_thread(tmp_path, broker, leak, monkeypatch):
 
 @pytest.mark.parametrize("leak", [True, False], ids=["leaking-backend", "healthy-backend"])
 def test_leak_restarts_the_daemon_cleanly_and_a_plateau_does_not(tmp_path, mosquitto, monkeypatch, leak):
-    alerts = Subscriber(mosquitto, "atlas-edge/e2e/telemetry/alert")
-    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
+    alerts = MqttProbe(mosquitto, ["atlas-edge/e2e/telemetry/alert"])
+    results = MqttProbe(mosquitto, ["atlas-edge/e2e/results/#"])
     daemon, thread, outcome = run_daemon_in_thread(tmp_path, mosquitto, leak, monkeypatch)
     try:
         thread.join(20 if leak else 8)
         if leak:
             assert not thread.is_alive(), "the leak was not acted on within the window"
             assert outcome["code"] == 3  # non-zero: systemd's Restart=on-failure brings it back
-            assert alerts.wait(lambda m: any(json.loads(p)["kind"] == "leak" for _t, p, _r in m), timeout=10)
-            time.sleep(0.5)
+            assert alerts.wait(lambda m: any(a["kind"] == "leak" for _t, a in m), timeout=10)
             from agent.ops.outbox import Outbox
 
-            pending = len(Outbox(str(tmp_path / "state" / "outbox.sqlite"), 1 << 26))
-            assert len(results.messages) + pending == daemon.loop.published > 0
+            pending = len(Outbox(str(tmp_path / "state" / "outbox.sqlite"), 1 << 26))  # fixed: the daemon ended
+            published = daemon.loop.published
+            # What it published before ending may still be on its way from the broker to this subscriber.
+            assert published > 0 and wait_for(lambda: results.count() + pending == published, timeout=WAIT_S), \
+                "published %d, received %d, in outbox %d" % (published, results.count(), pending)
         else:
             assert thread.is_alive(), "a healthy daemon stopped: %r" % daemon.stop_reason
-            assert not any(json.loads(p)["kind"] == "leak" for _t, p, _r in alerts.messages)
+            assert not any(a["kind"] == "leak" for _t, a in alerts.json())
     finally:
         daemon.request_stop("test over")
         thread.join(30)
@@ -208,16 +209,15 @@ def _paused_and_drained(broker, results, seen):
     answers in a row with the same count (one answer could fall between two chunks of a batch)."""
     status = _status(broker)
     drained = (status["paused"] and status["watchdog"]["inference_elapsed_s"] is None
-               and len(results.messages) == status["frames"])
+               and results.count() == status["frames"])
     settled = drained and seen.get("drained") and seen.get("frames") == status["frames"]
     seen.update(status, drained=drained)
     return bool(settled)
 
 
-def _reading_since(messages, since):
+def _reading_since(telemetry, since):
     """Telemetry sent after ``since`` (wall clock) while the camera source was still reading frames."""
-    payloads = [json.loads(m[1]) if isinstance(m[1], bytes) else m[1] for m in messages]
-    return [t for t in payloads if t["ts"] > since and t["sources"]["cam"]["fps_in"] > 0]
+    return [t for _topic, t in telemetry if t["ts"] > since and t["sources"]["cam"]["fps_in"] > 0]
 
 
 def test_pause_resume_snapshot_and_restart_through_ctl(tmp_path, mosquitto):
@@ -226,9 +226,9 @@ def test_pause_resume_snapshot_and_restart_through_ctl(tmp_path, mosquitto):
 
     frames = tmp_path / "frames"
     write_sample_frames(str(frames), sizes_hw=SIZES[:2], seed=4)
-    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
-    snapshots = Subscriber(mosquitto, "atlas-edge/e2e/snapshot/#")
-    telemetry = Subscriber(mosquitto, "atlas-edge/e2e/telemetry")
+    results = MqttProbe(mosquitto, ["atlas-edge/e2e/results/#"])
+    snapshots = MqttProbe(mosquitto, ["atlas-edge/e2e/snapshot/#"])
+    telemetry = MqttProbe(mosquitto, ["atlas-edge/e2e/telemetry"])
     proc = start_daemon(write_config(tmp_path, mosquitto, frames, loop=True))
     try:
         wait_status(mosquitto)
@@ -237,19 +237,19 @@ def test_pause_resume_snapshot_and_restart_through_ctl(tmp_path, mosquitto):
         drained = {}
         assert wait_for(lambda: _paused_and_drained(mosquitto, results, drained), timeout=60), \
             "the paused daemon never showed a drained pipeline: %r" % drained
-        count, settled_at = len(results.messages), time.time()
+        count, settled_at = results.count(), time.time()
         # The loop turned twice more (two telemetry messages) while the source kept reading frames: an unpaused
         # pipeline would have served some. The count must not have moved.
         assert telemetry.wait(lambda m: len(_reading_since(m, settled_at)) >= 2, timeout=30), \
             "no telemetry showed the paused daemon turning with frames arriving"
-        assert len(results.messages) == count, "results kept coming while paused"
+        assert results.count() == count, "results kept coming while paused"
         assert all(t["frames"] == drained["frames"] for t in _reading_since(telemetry.json(), settled_at))
         assert ctl(mosquitto, "resume").returncode == 0
-        assert results.wait(lambda m: len(m) > count + 2, timeout=30)
+        assert wait_for(lambda: results.count() > count + 2, timeout=30)
 
         shot = ctl(mosquitto, "snapshot")
         assert shot.returncode == 0, shot.stdout + shot.stderr
-        assert snapshots.wait(lambda m: len(m) >= 1, timeout=10)
+        assert wait_for(lambda: snapshots.count() >= 1, timeout=10)  # a JPEG: counted, not decoded
         picture = cv2.imdecode(np.frombuffer(snapshots.messages[0][1], np.uint8), cv2.IMREAD_COLOR)
         assert picture is not None and picture.shape[:2] in [tuple(h) for h in SIZES[:2]]
 
@@ -277,20 +277,21 @@ def test_home_assistant_discovery_is_retained_and_republished_on_ha_birth(tmp_pa
     data = yaml.safe_load(open(config))
     data["mqtt"]["homeassistant_discovery"] = True
     open(config, "w").write(yaml.safe_dump(data))
-    configs = Subscriber(mosquitto, "homeassistant/sensor/atlas-edge-e2e/#")
+    configs = MqttProbe(mosquitto, ["homeassistant/sensor/atlas-edge-e2e/#"])
     proc = start_daemon(config)
     try:
-        assert configs.wait(lambda m: len(m) >= 7, timeout=90)  # 6 of the box, 1 per source
-        first = len(configs.messages)
-        fps = json.loads([p for t, p, _r in configs.messages if t.endswith("/fps/config")][0])
+        assert wait_for(lambda: configs.count() >= 7, timeout=90)  # 6 of the box, 1 per source
+        first = configs.count()
+        fps = [c for t, c in configs.json() if t.endswith("/fps/config")][0]
         assert fps["state_topic"] == "atlas-edge/e2e/telemetry" and fps["availability"][0]["topic"].endswith(
             "/e2e/status")
-        cam = json.loads([p for t, p, _r in configs.messages if t.endswith("/source_cam/config")][0])
+        cam = [c for t, c in configs.json() if t.endswith("/source_cam/config")][0]
         assert cam["state_topic"] == fps["state_topic"] and 'sources["cam"].state' in cam["value_template"]
         publish.single("homeassistant/status", "online", hostname=mosquitto.host, port=mosquitto.port)
-        assert configs.wait(lambda m: len(m) >= first + 7, timeout=30), "not republished after HA's birth"
-        late = Subscriber(mosquitto, "homeassistant/sensor/atlas-edge-e2e/#")
-        assert late.wait(lambda m: len(m) >= 7 and all(r for _t, _p, r in m), timeout=10)  # retained
+        assert wait_for(lambda: configs.count() >= first + 7, timeout=30), "not republished after HA's birth"
+        late = MqttProbe(mosquitto, ["homeassistant/sensor/atlas-edge-e2e/#"])
+        assert wait_for(lambda: late.count() >= 7, timeout=10)
+        assert all(retained for _t, _p, retained, _d in late.messages)  # the retained copies, as a newcomer sees
         late.close()
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -12,8 +12,7 @@ import yaml
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from agent.config.overrides import OVERRIDES_FILE
-from tests.conftest import wait_for
-from tests.daemon_rig import Subscriber
+from tests.conftest import MqttProbe, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -38,7 +37,7 @@ def write_config(tmp_path, broker):
 
 def start(config_path, broker):
     """The daemon as systemd runs it; returns once its results flow (it then also takes commands)."""
-    results = Subscriber(broker, "atlas-edge/%s/results/#" % DEVICE)
+    results = MqttProbe(broker, ["atlas-edge/%s/results/#" % DEVICE])
     proc = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(config_path)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT))
@@ -112,11 +111,10 @@ def test_a_damaged_overrides_file_is_moved_aside_and_the_daemon_serves(tmp_path,
     (tmp_path / "state").mkdir()
     target = tmp_path / "state" / OVERRIDES_FILE
     target.write_bytes(damage)
-    alerts = Subscriber(mosquitto, "atlas-edge/%s/telemetry/alert" % DEVICE)
+    alerts = MqttProbe(mosquitto, ["atlas-edge/%s/telemetry/alert" % DEVICE])
     proc = start(path, mosquitto)  # starts and serves
     try:
-        assert alerts.wait(lambda m: any(json.loads(p)["kind"] == "state_file_damaged" for _t, p, _r in m),
-                           timeout=30)
+        assert alerts.wait(lambda m: any(a["kind"] == "state_file_damaged" for _t, a in m), timeout=30)
         alert = [a for _t, a in alerts.json() if a["kind"] == "state_file_damaged"][0]
         assert alert["figures"]["file"] == str(target) and alert["figures"]["moved_to"]
         code, status = ctl(mosquitto, "status")

@@ -10,7 +10,8 @@ import pytest
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from agent.commands.record import RequestRecord
 from agent.ops.outbox import Outbox
-from tests.daemon_rig import SIZES, Subscriber, start_daemon, wait_status, write_config
+from tests.conftest import MqttProbe
+from tests.daemon_rig import SIZES, start_daemon, wait_status, write_config
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -62,10 +63,9 @@ def stop(proc) -> None:
             proc.kill()
 
 
-def damaged_files(messages) -> set:
-    """The files named by ``state_file_damaged`` alerts among raw (topic, payload, retain) messages."""
-    alerts = [json.loads(payload) for _topic, payload, _retain in messages]
-    return {a["figures"]["file"] for a in alerts if a["kind"] == "state_file_damaged"}
+def damaged_files(alerts) -> set:
+    """The files named by ``state_file_damaged`` alerts among (topic, alert) pairs."""
+    return {a["figures"]["file"] for _topic, a in alerts if a["kind"] == "state_file_damaged"}
 
 
 @pytest.mark.parametrize("damage", [truncate, random_bytes, wrong_schema])
@@ -76,8 +76,8 @@ def test_the_daemon_starts_serves_and_reports_damaged_state(tmp_path, mosquitto,
     frames = tmp_path / "frames"
     write_sample_frames(str(frames), sizes_hw=SIZES[:3], seed=3)
     config = write_config(tmp_path, mosquitto, frames, loop=True)
-    alerts = Subscriber(mosquitto, "atlas-edge/e2e/telemetry/alert")
-    results = Subscriber(mosquitto, "atlas-edge/e2e/results/#")
+    alerts = MqttProbe(mosquitto, ["atlas-edge/e2e/telemetry/alert"])
+    results = MqttProbe(mosquitto, ["atlas-edge/e2e/results/#"])
     proc = start_daemon(config)
     try:
         status = json.loads(wait_status(mosquitto).stdout.strip().splitlines()[-1])["result"]
@@ -105,7 +105,7 @@ def test_status_counts_a_burst_of_hostile_commands(tmp_path, mosquitto):
     frames = tmp_path / "frames"
     write_sample_frames(str(frames), sizes_hw=SIZES[:2], seed=4)
     proc = start_daemon(write_config(tmp_path, mosquitto, frames, loop=True))
-    sender = Subscriber(mosquitto, "atlas-edge/e2e/ack/#")  # a plain client; its subscription is unused
+    sender = MqttProbe(mosquitto, ["atlas-edge/e2e/ack/#"])  # a plain client; its subscription is unused
     try:
         wait_status(mosquitto)
         burst = 300

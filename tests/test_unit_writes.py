@@ -25,8 +25,8 @@ import pytest
 import yaml
 
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
-from tests.conftest import wait_for
-from tests.daemon_rig import Subscriber, new_version, outbox_rows
+from tests.conftest import MqttProbe, wait_for
+from tests.daemon_rig import new_version, outbox_rows
 from tests.unit_support import ROOT, UNIT, directives, one
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
@@ -164,7 +164,7 @@ def test_a_full_run_writes_only_where_the_unit_lets_it(tmp_path, fresh_broker):
 
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", HOME=state, TMPDIR=box + "/tmp")
     env.pop("NOTIFY_SOCKET", None)
-    results = Subscriber(fresh_broker, "atlas-edge/%s/results/#" % DEVICE)
+    results = MqttProbe(fresh_broker, ["atlas-edge/%s/results/#" % DEVICE])
     log_file = open(tmp_path / "daemon.log", "w")
     proc = subprocess.Popen([sys.executable, str(launcher), audit_log, config_path],
                             cwd=box + one(service, "WorkingDirectory"), env=env, stdout=log_file,
@@ -181,11 +181,11 @@ def test_a_full_run_writes_only_where_the_unit_lets_it(tmp_path, fresh_broker):
         results_like = "atlas-edge/%s/results/%%" % DEVICE  # results only: telemetry is queued too
         assert wait_for(lambda: outbox_rows(outbox, results_like) >= 3, timeout=60), "results did not reach the outbox"
         fresh_broker.start()
-        results = Subscriber(fresh_broker, "atlas-edge/%s/results/#" % DEVICE)
-        assert results.wait(lambda m: any(json.loads(p).get("historical") for _t, p, _r in m), timeout=WAIT_S)
+        results = MqttProbe(fresh_broker, ["atlas-edge/%s/results/#" % DEVICE])
+        assert results.wait(lambda m: any(r.get("historical") for _t, r in m), timeout=WAIT_S)
         deployed = ctl(fresh_broker, "deploy", "--json", json.dumps({"bundle": source, "sha256": sha}), timeout=120)
         assert deployed["state"] == "succeeded"
-        assert results.wait(lambda m: json.loads(m[-1][1])["model"]["version"] == "1.1.0", timeout=WAIT_S)
+        assert results.wait(lambda m: m[-1][1]["model"]["version"] == "1.1.0", timeout=WAIT_S)
         rolled = ctl(fresh_broker, "rollback", "--json", '{"reason": "test"}')
         assert rolled["state"] == "succeeded"
         proc.send_signal(signal.SIGHUP)  # re-reads the file, keeps the overrides
