@@ -20,6 +20,7 @@ from agent.lifecycle.slots import EMPTY
 from agent.lifecycle.store import STAGING_DIR
 from agent.pipeline.handover import BetweenBatches
 from agent.protocol.requests import parse_request
+from tests.conftest import wait_for
 
 deploy_request = functools.partial(parse_request, "deploy")  # a deploy command's payload, as the dispatcher parses it
 
@@ -98,13 +99,9 @@ class Harness:
         return [e for e in self.events if e["event"] == name]
 
     def wait_for_event(self, name, timeout=WAIT_S):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = self.events_named(name)
-            if found:
-                return found[0]
-            time.sleep(0.01)
-        raise AssertionError("no %r event within %.0f s; events: %s" % (name, timeout, self.events))
+        assert wait_for(lambda: bool(self.events_named(name)), timeout), \
+            "no %r event within %.0f s; events: %s" % (name, timeout, self.events)
+        return self.events_named(name)[0]
 
 
 @pytest.fixture
@@ -157,10 +154,7 @@ class ServingLoop(threading.Thread):
 
     def wait_batches(self, count, timeout=WAIT_S):
         target = len(self.log) + count
-        deadline = time.monotonic() + timeout
-        while len(self.log) < target:
-            assert time.monotonic() < deadline, "serving loop made no progress"
-            time.sleep(0.005)
+        assert wait_for(lambda: len(self.log) >= target, timeout, interval=0.005), "serving loop made no progress"
 
     def __enter__(self):
         self.start()

@@ -37,7 +37,6 @@ from tests.archive_support import (
     tar_member,
     write,
 )
-from tests.conftest import wait_for
 from tests.lifecycle_support import (
     ServingLoop,
     assert_unchanged,
@@ -466,6 +465,8 @@ def test_an_archive_that_unpacks_past_the_cap_or_the_free_space_is_refused_befor
 class _TrickleHandler(http.server.BaseHTTPRequestHandler):
     """Declares 1 MB and sends a byte every 0.2 s: a download that would take days."""
 
+    trickling = threading.Event()  # set once a byte went out: a download is under way (a subclass has its own)
+
     def do_GET(self):
         self.send_response(200)
         self.send_header("Content-Length", str(1 << 20))
@@ -474,7 +475,8 @@ class _TrickleHandler(http.server.BaseHTTPRequestHandler):
             for _ in range(1 << 20):
                 self.wfile.write(b"\0")
                 self.wfile.flush()
-                time.sleep(0.2)
+                self.trickling.set()
+                time.sleep(0.2)  # the trickle's pace (the stand-in server's behaviour), not synchronisation
         except OSError:  # the box hung up: what a cancel does
             pass
 
@@ -496,11 +498,11 @@ def test_a_running_deploy_is_cancelled_and_changes_nothing(harness, tmp_path):
             outcome["error"] = exc
 
     assert h.manager.cancel() == {"cancelled": False}  # nothing running: nothing to cancel
-    with LoopbackHttpServer(str(tmp_path), handler=_TrickleHandler) as url:
+    handler = type("_WatchedTrickle", (_TrickleHandler,), {"trickling": threading.Event()})
+    with LoopbackHttpServer(str(tmp_path), handler=handler) as url:
         runner = threading.Thread(target=deploy)
         runner.start()
-        assert wait_for(lambda: h.manager._operation.locked(), timeout=WAIT_S)
-        time.sleep(0.5)  # let the download start trickling (not a synchronisation: cancel works at any point)
+        assert handler.trickling.wait(WAIT_S), "the download never started"  # cancelled mid-download
         assert h.manager.cancel() == {"cancelled": True}
         runner.join(WAIT_S)
         assert not runner.is_alive()

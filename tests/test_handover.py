@@ -1,11 +1,12 @@
 """The serving loop's one handover queue: order, results, errors, and a caller's timeout withdrawing its item."""
 
 import threading
-import time
 
 import pytest
 
+from agent.pipeline import handover
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
+from tests.conftest import wait_for
 
 
 def _submit_in_thread(queue: BetweenBatches, fn, timeout: float, out: dict, key: str) -> threading.Thread:
@@ -21,10 +22,7 @@ def _submit_in_thread(queue: BetweenBatches, fn, timeout: float, out: dict, key:
 
 
 def _wait_pending(queue: BetweenBatches, n: int) -> None:
-    deadline = time.monotonic() + 5
-    while queue.pending() < n:
-        assert time.monotonic() < deadline, "items never arrived"
-        time.sleep(0.001)
+    assert wait_for(lambda: queue.pending() >= n, timeout=5, interval=0.001), "items never arrived"
 
 
 def test_items_run_in_submission_order_and_return_results() -> None:
@@ -69,23 +67,34 @@ def test_a_timed_out_item_is_withdrawn_and_never_runs() -> None:
     assert ran == []
 
 
-def test_an_item_taken_before_the_timeout_completes_and_returns() -> None:
-    queue = BetweenBatches()
-    started, release, out = threading.Event(), threading.Event(), {}
+def test_an_item_taken_before_the_timeout_completes_and_returns(monkeypatch) -> None:
+    caller_timed_out = threading.Event()
 
-    def slow() -> str:
-        started.set()
-        release.wait(5)
-        return "applied"
+    class Done(threading.Event):
+        """The item's completion event, telling the test when the caller's timed wait on it ran out."""
+
+        def wait(self, timeout=None):
+            done = super().wait(timeout)
+            if not done and timeout is not None:
+                caller_timed_out.set()
+            return done
+
+    make_item = handover._Item.__init__
+
+    def item_with_a_watched_done(item, *args, **kwargs) -> None:
+        make_item(item, *args, **kwargs)
+        item.done = Done()
+
+    monkeypatch.setattr(handover._Item, "__init__", item_with_a_watched_done)
+    queue = BetweenBatches()
+    out = {}
+
+    def slow() -> str:  # runs until the caller's timeout has passed while it runs
+        return "applied" if caller_timed_out.wait(5) else "the caller's timeout never passed"
 
     caller = _submit_in_thread(queue, slow, 0.2, out, "swap")
     _wait_pending(queue, 1)
-    loop = threading.Thread(target=queue.run_pending)
-    loop.start()
-    assert started.wait(5)
-    time.sleep(0.3)  # the caller's timeout passes while the item runs
-    release.set()
-    loop.join(5)
+    assert queue.run_pending() == 1
     caller.join(5)
     assert out["swap"] == "applied"
 

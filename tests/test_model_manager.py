@@ -38,6 +38,7 @@ from agent.pipeline import backends
 from agent.pipeline.backends.opencv_backend import OpenCvBackend
 from tests import lifecycle_support as lifecycle
 from tests.clock_support import ManualClock
+from tests.conftest import wait_for
 from tests.lifecycle_support import (
     BATCH,
     LONG_WINDOW_S,
@@ -660,10 +661,8 @@ def _in_thread(out, key, fn, *args, **kwargs):
 
 
 def _wait_queued(handover, count):
-    deadline = time.monotonic() + WAIT_S
-    while handover.pending() < count:
-        assert time.monotonic() < deadline, "only %d of %d items reached the queue" % (handover.pending(), count)
-        time.sleep(0.005)
+    assert wait_for(lambda: handover.pending() >= count, WAIT_S, interval=0.005), \
+        "only %d of %d items reached the queue" % (handover.pending(), count)
 
 
 def test_a_config_change_a_swap_and_a_rollback_at_once_apply_in_order_between_batches(harness, base_bundle):

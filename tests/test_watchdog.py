@@ -464,8 +464,14 @@ def test_pings_follow_progress_stop_on_a_hang_and_resume(listener):
     memory = MemoryWatchdog(config, read_limit=lambda: None)
     alerts: List[dict] = []
     restarts: List[str] = []
+    ticks: List[float] = []
+
+    def clock() -> float:  # the watchdog thread's own clock: each reading is one tick of it
+        ticks.append(time.monotonic())
+        return ticks[-1]
+
     watchdog = Watchdog(config, memory, progress, notifier, on_alert=alerts.append,
-                        request_restart=restarts.append, tick_s=0.05)
+                        request_restart=restarts.append, tick_s=0.05, clock=clock)
     hang, release, stop = threading.Event(), threading.Event(), threading.Event()
     hung_at: List[float] = []
 
@@ -497,7 +503,10 @@ def test_pings_follow_progress_stop_on_a_hang_and_resume(listener):
         hang.set()
         assert wait_for(lambda: bool(hung_at))
         assert wait_for(lambda: bool(restarts))
-        time.sleep(3 * watchdog.ping_interval_s)
+        # The observation window for the negative below, kept by the watchdog's own thread (not a sleep, which a
+        # loaded machine could spend without it running): it ticks on through three ping intervals of the hang.
+        window_end = time.monotonic() + 3 * watchdog.ping_interval_s
+        assert wait_for(lambda: ticks[-1] >= window_end), "the watchdog thread stopped ticking"
         after_hang = listener.received("WATCHDOG=1", after=hung_at[0])
         hang_alerts = [a for a in alerts if a["kind"] == "hang"]
         release.set()
