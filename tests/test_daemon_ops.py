@@ -21,8 +21,12 @@ from tests.daemon_rig import (
     wait_status,
     write_config,
 )
+from tests.lifecycle_support import NOISE_PROOF_FACTOR
 
 RESULTS_TOPICS = "atlas-edge/e2e/results/%"
+# The latency rule is not under test here: on two loaded cores a median can double and roll a deployed model
+# back before the test looks at it (seen: 37 ms against a 17 ms baseline, then "nothing to roll back").
+STEADY_MODEL = {"bundle": DEMO_BUNDLE, "observation_s": 0, "latency_regression": NOISE_PROOF_FACTOR}
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
                                 reason="examples/demo-bundle is missing (make demo-bundle)")
@@ -31,7 +35,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "ma
 def test_ctl_status_config_and_deploy_against_the_daemon(tmp_path, mosquitto):
     frames = tmp_path / "frames"
     write_sample_frames(str(frames), sizes_hw=SIZES[:3], seed=9)
-    config = write_config(tmp_path, mosquitto, frames, loop=True)
+    config = write_config(tmp_path, mosquitto, frames, loop=True, model=STEADY_MODEL)
     results = MqttProbe(mosquitto, ["atlas-edge/e2e/results/#"])
     events = MqttProbe(mosquitto, ["atlas-edge/e2e/events"])
     proc = start_daemon(config)
@@ -82,7 +86,7 @@ def test_set_config_batching_reaches_the_next_deploy(tmp_path, mosquitto):
     frames = tmp_path / "frames"
     write_sample_frames(str(frames), sizes_hw=SIZES[:2], seed=5)
     config = write_config(tmp_path, mosquitto, frames, loop=True,
-                          model={"bundle": DEMO_BUNDLE, "observation_s": 0, "backend": "opencv"})
+                          model=dict(STEADY_MODEL, backend="opencv"))
     proc = start_daemon(config)
     try:
         wait_status(mosquitto)

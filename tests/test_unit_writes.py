@@ -27,6 +27,7 @@ import yaml
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from tests.conftest import MqttProbe, wait_for
 from tests.daemon_rig import new_version, outbox_rows
+from tests.lifecycle_support import NOISE_PROOF_FACTOR
 from tests.unit_support import ROOT, UNIT, directives, one
 
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
@@ -149,7 +150,8 @@ def test_a_full_run_writes_only_where_the_unit_lets_it(tmp_path, fresh_broker):
     with open(config_path, "w", encoding="utf-8") as handle:
         handle.write("# the operator's file: never rewritten by the daemon\n" + yaml.safe_dump({
             "device_id": DEVICE, "device": "cpu-dev", "state_dir": state,
-            "model": {"bundle": bundle, "backend": "opencv", "observation_s": 0},
+            "model": {"bundle": bundle, "backend": "opencv", "observation_s": 0,
+                      "latency_regression": NOISE_PROOF_FACTOR},  # not under test: load must not roll back
             "sources": [{"name": "cam", "uri": frames, "loop": True, "max_fps": 10}],
             "mqtt": {"host": fresh_broker.host, "port": fresh_broker.port, "reconnect_min_s": 0.1,
                      "reconnect_max_s": 0.5},
