@@ -16,8 +16,7 @@ from agent._util.ratelog import LogLimiter
 from agent.commands.record import RequestRecord
 from agent.protocol.messages import FAILED, ack_message, error_body, peek_request_id
 
-# The dispatcher's log: these lines keep the name they have always had in the journal.
-logger = logging.getLogger("agent.commands.dispatcher")
+logger = logging.getLogger(__name__)
 
 DROP_LOG_FIRST, DROP_LOG_EVERY = 10, 100  # drops are logged the first times, then once per 100 per reason
 COUNTERS = ("received", "accepted", "succeeded", "duplicates", "announced")

@@ -22,8 +22,7 @@ from agent.lifecycle.slots import CONFIRMED, SlotTable, save_slots, with_confirm
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
 from agent.pipeline.model import LoadedModel
 
-# The model manager's log: these lines keep the name they have always had in the journal.
-log = logging.getLogger("agent.lifecycle.model_manager")
+log = logging.getLogger(__name__)
 
 
 @dataclass

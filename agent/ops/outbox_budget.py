@@ -14,8 +14,7 @@ budget or the disk no longer limits the budget.
 
 This is apart from :mod:`agent.ops.outbox` because it is arithmetic about the file system and a small state
 machine, not the queue: it reads no row and writes none. The outbox calls it under its own lock and hands it the
-figures it needs (the configured budget, the bytes stored), so it keeps no copy of the queue's state; its log
-lines keep the outbox's logger name.
+figures it needs (the configured budget, the bytes stored), so it keeps no copy of the queue's state.
 """
 
 import logging
@@ -26,7 +25,7 @@ from typing import Callable, Dict, Optional, Tuple
 from agent._util.disk import free_bytes
 from agent._util.ratelog import LogLimiter
 
-logger = logging.getLogger("agent.ops.outbox")
+logger = logging.getLogger(__name__)
 
 # The WAL is checkpointed every 128 pages (512 KiB at 4 KiB pages) and truncated back to this size afterwards,
 # so the WAL's share of the disk is bounded and known (SQLite's defaults let it grow to 4 MiB and stay there).
