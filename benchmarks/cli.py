@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="fewer repeats and frames: the whole suite in under 2 minutes on 2 cores",
+        help="fewer repeats and frames: every section in about 3-4 minutes on 2 cores",
     )
     parser.add_argument("--json", metavar="OUT", help="write the results here (JSON)")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots here (needs matplotlib)")
