@@ -15,11 +15,11 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn
 
+from converters.bundle_writer import INPUT_NAME  # the input name every manifest records: exports use it
 from converters.runtimes import run_mindir, run_onnx_opencv
 
 log = logging.getLogger(__name__)
 
-INPUT_NAME = "images"
 OUTPUT_NAME = "output0"
 # Read-back tolerance of an export against its source network (float32, same ops, another runtime): box
 # coordinates of a few hundred pixels carry float32 rounding of ~3e-5.
