@@ -24,7 +24,7 @@ import numpy as np
 from agent.config.schema import setting
 from agent.pipeline.input_batch import BatchPreprocessor
 from agent.pipeline.preprocess import PreprocessSpec, letterbox
-from converters.runtimes import run_mindir, run_onnx_opencv
+from converters.runtimes import run_on_host
 
 CALIBRATION_DIR = "calibration"
 GOLDEN_DIR = "golden"
@@ -127,8 +127,7 @@ def write_golden(
             batcher.fill_letterboxed(0, image)
             expected = {}
             for art in runnable:
-                runner = run_onnx_opencv if art.format == "onnx" else run_mindir
-                output = runner(os.path.join(out_dir, art.file), batcher.batch)
+                output = run_on_host(os.path.join(out_dir, art.file), art.format, batcher.batch)
                 out_file = "%s/case%d.%s.npy" % (GOLDEN_DIR, index, art.file)
                 np.save(os.path.join(out_dir, out_file), output.astype(np.float32))
                 expected[art.file] = out_file

@@ -2,9 +2,12 @@
 
 ``cv2.dnn`` for ONNX (the box's CPU fallback backend), ``mindspore.load`` + ``nn.GraphCell`` for MindIR. Every
 bundle producer reads its artifacts back through these: ``qat``'s export checks (:mod:`quant.export`), the
-golden set (:mod:`converters.bundle_writer`) and ``bundle create`` (:mod:`converters.byom.create`). MindSpore is
-imported inside the function that runs a MindIR, so importing this module never needs it.
+golden set (:mod:`converters.bundle_writer`) and ``bundle create`` (:mod:`converters.byom.create`), through
+:func:`run_on_host`, which picks the runtime by format. MindSpore is imported inside the function that runs a
+MindIR, so importing this module never needs it.
 """
+
+from typing import Callable, Dict
 
 import numpy as np
 
@@ -28,3 +31,14 @@ def run_onnx_opencv(path: str, inputs: np.ndarray) -> np.ndarray:
     net = cv2.dnn.readNetFromONNX(path)
     net.setInput(inputs)
     return net.forward()
+
+
+RUNTIME_NAMES = {"onnx": "cv2.dnn", "mindir": "mindspore"}
+
+
+def run_on_host(path: str, fmt: str, inputs: np.ndarray) -> np.ndarray:
+    """Output 0 of an artifact of format ``fmt`` ("onnx" or "mindir") on ``inputs``, by the runtime for it."""
+    runners: Dict[str, Callable[[str, np.ndarray], np.ndarray]] = {"onnx": run_onnx_opencv, "mindir": run_mindir}
+    if fmt not in runners:
+        raise ValueError("no host runtime for %s artifacts (%s): only onnx and mindir run here" % (fmt, path))
+    return runners[fmt](path, inputs)

@@ -16,7 +16,7 @@ import numpy as np
 from mindspore import nn
 
 from converters.bundle_writer import INPUT_NAME  # the input name every manifest records: exports use it
-from converters.runtimes import run_mindir, run_onnx_opencv
+from converters.runtimes import run_on_host
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,7 @@ def export_onnx(network: nn.Cell, input_shape: Tuple[int, ...], path: str) -> st
 
 def check_export(path: str, inputs: np.ndarray, expected: np.ndarray, atol: float = EXPORT_ATOL) -> float:
     """Run an exported artifact on ``inputs``, compare with ``expected``; returns the max abs difference."""
-    runner = run_onnx_opencv if path.endswith(".onnx") else run_mindir
-    got = runner(path, inputs)
+    got = run_on_host(path, "onnx" if path.endswith(".onnx") else "mindir", inputs)
     if got.shape != expected.shape:
         raise RuntimeError("%s: output shape %s, network gives %s" % (path, got.shape, expected.shape))
     error = np.abs(got - expected)

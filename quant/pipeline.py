@@ -230,10 +230,11 @@ class QatRun:
     def run(self) -> Dict[str, Any]:
         import mindspore as ms
 
+        from quant.training import use_graph_mode_on
+
         started_all = time.monotonic()
         config = self.config
-        ms.set_context(mode=ms.GRAPH_MODE)
-        ms.set_device({"cpu": "CPU", "gpu": "GPU", "ascend": "Ascend"}[self.options.device])
+        use_graph_mode_on({"cpu": "CPU", "gpu": "GPU", "ascend": "Ascend"}[self.options.device])
         ms.set_seed(config.seed)
 
         # 1. Everything that can be wrong with the input, cheapest first, before any training.

@@ -24,6 +24,17 @@ log = logging.getLogger(__name__)
 Batch = Tuple[np.ndarray, ...]
 
 
+def use_graph_mode_on(target: str = "CPU") -> None:
+    """Graph mode on ``target`` for this process. MindSpore fixes the device once anything has run (a MindIR read
+    back, a box backend in the same process): asking for that same device again is fine, another one is an error."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        ms.set_device(target)
+    except RuntimeError:
+        if ms.get_context("device_target") != target:
+            raise
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     epochs: int

@@ -8,6 +8,7 @@ from quant.detection_loss import assign_targets
 ms = pytest.importorskip("mindspore")
 
 from quant.networks import ShapesDetector, anchor_points  # noqa: E402
+from quant.training import use_graph_mode_on  # noqa: E402
 
 HW = (128, 128)
 
@@ -68,8 +69,7 @@ def test_detector_output_layout_and_loss_decreases(grid):
     from quant.datasets import generate_shapes, network_input
     from quant.detection_loss import DetectionLoss, batch_targets
 
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
+    use_graph_mode_on("CPU")
     ms.set_seed(0)
     spec = PreprocessSpec()
     data, _ = generate_shapes(4, 3, HW, spec)

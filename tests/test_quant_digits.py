@@ -19,7 +19,7 @@ pytest.importorskip("mindspore_gs")
 from agent.bundle.verify import verify_bundle  # noqa: E402
 from agent.pipeline.input_batch import BatchPreprocessor  # noqa: E402
 from agent.pipeline.preprocess import PreprocessSpec  # noqa: E402
-from converters.runtimes import run_mindir, run_onnx_opencv  # noqa: E402
+from converters.runtimes import run_on_host  # noqa: E402
 from quant.config import load_config  # noqa: E402
 from quant.export import read_fake_quant_params  # noqa: E402
 from quant.pipeline import QatRun, RunOptions  # noqa: E402
@@ -139,8 +139,7 @@ def test_bundle_verifies_and_golden_set_is_reproduced_by_each_runtime(run):
                 input_color=artifact.input_color,
             )
             batcher.fill_letterboxed(0, image)
-            runner = run_onnx_opencv if artifact.format == "onnx" else run_mindir
-            got = runner(bundle.path(file), batcher.batch)
+            got = run_on_host(bundle.path(file), artifact.format, batcher.batch)
             np.testing.assert_allclose(
                 got, np.load(bundle.path(expected_file)), atol=manifest.golden.atol, rtol=manifest.golden.rtol
             )

@@ -10,12 +10,12 @@ from mindspore import nn, ops  # noqa: E402
 from mindspore_gs.quantization.quant_utils import cal_quantization_params, get_quant_min_max  # noqa: E402
 
 from quant.fake_quant import build_algorithm, cpu_fake_quantizer_class, fake_quantizers  # noqa: E402
+from quant.training import use_graph_mode_on  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def graph_mode():
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
+    use_graph_mode_on("CPU")
 
 
 def reference_fake_quant(x, low, high, signed, symmetric, axis_shape=None):

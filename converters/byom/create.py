@@ -51,7 +51,7 @@ from converters.byom.decide import (
 )
 from converters.byom.model_file import CreateError, ModelInfo, Tier, inspect_model
 from converters.byom.onnx_graph import fixed_onnx
-from converters.runtimes import run_mindir, run_onnx_opencv
+from converters.runtimes import RUNTIME_NAMES, run_on_host
 from converters.toolrun import toolchain_versions
 
 log = logging.getLogger(__name__)
@@ -98,12 +98,11 @@ def load_images(directory: Optional[str], count: int) -> Tuple[List[np.ndarray],
 
 def run_artifact(path: str, fmt: str, tier: Tier) -> Tuple[int, ...]:
     """Output 0's shape at ``tier`` through the runtime that will consume the artifact."""
-    runner = run_onnx_opencv if fmt == "onnx" else run_mindir
     try:
-        output = runner(path, np.zeros((1, 3) + tuple(tier), np.float32))
+        output = run_on_host(path, fmt, np.zeros((1, 3) + tuple(tier), np.float32))
     except Exception as exc:  # cv2.error / RuntimeError from the runtimes: report, do not crash
         raise CreateError("%s at %dx%d does not run with %s: %s" % (
-            os.path.basename(path), tier[0], tier[1], "cv2.dnn" if fmt == "onnx" else "mindspore", exc)) from None
+            os.path.basename(path), tier[0], tier[1], RUNTIME_NAMES.get(fmt, fmt), exc)) from None
     if not np.issubdtype(output.dtype, np.floating):
         raise CreateError("%s: output 0 is %s, not float" % (os.path.basename(path), output.dtype))
     return tuple(output.shape)
