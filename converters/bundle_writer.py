@@ -50,7 +50,9 @@ def tier_name(tier: Tuple[int, int]) -> str:
 
 @dataclasses.dataclass
 class ArtifactPlan:
-    """One exported model file and how the box must feed it (float32 NCHW, normalised on the host)."""
+    """One exported model file and how the box must feed it: float32 NCHW normalised on the host, unless
+    ``model_input`` says otherwise (:data:`converters.onnx_input.MODEL_INPUT` for a model that takes uint8 BGR
+    NHWC and normalises itself)."""
 
     file: str
     tier: Tuple[int, int]
@@ -58,9 +60,10 @@ class ArtifactPlan:
     format: str  # mindir | onnx
     precision: str  # float32 | int8-sim | int8
     role: str  # serve | convert
+    model_input: Optional[Dict[str, str]] = None  # input_dtype/input_layout/input_color/normalize_on overrides
 
     def manifest_entry(self, input_color: str) -> Dict[str, Any]:
-        return {
+        entry = {
             "file": self.file,
             "format": self.format,
             "target": "cpu",
@@ -76,6 +79,15 @@ class ArtifactPlan:
             "config_files": [],
             "toolchain": {},
         }
+        entry.update(self.model_input or {})
+        return entry
+
+    def preprocessor(self, spec: PreprocessSpec) -> BatchPreprocessor:
+        """The box's preprocessing for this artifact at batch 1 (agent.pipeline.model builds the same)."""
+        entry = self.manifest_entry(spec.color)
+        return BatchPreprocessor(spec, self.tier, max_batch=1, input_dtype=entry["input_dtype"],
+                                 input_layout=entry["input_layout"], input_color=entry["input_color"],
+                                 normalize=entry["normalize_on"] == "host")
 
 
 def write_calibration(
@@ -123,11 +135,11 @@ def write_golden(
             )
             image_file = "%s/case%d.npy" % (GOLDEN_DIR, index)
             np.save(os.path.join(out_dir, image_file), image)
-            batcher = BatchPreprocessor(spec, tier, max_batch=1)  # the box's path for these artifacts
-            batcher.fill_letterboxed(0, image)
             expected = {}
             for art in runnable:
-                output = run_on_host(os.path.join(out_dir, art.file), art.format, batcher.batch)
+                batcher = art.preprocessor(spec)  # the box's path for this artifact
+                batcher.fill_letterboxed(0, image)
+                output = run_on_host(os.path.join(out_dir, art.file), art.format, batcher.batch, art.precision)
                 out_file = "%s/case%d.%s.npy" % (GOLDEN_DIR, index, art.file)
                 np.save(os.path.join(out_dir, out_file), output.astype(np.float32))
                 expected[art.file] = out_file
