@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from agent.config.schema import setting
+from agent.config.schema import setting, to_dict
 from agent.pipeline.input_batch import BatchPreprocessor
-from agent.pipeline.preprocess import PreprocessSpec, letterbox
+from agent.pipeline.preprocess import PreprocessSpec, letterbox_for
 from converters.runtimes import run_on_host
 
 CALIBRATION_DIR = "calibration"
@@ -130,9 +130,7 @@ def write_golden(
         runnable = [a for a in artifacts if a.tier == tier and a.batch == 1 and a.role == "serve"]
         for original in originals_bgr[:cases_per_tier]:
             index = len(cases)
-            image, _ = letterbox(
-                original, tier, pad_value=spec.pad_value, scaleup=spec.scaleup, center=spec.center
-            )
+            image, _ = letterbox_for(original, tier, spec)
             image_file = "%s/case%d.npy" % (GOLDEN_DIR, index)
             np.save(os.path.join(out_dir, image_file), image)
             expected = {}
@@ -154,7 +152,7 @@ def write_manifest_for(
     task: str,
     labels: List[str],
     tiers: Sequence[Sequence[int]],
-    preprocessing: Dict[str, Any],
+    preprocessing: PreprocessSpec,
     postprocessing: Dict[str, Any],
     artifacts: Sequence[ArtifactPlan],
     calibration: Optional[Dict[str, Any]],
@@ -182,9 +180,9 @@ def write_manifest_for(
             "dtype": "float32",
             "tiers": [list(t) for t in tiers],
         },
-        "preprocessing": preprocessing,
+        "preprocessing": to_dict(preprocessing),
         "postprocessing": postprocessing,
-        "artifacts": [a.manifest_entry(preprocessing["color"]) for a in artifacts],
+        "artifacts": [a.manifest_entry(preprocessing.color) for a in artifacts],
         "toolchain": toolchain,
         "golden": golden,
         "calibration": calibration,

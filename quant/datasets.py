@@ -20,7 +20,7 @@ import numpy as np
 
 from agent.devtools.scenes import SHAPE_LABELS, generate_scene
 from agent.pipeline.input_batch import BatchPreprocessor
-from agent.pipeline.preprocess import PreprocessSpec, letterbox
+from agent.pipeline.preprocess import PreprocessSpec, letterbox_for
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +84,7 @@ def _letterbox_into(
     image_bgr: np.ndarray, tier_hw: Tuple[int, int], spec: PreprocessSpec
 ) -> Tuple[np.ndarray, float, int, int]:
     """Letterbox with the bundle's options; returns the image, the gain and the left/top padding."""
-    boxed, plan = letterbox(
-        image_bgr, tier_hw, pad_value=spec.pad_value, scaleup=spec.scaleup, center=spec.center
-    )
+    boxed, plan = letterbox_for(image_bgr, tier_hw, spec)
     return boxed, plan.gain, plan.left, plan.top
 
 

@@ -56,7 +56,7 @@ class RunOptions:
 
 
 def preprocess_spec(config: RunConfig) -> PreprocessSpec:
-    return PreprocessSpec.from_manifest(to_dict(config.preprocessing))
+    return config.preprocessing  # the manifest's type, checked when the run config was parsed
 
 
 def default_work_dir(out_dir: str) -> str:
@@ -302,7 +302,7 @@ class QatRun:
         print(write_report(self.out, report), end="")
         write_manifest_for(
             self.out, config.name, config.version, config.task, self.labels, config.export.tiers,
-            to_dict(config.preprocessing), to_dict(config.postprocessing), self.artifacts, calibration, golden,
+            config.preprocessing, to_dict(config.postprocessing), self.artifacts, calibration, golden,
             report["toolchain"])
         return report
 

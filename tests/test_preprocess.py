@@ -10,12 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.bundle.manifest import BundleError, LetterboxSpec, Preprocessing, parse_manifest
+from agent.config.schema import parse
 from agent.pipeline.input_batch import BatchPreprocessor
 from agent.pipeline.preprocess import (
     PAD_VALUE,
     LetterboxPlan,
     PreprocessSpec,
     letterbox,
+    letterbox_for,
     plan_letterbox,
     scale_boxes,
 )
@@ -222,22 +225,28 @@ def test_scale_boxes_rejects_bad_shapes():
     assert scale_boxes(np.zeros((0, 4)), plan).shape == (0, 4)
 
 
-# --- PreprocessSpec ---
+# --- the spec: the manifest's Preprocessing, parsed once by the schema ---
 
 
-def test_spec_from_manifest():
-    spec = PreprocessSpec.from_manifest(
+def test_spec_is_the_manifests_type():
+    spec = parse(
+        Preprocessing,
         {
             "letterbox": {"pad_value": 0, "center": False, "scaleup": False},
             "color": "bgr",
             "mean": [1, 2, 3],
             "std": [4.0, 5.0, 6.0],
-        }
+        },
+        "preprocessing",
     )
+    assert PreprocessSpec is Preprocessing
     assert spec == PreprocessSpec(
-        pad_value=0, center=False, scaleup=False, color="bgr", mean=(1, 2, 3), std=(4, 5, 6)
+        letterbox=LetterboxSpec(pad_value=0, center=False, scaleup=False), color="bgr", mean=(1.0, 2.0, 3.0),
+        std=(4.0, 5.0, 6.0),
     )
-    assert spec.mean == (1.0, 2.0, 3.0)
+    boxed, plan = letterbox_for(np.full((10, 40, 3), 7, np.uint8), (20, 20), spec)
+    assert (plan.resized_hw, plan.top, plan.left) == ((5, 20), 0, 0)  # no centring, no scale-up past 0.5
+    assert (boxed[5:] == 0).all() and (boxed[:5] == 7).all()
 
 
 @pytest.mark.parametrize(
@@ -250,12 +259,18 @@ def test_spec_from_manifest():
         ({"color": "rgba"}, "preprocessing.color"),
         ({"std": [255, 0, 255]}, "preprocessing.std"),
         ({"mean": [0, 0]}, "preprocessing.mean"),
-        ({"mean": [0, float("nan"), 0]}, "preprocessing.mean"),
+        ({"mean": [0, float("nan"), 0]}, "preprocessing.mean[1]"),
     ],
 )
-def test_spec_from_manifest_names_the_bad_field(preprocessing, path):
-    with pytest.raises(ValueError, match=path.replace(".", r"\.")):
-        PreprocessSpec.from_manifest(preprocessing)
+def test_manifest_names_the_bad_preprocessing_field(preprocessing, path):
+    manifest = {"name": "n", "version": "1", "created": "now", "task": "classify", "labels": ["a"],
+                "input": {"name": "images", "tiers": [[32, 32]]},
+                "artifacts": [{"file": "m.onnx", "format": "onnx", "target": "cpu", "tier": [32, 32],
+                               "sha256": "0" * 64, "size": 1}],
+                "preprocessing": preprocessing}
+    with pytest.raises(BundleError) as raised:
+        parse_manifest(manifest)
+    assert [e.path for e in raised.value.errors] == [path]
 
 
 # --- BatchPreprocessor ---
@@ -307,11 +322,47 @@ def test_batch_uint8_aipp_passes_letterboxed_pixels(noise, layout, input_color):
     for index, (h0, w0) in [(0, (300, 500)), (1, (600, 200)), (0, (100, 90))]:
         frame = noise[:h0, :w0]
         pre.fill(index, frame)
-        letterboxed = reference_letterbox(frame, dst_hw, pad=IMAGENET.pad_value)[0]
+        letterboxed = reference_letterbox(frame, dst_hw, pad=IMAGENET.letterbox.pad_value)[0]
         pixels = letterboxed[..., ::-1] if input_color == "rgb" else letterboxed
         expected = pixels.transpose(2, 0, 1) if layout == "NCHW" else pixels
         assert np.array_equal(pre.batch[index], expected), (index, h0, w0)
     assert pre.batch.ctypes.data == pointer
+
+
+@pytest.mark.parametrize("input_color", ["bgr", "rgb"])
+def test_uint8_nhwc_one_copy_is_byte_identical_to_the_letterbox(noise, input_color):
+    """normalize_on model/aipp with NHWC uint8: the resize lands in the slot; only the pad strips are written,
+    and only when the slot's geometry changes. Every fill must equal the one letterbox, byte for byte."""
+    dst_hw = (256, 256)
+    pre = BatchPreprocessor(PreprocessSpec(), dst_hw, max_batch=2, input_dtype="uint8", input_layout="NHWC",
+                            input_color=input_color, normalize=False)
+    pre.batch[...] = 7  # stale bytes: whatever the pad strips do not cover would show
+    pointer = pre.batch.ctypes.data
+    big = np.ascontiguousarray(np.tile(noise, (2, 3, 1))[:1080, :1920])
+    # wide -> tall (interior shrinks and moves) -> the tier's own size (a copy) -> upscaled -> wide again
+    for index, frame in [(0, big), (0, noise[:600, :200]), (0, noise[:256, :256]), (1, noise[:50, :60]),
+                         (0, big), (1, big[:1000, :1700])]:
+        frame = np.ascontiguousarray(frame)
+        plan = pre.fill(index, frame)
+        expected, expected_plan = letterbox(frame, dst_hw)
+        assert plan == expected_plan
+        assert np.array_equal(pre.batch[index], expected[..., ::-1] if input_color == "rgb" else expected)
+    assert pre.batch.ctypes.data == pointer
+
+
+def test_uint8_nhwc_one_copy_golden_numbers():
+    """A flat 1080p frame (B, G, R) = (10, 20, 30) into 256x256: gain 256/1920, 144 rows of picture between
+    56 rows of grey 114 above and below (Ultralytics' rounding puts no odd row anywhere: 112 = 56 + 56)."""
+    pre = BatchPreprocessor(PreprocessSpec(), (256, 256), max_batch=1, input_dtype="uint8", input_layout="NHWC",
+                            input_color="rgb", normalize=False)
+    frame = np.empty((1080, 1920, 3), np.uint8)
+    frame[...] = (10, 20, 30)
+    plan = pre.fill(0, frame)
+    assert (plan.resized_hw, plan.top, plan.bottom, plan.left, plan.right) == ((144, 256), 56, 56, 0, 0)
+    slot = pre.batch[0]
+    assert (slot[:56] == 114).all() and (slot[200:] == 114).all()
+    assert (slot[56:200] == np.array([30, 20, 10], np.uint8)).all()  # RGB order, as input_color says
+    assert zlib.crc32(slot.tobytes()) == zlib.crc32(letterbox(frame, (256, 256))[0][..., ::-1].tobytes())
 
 
 def test_batch_float_without_normalisation_passes_raw_values(noise):
@@ -331,8 +382,10 @@ def test_fill_letterboxed_applies_only_colour_and_normalisation(noise, dtype, no
     np.testing.assert_allclose(pre.batch[1], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_fill_does_not_allocate_per_frame(noise):
-    pre = BatchPreprocessor(IMAGENET, (640, 640), max_batch=2)
+@pytest.mark.parametrize("dtype, layout", [("float32", "NCHW"), ("uint8", "NHWC")])
+def test_fill_does_not_allocate_per_frame(noise, dtype, layout):
+    pre = BatchPreprocessor(IMAGENET, (640, 640), max_batch=2, input_dtype=dtype, input_layout=layout,
+                            normalize=dtype == "float32")
     frame = np.ascontiguousarray(np.tile(noise, (2, 3, 1))[:1080, :1920])
     pre.fill(0, frame)  # first fill of a size plans it and pads the slot
     tracemalloc.start()
@@ -341,8 +394,8 @@ def test_fill_does_not_allocate_per_frame(noise):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    float_plane_bytes = 640 * 640 * 4  # any per-frame temporary of the image would be at least this big
-    assert peak < float_plane_bytes // 10, f"fill allocated {peak} bytes"
+    plane_bytes = 640 * 640  # any per-frame temporary of the image would be at least this big
+    assert peak < plane_bytes // 10, f"fill allocated {peak} bytes"
 
 
 def test_view_returns_leading_slots_or_the_fixed_batch():
@@ -408,4 +461,4 @@ def test_letterbox_rejects_bad_arguments(noise, call, name):
 
 
 def test_pad_value_constant_is_ultralytics_grey():
-    assert PAD_VALUE == 114 and PreprocessSpec().pad_value == 114
+    assert PAD_VALUE == 114 and PreprocessSpec().letterbox.pad_value == 114

@@ -116,14 +116,7 @@ def test_bundle_verifies_and_golden_set_is_reproduced_by_each_runtime(run):
     roles = {a.file: (a.role, a.precision) for a in manifest.artifacts}
     assert roles["model_32x32.deploy.mindir"] == ("convert", "int8")
     assert roles["model_32x32.int8sim.mindir"] == ("serve", "int8-sim")
-    spec = PreprocessSpec.from_manifest(
-        {
-            "letterbox": {"pad_value": 114},
-            "color": manifest.preprocessing.color,
-            "mean": manifest.preprocessing.mean,
-            "std": manifest.preprocessing.std,
-        }
-    )
+    spec = manifest.preprocessing
     checked = 0
     for case in manifest.golden.cases:
         image = np.load(bundle.path(case.image))

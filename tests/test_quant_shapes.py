@@ -13,7 +13,7 @@ import pytest
 from agent.bundle.verify import verify_bundle
 from agent.pipeline.input_batch import BatchPreprocessor
 from agent.pipeline.postprocess import decode_yolov8
-from agent.pipeline.preprocess import PreprocessSpec, scale_boxes
+from agent.pipeline.preprocess import scale_boxes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLE = os.path.join(REPO, "examples", "demo-bundle")
@@ -33,15 +33,7 @@ def report():
 
 
 def spec_of(manifest):
-    p = manifest.preprocessing
-    return PreprocessSpec(
-        pad_value=p.letterbox.pad_value,
-        center=p.letterbox.center,
-        scaleup=p.letterbox.scaleup,
-        color=p.color,
-        mean=p.mean,
-        std=p.std,
-    )
+    return manifest.preprocessing  # the manifest's type is the spec the letterbox takes
 
 
 def run_artifact(bundle, artifact, image):

@@ -16,6 +16,7 @@ SCHEMA_VERSION = 1
 TASKS = ("classify", "detect-yolov5", "detect-yolov8")  # the manifest's task values; pipeline has one decoder each
 
 Tier = Tuple[int, int]  # (h, w)
+COLOR_ORDERS = ("rgb", "bgr")  # a network's input colour order; frames arrive from OpenCV as bgr
 
 
 class BundleError(ConfigError):
@@ -36,7 +37,7 @@ class LetterboxSpec:
 @dataclass(frozen=True)
 class Preprocessing:
     letterbox: LetterboxSpec = setting(factory=LetterboxSpec)
-    color: str = setting("rgb", choices=("rgb", "bgr"), doc="colour order the network was trained on")
+    color: str = setting("rgb", choices=COLOR_ORDERS, doc="colour order the network was trained on")
     mean: Tuple[float, float, float] = setting((0.0, 0.0, 0.0), doc="on 0..255 pixels, network colour order")
     std: Tuple[float, float, float] = setting((255.0, 255.0, 255.0), doc="out = (pixel - mean) / std")
 
@@ -81,7 +82,7 @@ class Artifact:
     input_dtype: str = setting("float32", choices=("float32", "float16", "uint8"))
     input_layout: str = setting("NCHW", choices=("NCHW", "NHWC"))
     normalize_on: str = setting("host", choices=("host", "aipp"), doc="aipp: uint8 in, the NPU normalises")
-    input_color: str = setting("rgb", choices=("rgb", "bgr"))
+    input_color: str = setting("rgb", choices=COLOR_ORDERS)
     config_files: List[str] = setting(factory=list)
     toolchain: Dict[str, Optional[str]] = setting(factory=dict)
 

@@ -20,13 +20,12 @@ import sys
 import tempfile
 from typing import Any, Optional, Tuple
 
-from agent.bundle.manifest import TASKS, BundleError, Preprocessing
+from agent.bundle.manifest import COLOR_ORDERS, TASKS, BundleError, Preprocessing
 from agent.bundle.signing import load_public_key, sign_bundle
 from agent.bundle.verify import Bundle, verify_bundle
 from agent.config.schema import ConfigError
 from agent.lifecycle.fetch import ARCHIVE_SUFFIXES, unpack_archive
 from agent.pipeline.artifacts import select_artifacts
-from agent.pipeline.preprocess import COLOR_ORDERS
 
 EXIT_OK = 0
 EXIT_REFUSED = 1

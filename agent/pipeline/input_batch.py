@@ -16,12 +16,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import cv2
 import numpy as np
 
+from agent.bundle.manifest import COLOR_ORDERS
 from agent.pipeline.preprocess import (
-    COLOR_ORDERS,
     LetterboxPlan,
     PreprocessSpec,
     check_bgr_image,
     check_hw,
+    fill_padding,
     is_int,
     plan_letterbox,
     resize_into,
@@ -53,9 +54,10 @@ class BatchPreprocessor:
     which fuses the colour swap, the normalisation and HWC -> CHW. A slot's padding is written only when its
     geometry changes, since padding never depends on the frame. One instance belongs to one thread.
 
-    ``normalize=False`` with ``input_dtype="uint8"`` is AIPP mode: letterboxed uint8 pixels pass through in
-    ``input_color`` order and ``input_layout``, and the NPU normalises. ``normalize=False`` with float32
-    passes raw 0..255 values (for networks that normalise inside).
+    ``normalize=False`` with ``input_dtype="uint8"`` is for artifacts that normalise themselves (the manifest's
+    ``normalize_on`` ``aipp``: the NPU, ``model``: folded into the network): letterboxed uint8 pixels pass
+    through in ``input_color`` order and ``input_layout``. In NHWC the resize writes straight into the slot.
+    ``normalize=False`` with float32 passes raw 0..255 values (for networks that normalise inside).
     """
 
     def __init__(
@@ -95,6 +97,8 @@ class BatchPreprocessor:
         self.input_color = input_color
         self.normalize = normalize
         self.fixed_batch = bool(fixed_batch)
+        # uint8 NHWC is the artifact's own input layout for pixels: frames go straight into the slot (one copy).
+        self._one_copy = input_dtype == "uint8" and input_layout == "NHWC"
 
         height, width = self.input_hw
         channels_last = input_layout == "NHWC"
@@ -106,7 +110,7 @@ class BatchPreprocessor:
         scale, shift = self._channel_affine(spec, input_color, normalize)
         self._scale = scale  # (3,) float32, per output channel: out = pixel * scale + shift
         self._shift = shift
-        self._pad_pixel = np.float32(spec.pad_value) * scale + shift if input_dtype == "float32" else None
+        self._pad_pixel = np.float32(spec.letterbox.pad_value) * scale + shift if input_dtype == "float32" else None
 
         # Scratch sized for the largest interior; each plan carves contiguous views from the front.
         self._resized_flat = np.empty(height * width * 3, np.uint8)
@@ -139,8 +143,8 @@ class BatchPreprocessor:
         cached = self._plans.get(src_hw)
         if cached is not None:
             return cached
-        spec = self.spec
-        plan = plan_letterbox(src_hw, self.input_hw, scaleup=spec.scaleup, center=spec.center)
+        options = self.spec.letterbox
+        plan = plan_letterbox(src_hw, self.input_hw, scaleup=options.scaleup, center=options.center)
         resized_h, resized_w = plan.resized_hw
         resized = self._resized_flat[: resized_h * resized_w * 3].reshape(resized_h, resized_w, 3)
         cached = _SourcePlan(plan=plan, resized=resized, planes=self._plane_views(plan.resized_hw))
@@ -159,6 +163,9 @@ class BatchPreprocessor:
         index = self._check_index(index)
         frame_bgr = check_bgr_image("frame_bgr", frame_bgr)
         source = self._source_plan(frame_bgr.shape[:2])
+        if self._one_copy:
+            self._fill_one_copy(index, frame_bgr, source.plan)
+            return source.plan
         pixels = frame_bgr
         if source.plan.resized_hw != source.plan.src_hw:
             resize_into(frame_bgr, source.resized, source.plan)
@@ -175,14 +182,34 @@ class BatchPreprocessor:
             raise ValueError(f"letterboxed_bgr must have shape {expected}, got {letterboxed_bgr.shape}")
         self._write_slot(index, letterboxed_bgr, self._identity)
 
+    def _fill_one_copy(self, index: int, frame_bgr: np.ndarray, plan: LetterboxPlan) -> None:
+        """uint8 NHWC (normalisation in the model or on the NPU): the frame is resized straight into the
+        slot's interior, the one pass over its pixels; a bare ``cv2.resize`` is the floor this is measured
+        against (benchmarks/preprocessing.py, ``preprocess.uint8.ratio_to_resize``). Only the pad strips
+        around the interior are written, and only when the slot's geometry changes."""
+        slot = self.batch[index]  # (H, W, 3) uint8
+        if self._moved(index, plan):
+            fill_padding(slot, plan, self.spec.letterbox.pad_value)
+        resized_h, resized_w = plan.resized_hw
+        interior = slot[plan.top : plan.top + resized_h, plan.left : plan.left + resized_w]
+        resize_into(frame_bgr, interior, plan)
+        if self.input_color != _SOURCE_ORDER:
+            cv2.cvtColor(interior, cv2.COLOR_BGR2RGB, dst=interior)  # in place: RGB swaps B and R
+
+    def _moved(self, index: int, plan: LetterboxPlan) -> bool:
+        """True (and remembered) when slot ``index``'s interior is not where ``plan`` puts it."""
+        geometry = (plan.top, plan.bottom, plan.left, plan.right) + plan.resized_hw
+        if self._slot_geometry[index] == geometry:
+            return False
+        self._slot_geometry[index] = geometry
+        return True
+
     def _write_slot(self, index: int, pixels: np.ndarray, source: _SourcePlan) -> None:
         """Write padding (only if the slot's geometry changed), then the (h, w, 3) BGR ``pixels`` inside."""
         plan = source.plan
-        geometry = (plan.top, plan.bottom, plan.left, plan.right) + plan.resized_hw
         slot = self.batch[index]
-        if self._slot_geometry[index] != geometry:
+        if self._moved(index, plan):
             self._pad_slot(slot)
-            self._slot_geometry[index] = geometry
         top, left = plan.top, plan.left
         bottom, right = top + plan.resized_hw[0], left + plan.resized_hw[1]
 
@@ -223,7 +250,7 @@ class BatchPreprocessor:
     def _pad_slot(self, slot: np.ndarray) -> None:
         """Fill a whole slot with the padding value as the network sees it; the interior is written next."""
         if self._pad_pixel is None:
-            slot[...] = self.spec.pad_value
+            slot[...] = self.spec.letterbox.pad_value
         elif self.input_layout == "NCHW":
             slot[...] = self._pad_pixel[:, None, None]
         else:

@@ -108,7 +108,7 @@ class LoadedModel:
         self.backend_name = backend
         self.max_batch = max_batch
         self.manifest = bundle.manifest
-        self.spec = PreprocessSpec.from_manifest(_preprocessing_dict(bundle))
+        self.spec: PreprocessSpec = self.manifest.preprocessing  # parsed and checked once, with the manifest
         self.artifacts = select_artifacts(bundle, device, backend, batch=max_batch)
         self.tiers: List[Tier] = sorted(self.artifacts)
         self._runners: Dict[Tier, _TierRunner] = {}
@@ -270,12 +270,6 @@ class LoadedModel:
                 "backend": self.backend_name, "manifest_sha256": self.bundle.manifest_sha256,
                 "tiers": [list(t) for t in self.tiers],
                 "artifacts": {"%dx%d" % t: r.artifact.file for t, r in self._runners.items()}}
-
-
-def _preprocessing_dict(bundle: Bundle) -> Dict[str, Any]:
-    from agent.config.schema import to_dict
-
-    return to_dict(bundle.manifest.preprocessing)
 
 
 def load_model(bundle: Bundle, device: DeviceConfig, backend: str, max_batch: int = 1,

@@ -14,15 +14,15 @@ Orders are named: ``*_hw`` is (height, width); OpenCV's ``dsize`` is (width, hei
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Optional, Tuple
 
 import cv2
 import numpy as np
 
-PAD_VALUE = 114  # Ultralytics' grey: the value YOLO models were trained to see in padding
-COLOR_ORDERS = ("rgb", "bgr")
+from agent.bundle.manifest import LetterboxSpec, Preprocessing
+
+PAD_VALUE = LetterboxSpec().pad_value  # Ultralytics' grey (114), defined once by the manifest's schema
 RESIZE_INTERPOLATION = cv2.INTER_LINEAR  # Ultralytics' choice for inference-time letterbox
 
 
@@ -125,7 +125,7 @@ def _interior(canvas: np.ndarray, plan: LetterboxPlan) -> np.ndarray:
     return canvas[plan.top : plan.top + resized_h, plan.left : plan.left + resized_w]
 
 
-def _fill_padding(canvas: np.ndarray, plan: LetterboxPlan, pad_value: int) -> None:
+def fill_padding(canvas: np.ndarray, plan: LetterboxPlan, pad_value: int) -> None:
     """Write ``pad_value`` into the four strips around the interior of an (H, W, 3) canvas."""
     height, width = plan.dst_hw
     inner_bottom = height - plan.bottom
@@ -167,7 +167,7 @@ def letterbox(
             f"out must be a writeable uint8 {expected_shape} array with contiguous pixels, got {described}"
         )
     resize_into(image_bgr, _interior(out, plan), plan)
-    _fill_padding(out, plan, pad_value)
+    fill_padding(out, plan, pad_value)
     return out, plan
 
 
@@ -188,83 +188,19 @@ def _check_pad_value(pad_value: Any) -> int:
     return int(pad_value)
 
 
-def _check_triple(name: str, value: Any) -> Tuple[float, float, float]:
-    try:
-        values = tuple(float(v) for v in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be three numbers, got {value!r}") from None
-    if len(values) != 3 or not all(math.isfinite(v) for v in values):
-        raise ValueError(f"{name} must be three finite numbers, got {value!r}")
-    return values  # type: ignore[return-value]
+# The spec is the manifest's own type, parsed and checked once by the schema engine (agent/bundle/manifest.py):
+# ``spec.letterbox`` (pad_value, center, scaleup), ``spec.color``, ``spec.mean``, ``spec.std``. The pipeline's
+# name for it is kept so that calibration, evaluation and the box read alike; there is no second class.
+PreprocessSpec = Preprocessing
 
 
-@dataclass(frozen=True)
-class PreprocessSpec:
-    """How a network wants its input: letterbox options, colour order, and ``out = (pixel - mean) / std``.
-
-    ``mean`` and ``std`` apply to 0..255 pixels and are listed in the network's colour order ``color``;
-    ``x / 255`` is mean 0, std 255.
-    """
-
-    pad_value: int = PAD_VALUE
-    center: bool = True
-    scaleup: bool = True
-    color: str = "rgb"
-    mean: Tuple[float, float, float] = (0.0, 0.0, 0.0)
-    std: Tuple[float, float, float] = (255.0, 255.0, 255.0)
-
-    def __post_init__(self) -> None:
-        _check_pad_value(self.pad_value)
-        for name in ("center", "scaleup"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.color not in COLOR_ORDERS:
-            raise ValueError(f"color must be one of {COLOR_ORDERS}, got {self.color!r}")
-        mean = _check_triple("mean", self.mean)
-        std = _check_triple("std", self.std)
-        if not all(s > 0 for s in std):
-            raise ValueError(f"std must be positive, got {self.std!r}")
-        object.__setattr__(self, "pad_value", int(self.pad_value))
-        object.__setattr__(self, "mean", mean)
-        object.__setattr__(self, "std", std)
-
-    @classmethod
-    def from_manifest(cls, preprocessing: Mapping[str, Any]) -> PreprocessSpec:
-        """Build from a bundle manifest's ``preprocessing`` object (docs/bundle.md); errors name the field."""
-        if not isinstance(preprocessing, Mapping):
-            raise ValueError(f"preprocessing must be an object, got {type(preprocessing).__name__}")
-        _reject_unknown("preprocessing", preprocessing, ("letterbox", "color", "mean", "std"))
-        letterbox_options = preprocessing.get("letterbox", {})
-        if not isinstance(letterbox_options, Mapping):
-            raise ValueError("preprocessing.letterbox must be an object")
-        _reject_unknown("preprocessing.letterbox", letterbox_options, ("pad_value", "center", "scaleup"))
-        defaults = cls()
-        try:
-            return cls(
-                pad_value=letterbox_options.get("pad_value", defaults.pad_value),
-                center=letterbox_options.get("center", defaults.center),
-                scaleup=letterbox_options.get("scaleup", defaults.scaleup),
-                color=preprocessing.get("color", defaults.color),
-                mean=preprocessing.get("mean", defaults.mean),
-                std=preprocessing.get("std", defaults.std),
-            )
-        except ValueError as error:
-            # Every validation message starts with the field name; turn it into the manifest path.
-            field_name = str(error).split(" ", 1)[0]
-            raise ValueError(_MANIFEST_PREFIX.get(field_name, "preprocessing.") + str(error)) from None
-
-
-_MANIFEST_PREFIX = {
-    "pad_value": "preprocessing.letterbox.",
-    "center": "preprocessing.letterbox.",
-    "scaleup": "preprocessing.letterbox.",
-}
-
-
-def _reject_unknown(path: str, mapping: Mapping[str, Any], known: Sequence[str]) -> None:
-    unknown = sorted(set(mapping) - set(known))
-    if unknown:
-        raise ValueError(f"{path}.{unknown[0]} is not a known key (known: {', '.join(known)})")
+def letterbox_for(
+    image_bgr: np.ndarray, dst_hw: Tuple[int, int], spec: Preprocessing, out: Optional[np.ndarray] = None
+) -> Tuple[np.ndarray, LetterboxPlan]:
+    """:func:`letterbox` with the options of a manifest's ``preprocessing`` (what every host tool needs)."""
+    options = spec.letterbox
+    return letterbox(image_bgr, dst_hw, pad_value=options.pad_value, scaleup=options.scaleup,
+                     center=options.center, out=out)
 
 
 def scale_boxes(boxes_xyxy: np.ndarray, plan: LetterboxPlan, clip: bool = True) -> np.ndarray:

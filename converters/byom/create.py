@@ -26,8 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from agent.bundle.manifest import Preprocessing
 from agent.bundle.verify import sha256_file
-from agent.pipeline.preprocess import PreprocessSpec, letterbox
+from agent.pipeline.preprocess import letterbox_for
 from converters.bundle_writer import (
     ArtifactPlan,
     CalibrationConfig,
@@ -169,7 +170,7 @@ class _Plan:
     options: CreateOptions
     tiers: List[Tier]
     declared_task: Optional[str]
-    preprocessing: Dict[str, Any]
+    preprocessing: Preprocessing
     preprocessing_origin: str
     postprocessing: Dict[str, Any]
     images: List[np.ndarray]
@@ -207,9 +208,8 @@ def _produce(staging: str, plan: _Plan) -> Dict[str, Any]:
         raise CreateError("the class count differs between tiers: %s" % output_shapes)
     labels = decide_labels(info, options.labels, counts.pop(), output_shapes[tiers[0]])
 
-    spec = PreprocessSpec.from_manifest(plan.preprocessing)
-    boxed = np.stack([letterbox(image, tiers[0], pad_value=spec.pad_value, scaleup=spec.scaleup,
-                                center=spec.center)[0] for image in plan.images])
+    spec = plan.preprocessing
+    boxed = np.stack([letterbox_for(image, tiers[0], spec)[0] for image in plan.images])
     calibration = write_calibration(staging, boxed, spec, plan.calibration_count, CALIBRATION_SEED)
     golden = write_golden(staging, plan.images, artifacts, spec, tiers, plan.golden_cases, plan.golden_config.atol,
                           plan.golden_config.rtol)

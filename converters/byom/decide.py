@@ -243,10 +243,10 @@ def decide_labels(info: ModelInfo, labels_file: Optional[str], nc: int, output_s
 
 # --- preprocessing and postprocessing ---------------------------------------------------------------------------
 
-def decide_preprocessing(info: ModelInfo, options: CreateOptions) -> Tuple[Dict[str, Any], str]:
+def decide_preprocessing(info: ModelInfo, options: CreateOptions) -> Tuple[Preprocessing, str]:
     """(manifest preprocessing, where it came from). Defaults are Ultralytics' convention (the manifest's own
     defaults): RGB, x/255, letterbox pad 114, centred. Flags override each value."""
-    data = to_dict(Preprocessing())
+    data: Dict[str, Any] = {}  # what the flags set; the schema's defaults fill the rest
     flags = []
     for key in ("color", "mean", "std"):
         value = getattr(options, key)
@@ -254,7 +254,7 @@ def decide_preprocessing(info: ModelInfo, options: CreateOptions) -> Tuple[Dict[
             data[key] = list(value) if isinstance(value, tuple) else value
             flags.append("--%s" % key)
     try:
-        parse(Preprocessing, data, "preprocessing")
+        preprocessing = parse(Preprocessing, data, "preprocessing")
     except ConfigError as exc:
         raise CreateError(str(exc)) from None
     convention = "Ultralytics convention (rgb, /255, letterbox pad 114, centred)"
@@ -264,7 +264,7 @@ def decide_preprocessing(info: ModelInfo, options: CreateOptions) -> Tuple[Dict[
         origin = "assumed %s: the model names no exporter" % convention
     if flags:
         origin += "; %s from flags" % ", ".join(flags)
-    return data, origin
+    return preprocessing, origin
 
 
 def decide_postprocessing(info: ModelInfo, options: CreateOptions) -> Dict[str, Any]:
