@@ -27,9 +27,9 @@ import os
 import shutil
 import time
 import urllib.error
-import urllib.parse
 from typing import Callable, Optional
 
+from agent._util.redact import redact
 from agent.bundle.manifest import MANIFEST, BundleError
 from agent.bundle.verify import sha256_file
 from agent.config.schema import FieldError
@@ -209,14 +209,3 @@ def _check_digest(actual: str, pinned: str, shown: str) -> None:
     if actual != pinned.lower():
         raise CommandError("sha256_mismatch", "%s has sha256 %s, the command pinned archive_sha256 %s; nothing "
                            "was unpacked" % (shown, actual, pinned.lower()), field="archive_sha256")
-
-
-def redact(source: str) -> str:
-    """A URL without user:password or query (a pre-signed URL's token must not reach acks or logs)."""
-    if not is_url(source):
-        return source
-    parts = urllib.parse.urlsplit(source)
-    host = parts.hostname or ""
-    if parts.port:
-        host = "%s:%d" % (host, parts.port)
-    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))

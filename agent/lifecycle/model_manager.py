@@ -38,6 +38,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from agent._util.redact import redact
 from agent.bundle.manifest import MANIFEST, Manifest
 from agent.bundle.signing import load_public_key
 from agent.bundle.verify import Bundle, sha256_file, verify_bundle
@@ -45,7 +46,7 @@ from agent.config.daemon_config import DaemonConfig
 from agent.config.device_config import DeviceConfig
 from agent.config.schema import ConfigError, FieldError
 from agent.errors import CommandError
-from agent.lifecycle.fetch import fetch_bundle, redact
+from agent.lifecycle.fetch import fetch_bundle
 from agent.lifecycle.fetch_policy import FetchPolicy
 from agent.lifecycle.recovery import Recovery
 from agent.lifecycle.slots import (
