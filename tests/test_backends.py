@@ -94,7 +94,9 @@ class Case:
     output_dtypes: List[str]
 
 
-CASE_IDS = ["mindspore-real", "opencv-real", "mslite-real", "mslite-FAKE-stand-in", "acl-FAKE-stand-in"]
+CASE_IDS = ["mindspore-real", "opencv-real", "onnxruntime-real", "mslite-real", "mslite-FAKE-stand-in",
+            "acl-FAKE-stand-in"]
+DEMO_ONNX = os.path.join(DEMO_BUNDLE, "model_256x256.onnx")  # the demo detector: (1, 3, 256, 256) -> (1, 7, 1280)
 
 
 @pytest.fixture(params=CASE_IDS)
@@ -105,6 +107,11 @@ def case(request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPat
         name, fmt = ("mindspore", "mindir") if kind == "mindspore-real" else ("opencv", "onnx")
         return Case(lambda: create_backend(name, net[1][fmt], net_spec(1)), (1,) + NET_INPUT, "float32",
                     [(1,) + s for s in NET_OUTPUTS], ["float32", "float32"])
+    if kind == "onnxruntime-real":  # both lanes: onnxruntime 1.14.1 on 3.7, the newest on 3.11
+        pytest.importorskip("onnxruntime", reason="needs onnxruntime (pip install 'atlas-edge[ort]')")
+        spec = TensorSpec("images", (1, 3, 256, 256), "float32")
+        return Case(lambda: create_backend("onnxruntime", DEMO_ONNX, spec), spec.shape, "float32",
+                    [(1, 7, 1280)], ["float32"])
     if kind == "mslite-real":
         ms_path = request.getfixturevalue("lite_ms")
         return Case(lambda: create_backend("mslite", ms_path, LITE_SPEC), LITE_SPEC.shape, "float32",
@@ -200,6 +207,7 @@ def test_backend_status_reports_ok_or_the_missing_module_and_its_provider() -> N
     status = backend_status()
     assert status["opencv"] == "ok"
     for name, module, word in (("mindspore", "mindspore", "mindspore wheel"),
+                               ("onnxruntime", "onnxruntime", "--no-deps"),
                                ("mslite", "mindspore_lite", "MindSpore Lite"), ("acl", "acl", "CANN")):
         if importlib.util.find_spec(module) is not None:
             assert status[name] == "ok"
@@ -209,7 +217,8 @@ def test_backend_status_reports_ok_or_the_missing_module_and_its_provider() -> N
 
 def test_importing_the_registry_imports_no_runtime() -> None:
     code = ("import sys, agent.pipeline.backends; "
-            "print(sorted(m for m in ('mindspore', 'mindspore_lite', 'acl', 'cv2') if m in sys.modules))")
+            "print(sorted(m for m in ('mindspore', 'mindspore_lite', 'acl', 'cv2', 'onnxruntime') "
+            "if m in sys.modules))")
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=120, check=True)
@@ -218,6 +227,7 @@ def test_importing_the_registry_imports_no_runtime() -> None:
 
 @pytest.mark.parametrize("name,module,provider_word", [
     ("mindspore", "mindspore", "mindspore"), ("opencv", "cv2", "opencv-python"),
+    ("onnxruntime", "onnxruntime", "onnxruntime==1.14.1"),
     ("mslite", "mindspore_lite", "MindSpore Lite"), ("acl", "acl", "CANN"),
 ])
 def test_missing_runtime_raises_backend_unavailable_naming_module_and_package(
@@ -235,7 +245,7 @@ def test_missing_runtime_raises_backend_unavailable_naming_module_and_package(
 
 def test_create_backend_refuses_unknown_names_and_wrong_formats(tmp_path) -> None:
     spec = TensorSpec("images", (1, 3, 8, 8), "float32")
-    with pytest.raises(ValueError, match="unknown backend 'tensorrt'.*acl, mindspore, mslite, opencv"):
+    with pytest.raises(ValueError, match="unknown backend 'tensorrt'.*acl, mindspore, mslite, onnxruntime, opencv"):
         create_backend("tensorrt", "m.onnx", spec)
     with pytest.raises(BackendError, match=r"model\.mindir: backend opencv reads onnx artifacts, not mindir"):
         create_backend("opencv", str(tmp_path / "model.mindir"), spec)
@@ -267,7 +277,8 @@ def test_options_and_spec_reject_bad_values_naming_the_field() -> None:
 def test_options_for_device_take_the_device_config() -> None:
     device = load_device_config("atlas-200i-dk-a2")
     options = BackendOptions.for_device(device)
-    assert options == BackendOptions(device_id=0, cpu_threads=2, precision_mode="force_fp16", target="ascend")
+    assert options == BackendOptions(device_id=0, cpu_threads=2, precision_mode="force_fp16", target="ascend",
+                                     onnxruntime=device.onnxruntime)
     assert BackendOptions.for_device(device, target="cpu").target == "cpu"
 
 
@@ -955,3 +966,24 @@ def test_pick_backend_follows_the_device_order_against_what_the_bundle_serves() 
     assert pick_backend(*cpu, served=None, status=everything) == "mslite"  # bundle unknown: runtimes alone
     # an Ascend box whose bundle holds only .om for another runtime: the preferred one, whose load names the gap
     assert pick_backend("acl", ["mslite"], "om", served={"om"}, status=everything) == "acl"
+
+
+def test_cpu_dev_prefers_onnxruntime_and_keeps_lite_off_a_mindspore_mindir() -> None:
+    from agent.pipeline.backends import backend_for, pick_backend
+
+    device = load_device_config("cpu-dev")
+    assert (device.backend, device.artifact_format) == ("onnxruntime", "onnx")
+    cpu = (device.backend, device.fallback_backends, device.artifact_format)
+    narrowed = {"serve_formats": device.serve_formats}
+    everything = {"onnxruntime": "ok", "mslite": "ok", "mindspore": "ok", "opencv": "ok", "acl": "missing"}
+    assert pick_backend(*cpu, served={"ms", "mindir", "onnx"}, status=everything, **narrowed) == "onnxruntime"
+    no_ort = dict(everything, onnxruntime="module 'onnxruntime' not found")
+    assert pick_backend(*cpu, served={"ms", "mindir", "onnx"}, status=no_ort, **narrowed) == "mslite"
+    # Lite 2.0 cannot read MindSpore 2.7's MindIR: without a .ms the MindSpore runtime serves it, not Lite
+    assert pick_backend(*cpu, served={"mindir", "onnx"}, status=no_ort, **narrowed) == "mindspore"
+    assert pick_backend(*cpu, served={"mindir", "onnx"}, status=no_ort) == "mslite"  # what the narrowing stops
+    assert pick_backend(*cpu, served={"onnx"}, status=dict(no_ort, mindspore="missing"), **narrowed) == "opencv"
+    if importlib.util.find_spec("onnxruntime") is not None:  # both lanes install it: the demo serves on it
+        from agent.bundle.manifest import load_manifest
+
+        assert backend_for(device, load_manifest(DEMO_BUNDLE)) == "onnxruntime"

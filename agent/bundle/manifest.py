@@ -67,6 +67,13 @@ class InputSpec:
         return problems
 
 
+# Where an artifact's input is normalised (docs/bundle.md): the host's float fill, or uint8 straight in with the
+# NPU's AIPP or the model's own first ops doing (x - mean) / std, the layout and colour order.
+NORMALIZE_ON = ("host", "aipp", "model")
+UINT8_NORMALIZE_ON = ("aipp", "model")
+PRECISIONS = ("float32", "float16", "int8", "int8-sim")  # int8-sim: float kernels on fake-quantised weights
+
+
 @dataclass(frozen=True)
 class Artifact:
     file: str = setting(doc="path inside the bundle")
@@ -77,11 +84,12 @@ class Artifact:
     size: int = setting(ge=0)
     soc_version: Optional[str] = setting(None, doc="required for ascend artifacts")
     batch: int = setting(1, ge=1, le=256)
-    precision: str = setting("float32", choices=("float32", "float16", "int8", "int8-sim"))
+    precision: str = setting("float32", choices=PRECISIONS)
     role: str = setting("serve", choices=("serve", "convert"), doc="convert: converter input only")
     input_dtype: str = setting("float32", choices=("float32", "float16", "uint8"))
     input_layout: str = setting("NCHW", choices=("NCHW", "NHWC"))
-    normalize_on: str = setting("host", choices=("host", "aipp"), doc="aipp: uint8 in, the NPU normalises")
+    normalize_on: str = setting("host", choices=NORMALIZE_ON, doc="host: the box normalises; aipp: uint8 in, "
+                                "the NPU normalises; model: uint8 in, the model's own first ops normalise")
     input_color: str = setting("rgb", choices=COLOR_ORDERS)
     config_files: List[str] = setting(factory=list)
     toolchain: Dict[str, Optional[str]] = setting(factory=dict)
@@ -90,8 +98,8 @@ class Artifact:
         problems = _positive_tier(self.tier, "tier")
         if self.target == "ascend" and not self.soc_version:
             problems.append(("soc_version", "required when target is ascend"))
-        if self.normalize_on == "aipp" and self.input_dtype != "uint8":
-            problems.append(("input_dtype", "must be uint8 when normalize_on is aipp"))
+        if self.normalize_on in UINT8_NORMALIZE_ON and self.input_dtype != "uint8":
+            problems.append(("input_dtype", "must be uint8 when normalize_on is %s" % self.normalize_on))
         return problems
 
     def key(self) -> str:

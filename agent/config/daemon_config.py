@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from agent.config.device_config import BACKEND_FORMATS, device_config_path, unknown_device
+from agent.config.device_config import BACKEND_FORMATS, MODEL_PRECISIONS, device_config_path, unknown_device
 from agent.config.names import name_problem
 from agent.config.schema import ConfigError, FieldError, parse, setting, to_dict
 
@@ -202,6 +202,8 @@ class ModelConfig:
     bundle: str = setting(doc="bundle directory served at first start (later: the confirmed slot)")
     backend: Optional[str] = setting(None, choices=tuple(BACKEND_FORMATS) + (None,),
                                      doc="inference backend; default from the device")
+    precision: str = setting("auto", choices=MODEL_PRECISIONS, doc="artifact precision to serve: auto = int8 when "
+                             "the backend runs it as integer kernels and the bundle has it, else float")
     store: str = setting("bundles", doc="bundle store (relative to state_dir); deploy only reads from here")
     observation_s: float = setting(60.0, ge=0, le=7 * 86400, doc="a new model is pending this long before it is "
                                    "confirmed")

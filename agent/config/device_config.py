@@ -20,7 +20,14 @@ DEVICE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "de
 
 # backend -> artifact formats it reads: the one list of backend names (the registry in agent.pipeline.backends
 # imports ``agent.pipeline.backends.<name>_backend`` for each; configs and CLIs take their choices from here)
-BACKEND_FORMATS = {"mindspore": ("mindir",), "opencv": ("onnx",), "mslite": ("ms", "mindir"), "acl": ("om",)}
+BACKEND_FORMATS = {"mindspore": ("mindir",), "onnxruntime": ("onnx",), "opencv": ("onnx",), "mslite": ("ms", "mindir"),
+                   "acl": ("om",)}
+# Backends that run int8 artifacts as real integer kernels, so `model.precision: auto` serves int8 on them:
+# onnxruntime (QDQ ONNX: 0.62x float on the demo detector, issue 28) and pyACL (an int8 .om on the NPU). Not
+# OpenCV (cv2.dnn simulates QDQ in float) nor MindSpore Lite on x86 (Lite 2.0's generic int8 kernels ran 21-27x
+# slower than float); an explicit `model.precision: int8` still serves their int8 artifacts.
+INT8_BACKENDS = ("onnxruntime", "acl")
+MODEL_PRECISIONS = ("auto", "int8", "float")  # the daemon config's model.precision (agent/pipeline/artifacts.py)
 # ATC / device-config precision names -> MindSpore Lite's, as mindspore_lite.Context's own docstring pairs them
 # (mindspore/lite/python/api/context.py: "enforce_fp16: ACL option is force_fp16", ...)
 PRECISION_MODES: Dict[str, str] = {
@@ -34,6 +41,22 @@ LITE_PRECISION_MODES = tuple(PRECISION_MODES.values())
 ARCHES = ("x86_64", "aarch64")  # ATC --host_env_cpu values for the boxes we know
 ARTIFACT_FORMATS = tuple(sorted({fmt for formats in BACKEND_FORMATS.values() for fmt in formats}))
 SOC_VERSIONS = ("Ascend310", "Ascend310B1", "Ascend310B4", "Ascend310P1", "Ascend310P3")
+
+
+@dataclass(frozen=True)
+class OnnxRuntimeSettings:
+    """onnxruntime SessionOptions for the box (docs/backends.md); intra-op threads are the device's cpu_threads.
+
+    The defaults are what measured best on a 2-core box: one model runs its ops in order on cpu_threads, and
+    idle workers sleep instead of spinning (spinning makes 2 threads pay for a small int8 model, 1.08 vs 1.41 ms,
+    but doubles float time when the letterbox and decode compete for the cores).
+    """
+
+    inter_op_threads: int = setting(1, ge=1, le=256, doc="threads across independent ops (parallel mode only)")
+    execution_mode: str = setting("sequential", choices=("sequential", "parallel"), doc="ORT ExecutionMode")
+    graph_optimization: str = setting("all", choices=("disable", "basic", "extended", "all"),
+                                      doc="ORT GraphOptimizationLevel (ORT_ENABLE_ALL = all)")
+    allow_spinning: bool = setting(False, doc="session.intra_op.allow_spinning: busy-wait between ops")
 
 
 def lite_precision_mode(mode: str) -> str:
@@ -65,6 +88,10 @@ class DeviceConfig:
     input_tiers: List[Tuple[int, int]] = setting(factory=list, doc="tiers [h, w] this box serves; empty = all")
     arch: Optional[str] = setting(None, choices=ARCHES + (None,),
                                   doc="the box's CPU (ATC --host_env_cpu); None when it varies, e.g. a PCIe card")
+    serve_formats: Dict[str, List[str]] = setting(
+        factory=dict, doc="backend -> the formats it serves on this box, when fewer than it reads (cpu-dev: "
+        "mslite only .ms, Lite 2.0 cannot read MindSpore 2.7's MindIR)")
+    onnxruntime: OnnxRuntimeSettings = setting(factory=OnnxRuntimeSettings, doc="onnxruntime session options")
 
     def check(self) -> List[Tuple[str, str]]:
         problems = []
@@ -78,13 +105,24 @@ class DeviceConfig:
         for name in self.fallback_backends:
             if name not in BACKEND_FORMATS:
                 problems.append(("fallback_backends", "unknown backend %r" % name))
+        for name, formats in self.serve_formats.items():
+            if name not in BACKEND_FORMATS:
+                problems.append(("serve_formats", "unknown backend %r" % name))
+            elif not formats or set(formats) - set(BACKEND_FORMATS[name]):
+                problems.append(("serve_formats", "backend %s reads %s, not %s" % (
+                    name, "/".join(BACKEND_FORMATS[name]), "/".join(formats) or "nothing")))
         return problems
+
+    def backend_formats(self, backend: str) -> Tuple[str, ...]:
+        """The formats ``backend`` serves on this box, in its own order of preference."""
+        narrowed = self.serve_formats.get(backend)
+        return tuple(f for f in BACKEND_FORMATS[backend] if narrowed is None or f in narrowed)
 
     def formats(self) -> List[str]:
         """Artifact formats this box can serve, preferred first."""
         result = [self.artifact_format]
         for backend in [self.backend] + self.fallback_backends:
-            result += [f for f in BACKEND_FORMATS[backend] if f not in result]
+            result += [f for f in self.backend_formats(backend) if f not in result]
         return result
 
 

@@ -288,7 +288,8 @@ class ModelManager:
             progress("verifying %s" % shown)
             bundle = verify_bundle(root, self.public_key)
             check_succession(serving, bundle.manifest, request)
-            select_artifacts(bundle, self.device, self.backend, batch=self.config.batching.max_batch)
+            select_artifacts(bundle, self.device, self.backend, batch=self.config.batching.max_batch,
+                             precision=self.config.model.precision)
             if self._cancel.is_set():
                 raise CommandError("cancelled", "the deploy was cancelled before loading; nothing changed")
             installed = self.store.install(root, slot, bundle)
@@ -330,7 +331,7 @@ class ModelManager:
 
     def _load(self, bundle: Bundle) -> LoadedModel:
         model = load_model(bundle, self.device, self.backend, max_batch=self.config.batching.max_batch,
-                           on_phase=self.on_phase)
+                           on_phase=self.on_phase, precision=self.config.model.precision)
         self._apply_thresholds(model)
         return model
 

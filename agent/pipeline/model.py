@@ -100,8 +100,9 @@ class LoadedModel:
     """Serve one verified bundle on this box with one backend."""
 
     def __init__(self, bundle: Bundle, device: DeviceConfig, backend: str, max_batch: int = 1,
-                 backend_factory: Optional[BackendFactory] = None) -> None:
-        """``backend_factory`` builds each tier's backend (default ``create_backend``; benchmarks pass stand-ins)."""
+                 backend_factory: Optional[BackendFactory] = None, precision: str = "auto") -> None:
+        """``backend_factory`` builds each tier's backend (default ``create_backend``; benchmarks pass stand-ins);
+        ``precision`` is the daemon config's ``model.precision`` (auto, int8, float)."""
         self.bundle = bundle
         self.backend_factory = backend_factory
         self.device = device
@@ -109,7 +110,7 @@ class LoadedModel:
         self.max_batch = max_batch
         self.manifest = bundle.manifest
         self.spec: PreprocessSpec = self.manifest.preprocessing  # parsed and checked once, with the manifest
-        self.artifacts = select_artifacts(bundle, device, backend, batch=max_batch)
+        self.artifacts = select_artifacts(bundle, device, backend, batch=max_batch, precision=precision)
         self.tiers: List[Tier] = sorted(self.artifacts)
         self._runners: Dict[Tier, _TierRunner] = {}
         self._tier_of_size: Dict[Tuple[int, int], Tier] = {}
@@ -119,6 +120,16 @@ class LoadedModel:
     @property
     def label(self) -> str:
         return self.bundle.label
+
+    @property
+    def precision(self) -> str:
+        """The precision that runs: ``int8``, ``float32``, ... (tiers that differ: joined with ``+``)."""
+        return "+".join(sorted({art.precision for art in self.artifacts.values()}))
+
+    def identity(self) -> Dict[str, str]:
+        """The model block of every result: which model ran, on which backend, at which precision."""
+        return {"name": self.manifest.name, "version": self.manifest.version, "backend": self.backend_name,
+                "precision": self.precision}
 
     def load(self) -> None:
         """Build every backend and buffer now; on failure release what was built and raise."""
@@ -267,13 +278,14 @@ class LoadedModel:
 
     def describe(self) -> Dict[str, Any]:
         return {"name": self.manifest.name, "version": self.manifest.version, "task": self.manifest.task,
-                "backend": self.backend_name, "manifest_sha256": self.bundle.manifest_sha256,
-                "tiers": [list(t) for t in self.tiers],
+                "backend": self.backend_name, "precision": self.precision,
+                "manifest_sha256": self.bundle.manifest_sha256, "tiers": [list(t) for t in self.tiers],
                 "artifacts": {"%dx%d" % t: r.artifact.file for t, r in self._runners.items()}}
 
 
 def load_model(bundle: Bundle, device: DeviceConfig, backend: str, max_batch: int = 1,
-               require_golden: bool = True, on_phase: Optional[Callable[[str], None]] = None) -> LoadedModel:
+               require_golden: bool = True, on_phase: Optional[Callable[[str], None]] = None,
+               precision: str = "auto") -> LoadedModel:
     """Load, warm up and self-test; raises BundleError (naming the golden cases) if the self-test fails.
 
     ``on_phase(name)`` is called as each step begins (``load``, ``warm-up``, ``golden check``): at start-up the
@@ -282,7 +294,7 @@ def load_model(bundle: Bundle, device: DeviceConfig, backend: str, max_batch: in
     """
     phase = on_phase or (lambda name: None)
     phase("load")
-    model = LoadedModel(bundle, device, backend, max_batch)
+    model = LoadedModel(bundle, device, backend, max_batch, precision=precision)
     model.load()
     try:
         phase("warm-up")

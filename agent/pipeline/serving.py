@@ -321,7 +321,7 @@ class ServingLoop:
 
     def _publish(self, batch: _Batch) -> None:
         manifest = batch.model.manifest
-        identity = {"name": manifest.name, "version": manifest.version}
+        identity = batch.model.identity()  # name, version, backend, precision
         for frame, result in zip(batch.frames, batch.results):
             assert result is not None
             timings = dict(result.timings_ms)
@@ -382,6 +382,7 @@ class ServingLoop:
             "frames": self.stats.frames,
             "latency_ms": self.stats.percentiles(),
             "backend_busy_fraction": None if busy is None else round(busy, 3),
+            "model": self.models.current.identity(),  # name, version, backend, precision
             "queue_depth": self.frames.qsize(),
             "inference_errors": self.inference_errors,
             "publish_errors": self.publish_errors,

@@ -5,14 +5,14 @@ and recorded instead of breaking the others. Our plugin modules import only nump
 imports its runtime inside ``load()``), so this package imports on any box; what a box lacks is reported by
 :func:`backend_status` without importing anything heavy, and by :class:`BackendUnavailable` at load.
 
-The names come from ``agent.config.device_config.BACKEND_FORMATS`` (mindspore, opencv, mslite, acl): backend
-``<name>`` lives in ``agent/pipeline/backends/<name>_backend.py`` as the :class:`Backend` subclass whose ``name``
-is ``<name>``. A new backend is one entry there and one new file here.
+The names come from ``agent.config.device_config.BACKEND_FORMATS`` (mindspore, onnxruntime, opencv, mslite,
+acl): backend ``<name>`` lives in ``agent/pipeline/backends/<name>_backend.py`` as the :class:`Backend`
+subclass whose ``name`` is ``<name>``. A new backend is one entry there and one new file here.
 """
 
 import importlib
 import logging
-from typing import Any, Collection, Dict, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 from agent.config.device_config import BACKEND_FORMATS
 from agent.pipeline.backends.base import (
@@ -64,18 +64,21 @@ def create_backend(name: str, artifact_path: str, input_spec: TensorSpec,
 
 
 def pick_backend(preferred: str, fallbacks: Sequence[str], preferred_format: str,
-                 served: Optional[Collection[str]] = None, status: Optional[Dict[str, str]] = None) -> str:
+                 served: Optional[Collection[str]] = None, status: Optional[Dict[str, str]] = None,
+                 serve_formats: Optional[Mapping[str, Collection[str]]] = None) -> str:
     """The backend a box runs: the first of ``preferred`` + ``fallbacks`` whose runtime imports and that has
     something to serve. With ``served`` (the formats of the bundle's serve artifacts for this box) the
-    preferred backend needs its own ``preferred_format`` there (cpu-dev: MindSpore Lite only for a ``.ms``;
-    it cannot read MindSpore 2.7's MindIR), a fallback any format it reads. None fits: ``preferred``, whose
-    load then names what is missing."""
+    preferred backend needs its own ``preferred_format`` there, a fallback any format it serves on this box:
+    ``serve_formats[name]`` when the device narrows it (cpu-dev: MindSpore Lite only for a ``.ms``; it cannot
+    read MindSpore 2.7's MindIR), else every format it reads. None fits: ``preferred``, whose load then names
+    what is missing."""
     status = backend_status() if status is None else status
+    narrowed = serve_formats or {}
     for name in [preferred] + list(fallbacks):
         if status.get(name) != "ok":
             logger.warning("backend %s unavailable: %s", name, status.get(name))
             continue
-        wanted = {preferred_format} if name == preferred else set(BACKENDS[name].formats)
+        wanted = {preferred_format} if name == preferred else set(narrowed.get(name, BACKENDS[name].formats))
         if served is not None and not wanted & set(served):
             logger.info("backend %s skipped: the bundle has no %s artifact for this box", name,
                         "/".join(sorted(wanted)))
@@ -89,7 +92,8 @@ def backend_for(device: Any, manifest: Optional[Any] = None) -> str:
     served = None
     if manifest is not None:
         served = {a.format for a in manifest.artifacts if a.role == "serve" and a.target == device.target}
-    return pick_backend(device.backend, device.fallback_backends, device.artifact_format, served)
+    return pick_backend(device.backend, device.fallback_backends, device.artifact_format, served,
+                        serve_formats=device.serve_formats)
 
 
 def backend_status() -> Dict[str, str]:

@@ -18,13 +18,13 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, ClassVar, List, Optional, Tuple
 
 import numpy as np
 
-from agent.config.device_config import BACKEND_FORMATS
+from agent.config.device_config import BACKEND_FORMATS, OnnxRuntimeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class BackendOptions:
     cpu_threads: int = 2  # inference threads on CPU runtimes
     precision_mode: Optional[str] = None  # ATC or MindSpore Lite name; read at run time by mslite on ascend
     target: str = "cpu"  # where the artifact runs: the bundle artifact's `target` (mslite reads it)
+    onnxruntime: OnnxRuntimeSettings = field(default_factory=OnnxRuntimeSettings)  # session options (onnxruntime)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device_id, int) or self.device_id < 0:
@@ -69,6 +70,7 @@ class BackendOptions:
             cpu_threads=device.cpu_threads,
             precision_mode=device.precision_mode,
             target=target or device.target,
+            onnxruntime=device.onnxruntime,
         )
 
 
