@@ -28,6 +28,11 @@ HEADLINES: Tuple[Tuple[str, str, str], ...] = (
     ),
     ("preprocess.uint8_aipp_ratio_to_resize", "x{:.2f}", "the same in uint8 AIPP mode (the NPU normalises)"),
     (
+        "preprocess.uint8.ratio_to_resize",
+        "x{:.2f}",
+        "one-copy uint8 BGR NHWC letterbox of a 1080p frame into 256x256 (model normalises), over cv2.resize alone",
+    ),
+    (
         "preprocess.speedup_vs_straightforward",
         "x{:.2f}",
         "straightforward resize/copyMakeBorder/cvtColor/transpose/astype/divide time over the agent's fill",

@@ -103,6 +103,7 @@ def test_quick_run_covers_every_case_and_agrees_with_the_references(quick_json):
             assert set(summary) == SUMMARY_KEYS and summary["n"] == harness.QUICK.repeat
             assert summary["min"] <= summary["q1"] <= summary["median"] <= summary["q3"] <= summary["max"]
         assert case["outputs_agree"] is True
+    assert data["preprocess"]["uint8"]["identical_to_letterbox"] is True
     detect = data["postprocess"]["detect_yolov8"]
     assert detect["outputs_agree"] is True
     assert detect["output_shape"] == [1, 84, 8400]
@@ -217,6 +218,16 @@ def test_straightforward_preprocess_matches_the_agent_on_a_720p_frame():
     assert reference.shape == (1, 3, 320, 320)
     assert np.max(np.abs(filler.batch - reference)) <= preprocessing.AGREEMENT_ATOL
     assert reference[0, :, 0, 0] == pytest.approx([114 / 255.0] * 3)  # padding row of a 16:9 frame
+
+
+def test_uint8_figure_times_the_one_copy_fill_against_the_same_resize_and_checks_its_bytes():
+    _name, source_hw, input_hw = preprocessing.UINT8_CASE
+    section = {"uint8": preprocessing.measure_uint8(preprocessing.camera_frame(source_hw), input_hw, 1, 3)}
+    uint8 = section["uint8"]
+    assert uint8["identical_to_letterbox"] is True and uint8["source_hw"] == [1080, 1920]
+    assert set(uint8["ms"]) == {"resize", "one_copy"} and uint8["ms"]["one_copy"]["n"] == 3
+    goal = preprocessing.targets(section)["uint8.ratio_to_resize"]
+    assert goal["value"] == uint8["ratio_to_resize"] and goal["target"] == "<= 1.25"
 
 
 def demo_like_bundle():
