@@ -25,19 +25,14 @@ from agent.fleet.intake import POLL_S
 from agent.fleet.journal import RolloutState
 from agent.fleet.link import Message
 from agent.fleet.plan import (
-    ABORTED,
-    ABORTED_ROLLOUT,
-    COMPLETED,
     DEFAULT_REVERT_TIMEOUT_S,
-    OFFLINE,
-    PARTIAL,
-    TIMED_OUT,
     RolloutError,
     RolloutSpec,
     abort_reason,
     plan_waves,
     request_id,
 )
+from agent.fleet.records import Outcome, Phase, RevertState, RolloutStatus
 from agent.fleet.report import EXIT_ABORTED, EXIT_PARTIAL
 from agent.fleet.rollout import Rollout
 from agent.fleet.status import FleetView, render_table
@@ -191,17 +186,17 @@ def _sent(link, verb):
 def test_confirm_timeout_runs_on_the_monotonic_clock_through_a_wall_clock_step(tmp_path, step):
     link = SimulatedLink({"box-0": _online("box-0")}, step=step)  # the box never answers
     state = _rollout(link, tmp_path, confirm_timeout_s=100.0).run()
-    assert state.boxes["box-0"]["outcome"] == TIMED_OUT
+    assert state.boxes["box-0"].outcome == Outcome.TIMED_OUT
     [sent] = _sent(link, "deploy")
     assert 100.0 < link.mono - sent <= 100.0 + 2 * POLL_S  # as if the clock had not moved
-    assert state.boxes["box-0"]["sent_at"] == WALL0 + sent  # the state file keeps wall time
+    assert state.boxes["box-0"].sent_at == WALL0 + sent  # the state file keeps wall time
 
 
 @pytest.mark.parametrize("step", STEPS)
 def test_wait_offline_runs_on_the_monotonic_clock_through_a_wall_clock_step(tmp_path, step):
     link = SimulatedLink({"box-0": {"state": "offline", "groups": ["sim"], "reason": "lost"}}, step=step)
     state = _rollout(link, tmp_path, wait_offline_s=50.0).run()
-    assert state.boxes["box-0"]["outcome"] == OFFLINE and _sent(link, "deploy") == []
+    assert state.boxes["box-0"].outcome == Outcome.OFFLINE and _sent(link, "deploy") == []
     assert 50.0 <= link.mono - link.marks["wait"] <= 50.0 + 2 * POLL_S
 
 
@@ -217,8 +212,8 @@ def test_the_revert_wait_runs_on_the_monotonic_clock_through_a_wall_clock_step(t
 
     link = SimulatedLink({"box-0": _online("box-0"), "box-1": _online("box-1")}, answer=answer, step=step)
     state = _rollout(link, tmp_path, canary=0, waves=1, max_failures=0, rollback_on_abort=True).run()
-    assert state.status == ABORTED_ROLLOUT and state.boxes["box-1"]["outcome"] == ABORTED
-    assert state.boxes["box-1"]["revert"]["state"] == "timed_out"
+    assert state.status == RolloutStatus.ABORTED and state.boxes["box-1"].outcome == Outcome.ABORTED
+    assert state.boxes["box-1"].revert.state == RevertState.TIMED_OUT
     [sent] = _sent(link, "rollback")
     assert sent < STEP_AT_S  # the step came while the wait ran
     assert DEFAULT_REVERT_TIMEOUT_S <= link.mono - sent <= DEFAULT_REVERT_TIMEOUT_S + 2 * POLL_S
@@ -236,7 +231,7 @@ def test_a_resumed_rollout_charges_the_wall_time_since_sent_once(tmp_path, gap_s
     # A new process: its monotonic clock has another origin; the wall clock moved on by the gap.
     second = SimulatedLink({"box-0": _online("box-0")}, start=5000.0, offset=first.mono + gap_s - 5000.0)
     state = _rollout(second, tmp_path, confirm_timeout_s=100.0).run()
-    assert state.boxes["box-0"]["outcome"] == TIMED_OUT and state.data["runs"] == 2
+    assert state.boxes["box-0"].outcome == Outcome.TIMED_OUT and state.data["runs"] == 2
     left = 100.0 - max(0.0, first.mono - sent + gap_s)
     assert left < second.mono - second.start <= left + 1.0 + 2 * POLL_S  # 1.0: the re-run's own start-up
 
@@ -292,7 +287,7 @@ def test_good_bundle_reaches_every_online_box_and_offline_is_reported_not_failed
                                         "--max-failure-rate", "0.05"), capsys)
     # An offline box is not a failure, but the rollout did not reach it: partial, never completed.
     assert code == EXIT_PARTIAL, report
-    assert report["status"] == PARTIAL and report["failures"] == 0
+    assert report["status"] == RolloutStatus.PARTIAL and report["failures"] == 0
     assert report["not_reached"] == [offline.device_id]
     assert report["counts"] == {"confirmed": CI_BOXES - 1, "offline": 1}
     by_device = {b["device"]: b for b in report["boxes"]}
@@ -334,7 +329,7 @@ def test_failure_rate_aborts_in_its_wave_touches_nothing_after_and_rolls_moved_b
     code, report = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--canary", "1", "--wave-size", "5",
                                         "--max-failure-rate", "0.05", "--rollback-on-abort"), capsys)
     assert code == EXIT_ABORTED
-    assert report["status"] == ABORTED_ROLLOUT
+    assert report["status"] == RolloutStatus.ABORTED
     assert report["abort"]["wave"] == 2, report["abort"]
     by_device = {b["device"]: b for b in report["boxes"]}
     waves = report["waves"]
@@ -361,7 +356,7 @@ def test_a_box_that_rolls_back_in_its_window_is_a_failure_and_the_rest_go_on(
     fleet = make_fleet(5, faults={2: (SLOW, bundles["sha"])})
     code, report = run_cli(rollout_args(mosquitto, fleet, bundles, tmp_path, "--canary", "1", "--waves", "1",
                                         "--max-failures", "1"), capsys)
-    assert code == EXIT_PARTIAL and report["status"] == PARTIAL
+    assert code == EXIT_PARTIAL and report["status"] == RolloutStatus.PARTIAL
     slow = {b["device"]: b for b in report["boxes"]}[fleet.boxes[2].device_id]
     assert slow["outcome"] == "rolled_back" and "latency" in slow["error"]
     assert report["counts"] == {"confirmed": 4, "rolled_back": 1}
@@ -382,20 +377,20 @@ def test_killed_mid_wave_and_rerun_finishes_with_no_box_deployed_twice(make_flee
             state = RolloutState.load(state_file)  # the snapshot and its journal, as a re-run reads them
         except RolloutError:
             return False  # read in the middle of the first snapshot's rename
-        return state is not None and any(b["wave"] == 1 and b["phase"] != "planned" for b in state.boxes.values())
+        return state is not None and any(b.wave == 1 and b.phase != Phase.PLANNED for b in state.boxes.values())
 
     assert wait_for(mid_wave, timeout=60), first.stderr.read().decode() if first.poll() is not None else ""
     first.send_signal(signal.SIGKILL)
     first.wait(10)
-    left = RolloutState.load(state_file).data
-    assert left["status"] == "running"
-    assert any(b["phase"] != "done" for b in left["boxes"].values())  # killed with work in flight
+    left = RolloutState.load(state_file)
+    assert left.status == RolloutStatus.RUNNING
+    assert any(b.phase != Phase.DONE for b in left.boxes.values())  # killed with work in flight
 
     second = subprocess.run(args + ["--rollout-id", "ro-x"], env=env, cwd=REPO_ROOT, capture_output=True,
                             timeout=180)
     assert second.returncode == EXIT_OK, second.stderr.decode()[-2000:]
     report = json.loads(second.stdout)
-    assert report["status"] == COMPLETED and report["runs"] == 2
+    assert report["status"] == RolloutStatus.COMPLETED and report["runs"] == 2
     assert report["counts"] == {"confirmed": CI_BOXES}
     assert fleet.deploys() == {box.device_id: 1 for box in fleet.boxes}
     assert all(s == {"version": "2.0.0", "state": "confirmed"} for s in truth(fleet).values())
@@ -609,7 +604,7 @@ def test_state_writes_grow_with_the_changes_not_with_the_fleet(tmp_path):
 
     link = SimulatedLink({"box-%04d" % i: _online("box-%04d" % i) for i in range(count)}, answer=answer)
     state = _rollout(link, tmp_path, canary=10, waves=4).run()
-    assert state.status == COMPLETED and state.outcomes() == {"confirmed": count}
+    assert state.status == RolloutStatus.COMPLETED and state.outcomes() == {"confirmed": count}
     assert state.bytes_written < 10 * 1024 * 1024, state.bytes_written
     reloaded = RolloutState.load(state.path)
     assert reloaded.boxes == state.boxes  # what was written is the whole state
@@ -649,7 +644,7 @@ def test_progress_acks_extend_the_step_timeout(tmp_path):
 
     link = SimulatedLink({"box-0": _online("box-0")}, answer=answer)
     state = _rollout(link, tmp_path / "talks", step_timeout_s=60.0, confirm_timeout_s=100.0).run()
-    assert state.boxes["box-0"]["outcome"] == "confirmed"
+    assert state.boxes["box-0"].outcome == "confirmed"
     quiet = SimulatedLink({"box-0": _online("box-0")}, answer=lambda topic, payload: [])
     state = _rollout(quiet, tmp_path / "silent", step_timeout_s=60.0, confirm_timeout_s=100.0).run()
-    assert state.boxes["box-0"]["outcome"] == TIMED_OUT and "within 60 s" in state.boxes["box-0"]["error"]
+    assert state.boxes["box-0"].outcome == Outcome.TIMED_OUT and "within 60 s" in state.boxes["box-0"].error

@@ -14,43 +14,19 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from agent.fleet.journal import RolloutState
 from agent.fleet.link import FleetLink, Message
-from agent.fleet.plan import (
-    CANCELLED_ROLLOUT,
-    DUPLICATE,
-    MALFORMED,
-    NOT_STARTED,
-    PAUSED,
-    RUNNING,
-    RolloutSpec,
-    request_id,
-)
-from agent.fleet.status import BoxView, FleetView
+from agent.fleet.plan import RolloutSpec, request_id
+from agent.fleet.records import BoxRecord, Outcome, Phase, RevertWish, RolloutStatus
+from agent.fleet.status import FleetView
 from agent.protocol.messages import FINAL_STATES, Ack, ProtocolError, parse_ack
 from agent.protocol.topics import ACK, device_topic, split_device_topic
 
 POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
-PLANNED, SENT, DEPLOYED, DONE = "planned", "sent", "deployed", "done"
 ANOMALIES_KEPT = 5
 
 
 def one_line(text: str) -> str:
     """Box errors may span lines (a bundle's per-field errors): one line for the progress display and report."""
     return " ".join(str(text).split())
-
-
-def identity(entry: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: entry.get(k) for k in ("name", "version", "manifest_sha256")}
-
-
-def new_box(request: Optional[str], view: Optional[BoxView] = None, **fields: Any) -> Dict[str, Any]:
-    """A box's entry in the state file, from what its status says (``view``) when there is one."""
-    serving = view.serving if view is not None else {}
-    box = {"wave": None, "phase": DONE, "outcome": None, "error": None, "attempt": 0,
-           "old": identity(serving) if serving else None, "new": None,
-           "baseline_rollback": view.last_rollback if view is not None else None, "anomalies": [],
-           "request_id": request, "sent_at": None, "deployed_at": None, "finished_at": None, "revert": None}
-    box.update(fields)
-    return box
 
 
 class Intake:
@@ -73,8 +49,10 @@ class Intake:
         self.resend: Set[str] = set()  # sent while offline, back now: the deploy goes out again
         self._subscribed: Set[str] = set()
 
-    def finish(self, state: RolloutState, device: str, outcome: str, error: Optional[str], **extra: Any) -> bool:
-        state.set(device, outcome=outcome, phase=DONE, error=error, finished_at=self.clock(), **extra)
+    def finish(self, state: RolloutState, device: str, outcome: Outcome, error: Optional[str],
+               **extra: Any) -> bool:
+        """The box's rollout ended with ``outcome``; True (judged)."""
+        state.set(device, outcome=outcome, phase=Phase.DONE, error=error, finished_at=self.clock(), **extra)
         self.retry_at.pop(device, None)
         return True
 
@@ -116,36 +94,37 @@ class Intake:
         if box is None:
             if view is not None and self.spec.group in view.groups:
                 self._take_in(state, device)
-        elif online and was is False and box["phase"] == SENT and device not in self.retry_at:
+        elif online and was is False and box.phase == Phase.SENT and device not in self.retry_at:
             self.resend.add(device)
 
     def _take_in(self, state: RolloutState, device: str) -> None:
         """A box of the group that announced itself after the plan: a last wave (or reported, if too late)."""
         view = self.view.boxes[device]
-        box = new_box(request_id(self.rollout_id, device, "deploy"), outcome=NOT_STARTED,
-                      error="announced itself after the plan")
-        if state.status == RUNNING and view.online and not view.malformed:
+        rid = request_id(self.rollout_id, device, "deploy")
+        box = BoxRecord.planned(rid, outcome=Outcome.NOT_STARTED, error="announced itself after the plan")
+        if state.status == RolloutStatus.RUNNING and view.online and not view.malformed:
             waves = state.data["waves"]
             late = state.data.get("late_wave")
-            if late is None or late != len(waves) - 1 or any(state.boxes[d]["phase"] != PLANNED for d in waves[late]):
+            if late is None or late != len(waves) - 1 or any(
+                    state.boxes[d].phase != Phase.PLANNED for d in waves[late]):
                 waves = waves + [[]]
                 late = len(waves) - 1
             waves[late] = waves[late] + [device]
-            box = new_box(box["request_id"], view, wave=late, phase=PLANNED)
+            box = BoxRecord.planned(rid, view, wave=late, phase=Phase.PLANNED)
             state.top(waves=waves, late_wave=late)
             self.progress("  %-24s announced itself after the plan: taken into wave %d" % (device, late + 1))
-        state.set(device, **box)
+        state.add(device, box)
 
     def _on_ack(self, state: RolloutState, device: str, topic_rid: str, message: Message) -> None:
         box = state.boxes.get(device)
         if box is None:
             return
-        own = topic_rid == box.get("request_id") or topic_rid == (box.get("revert") or {}).get("request_id")
+        own = topic_rid == box.request_id or (box.revert is not None and topic_rid == box.revert.request_id)
         try:
             ack = parse_ack(message.json())
         except ProtocolError as exc:
-            if own and box["phase"] in (SENT, DEPLOYED):
-                self.finish(state, device, MALFORMED, "ack %s: %s" % (topic_rid, exc))
+            if own and box.phase in (Phase.SENT, Phase.DEPLOYED):
+                self.finish(state, device, Outcome.MALFORMED, "ack %s: %s" % (topic_rid, exc))
             else:
                 self._anomaly(state, device, "malformed ack on %s: %s" % (message.topic, exc))
             return
@@ -163,22 +142,22 @@ class Intake:
                                 "answer as %s" % (topic_rid, previous.state, ack.state, device))
             return  # a replayed 'in_progress' must not hide a final ack already seen
         self.acks[key] = ack
-        if device in self.anchor and ack.state not in FINAL_STATES and box["phase"] == SENT:
+        if device in self.anchor and ack.state not in FINAL_STATES and box.phase == Phase.SENT:
             self.anchor[device] = self.monotonic()  # progress restarts the step timeout
 
     def _duplicate(self, state: RolloutState, device: str, why: str) -> None:
         self._anomaly(state, device, why)
-        if state.boxes[device]["outcome"] != DUPLICATE:
+        if state.boxes[device].outcome != Outcome.DUPLICATE:
             self.progress("  %-24s DUPLICATE device id: %s" % (device, why))
-            self.finish(state, device, DUPLICATE, why)
+            self.finish(state, device, Outcome.DUPLICATE, why)
 
     def _anomaly(self, state: RolloutState, device: str, what: str) -> None:
-        kept = (state.boxes[device].get("anomalies") or []) + [one_line(what)[:300]]
+        kept = state.boxes[device].anomalies + [one_line(what)[:300]]
         state.set(device, anomalies=kept[-ANOMALIES_KEPT:])
 
     def _check_cancel(self, state: RolloutState) -> None:
         path = self.cancel_path
-        if state.status not in (RUNNING, PAUSED) or not os.path.exists(path):
+        if state.status not in (RolloutStatus.RUNNING, RolloutStatus.PAUSED) or not os.path.exists(path):
             return
         try:
             with open(path, encoding="utf-8") as handle:
@@ -186,8 +165,8 @@ class Intake:
             revert = bool(request.get("revert")) if isinstance(request, dict) else False
         except (OSError, ValueError):
             revert = False
-        state.top(status=CANCELLED_ROLLOUT, cancel={"at": self.clock(), "revert": revert},
-                  revert="wanted" if revert else None)
+        state.top(status=RolloutStatus.CANCELLED, cancel={"at": self.clock(), "revert": revert},
+                  revert=RevertWish.WANTED if revert else None)
         state.save()
         self.progress("CANCELLED by 'fleet cancel'%s; no further box is sent a deploy" % (
             ": moved boxes go back" if revert else ""))

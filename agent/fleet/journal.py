@@ -18,7 +18,8 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from agent._util.atomic import atomic_write
-from agent.fleet.plan import EXECUTED, FAILURES, RolloutError
+from agent.fleet.plan import RolloutError
+from agent.fleet.records import EXECUTED, FAILURES, BoxRecord, Outcome, RevertWish, RolloutStatus
 
 STATE_SCHEMA = 2
 BOX_KEYS = ("wave", "phase", "outcome", "error", "request_id", "sent_at", "finished_at", "revert")
@@ -31,12 +32,17 @@ def _damaged(path: str, why: str) -> RolloutError:
 
 
 class RolloutState:
-    """The spec, the plan, every box's phase, outcome and timings; change through :meth:`set` and :meth:`top`."""
+    """The spec, the plan, every box's record; change through :meth:`set`, :meth:`add` and :meth:`top`.
 
-    def __init__(self, path: str, data: Dict[str, Any]) -> None:
+    ``data`` holds the rollout's own fields as the snapshot has them; ``boxes`` the typed records (the
+    snapshot's ``boxes`` object, written back by :meth:`compact`).
+    """
+
+    def __init__(self, path: str, data: Dict[str, Any], boxes: Optional[Dict[str, BoxRecord]] = None) -> None:
         self.path = path
         self.journal = path[:-len(".json")] + ".journal" if path.endswith(".json") else path + ".journal"
-        self.data = data
+        self.data = {k: v for k, v in data.items() if k != "boxes"}
+        self.boxes: Dict[str, BoxRecord] = boxes if boxes is not None else {}
         self.bytes_written = 0  # what this process wrote to the state files (the bench reports it)
         self._pending: List[str] = []
         self._counts: Optional[Dict[str, int]] = None  # outcome -> boxes, kept up to date by set()
@@ -54,11 +60,18 @@ class RolloutState:
         if not isinstance(data, dict) or data.get("schema") != STATE_SCHEMA:
             raise RolloutError("state file %s has an unknown schema; move it away to start over" % path)
         state = cls(path, data)
-        state._replay()
-        state._check()
+        raw = data.get("boxes")
+        state._replay(raw)
+        state._check(raw)
+        for device, box in raw.items():
+            try:
+                state.boxes[device] = BoxRecord.from_dict(box)
+            except (ValueError, TypeError) as exc:
+                raise _damaged(path, "box %r: %s" % (device, exc)) from None
         return state
 
-    def _replay(self) -> None:
+    def _replay(self, boxes: Any) -> None:
+        """Apply the journal's change records to the snapshot as read (``boxes``: its plain box objects)."""
         try:
             with open(self.journal, encoding="utf-8") as handle:
                 lines = handle.read().split("\n")
@@ -73,7 +86,7 @@ class RolloutState:
             try:
                 entry = json.loads(line)
                 if "b" in entry:
-                    self.data["boxes"].setdefault(entry["b"], {}).update(entry["f"])
+                    boxes.setdefault(entry["b"], {}).update(entry["f"])
                 else:
                     self.data.update(entry["t"])
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -81,16 +94,16 @@ class RolloutState:
                     return
                 raise _damaged(self.journal, "line %d is not a change record" % (number + 1)) from None
 
-    def _check(self) -> None:
+    def _check(self, boxes: Any) -> None:
         data = self.data
-        missing = [k for k in TOP_KEYS if k not in data]
-        if missing or not isinstance(data["boxes"], dict) or not isinstance(data["waves"], list):
+        missing = [k for k in TOP_KEYS if k not in data and (k != "boxes" or boxes is None)]
+        if missing or not isinstance(boxes, dict) or not isinstance(data["waves"], list):
             raise _damaged(self.path, "missing or bad %s" % (", ".join(missing) or "boxes/waves"))
         for wave in data["waves"]:
             for device in wave if isinstance(wave, list) else [None]:
-                if device not in data["boxes"]:
+                if device not in boxes:
                     raise _damaged(self.path, "wave names %r, which has no box entry" % (device,))
-        for device, box in data["boxes"].items():
+        for device, box in boxes.items():
             if not isinstance(box, dict) or any(k not in box for k in BOX_KEYS):
                 raise _damaged(self.path, "box %r lacks %s" % (device, [k for k in BOX_KEYS if not (
                     isinstance(box, dict) and k in box)]))
@@ -98,22 +111,31 @@ class RolloutState:
     # --- changes -----------------------------------------------------------------------------------------
 
     @property
-    def boxes(self) -> Dict[str, Dict[str, Any]]:
-        return self.data["boxes"]
+    def status(self) -> RolloutStatus:
+        return RolloutStatus(self.data["status"])
 
     @property
-    def status(self) -> str:
-        return str(self.data["status"])
+    def revert(self) -> Optional[RevertWish]:
+        """Whether moved boxes are to go back (``--rollback-on-abort``, ``fleet cancel --revert``)."""
+        wish = self.data.get("revert")
+        return None if wish is None else RevertWish(wish)
 
-    def set(self, device: str, **fields: Any) -> Dict[str, Any]:
+    def set(self, device: str, **fields: Any) -> BoxRecord:
         """Change one box; the change is journaled at the next :meth:`save`."""
-        box = self.boxes.setdefault(device, {})
+        box = self.boxes[device]
+        before = box.outcome
+        changed = box.update(**fields)
         if self._counts is not None and "outcome" in fields:
-            self._count(box.get("outcome"), -1)
-            self._count(fields["outcome"], 1)
-        box.update(fields)
-        self._pending.append(json.dumps({"b": device, "f": fields}, sort_keys=True))
+            self._count(before, -1)
+            self._count(box.outcome, 1)
+        self._pending.append(json.dumps({"b": device, "f": changed}, sort_keys=True))
         return box
+
+    def add(self, device: str, box: BoxRecord) -> None:
+        """A box the plan did not have (one that announced itself later), journaled whole."""
+        self.boxes[device] = box
+        self._count(box.outcome, 1)
+        self._pending.append(json.dumps({"b": device, "f": box.as_dict()}, sort_keys=True))
 
     def top(self, **fields: Any) -> None:
         """Change the rollout's own fields (status, abort, waves...)."""
@@ -137,25 +159,26 @@ class RolloutState:
         """Rewrite the snapshot with everything and empty the journal (at the start and end of a run)."""
         self._pending = []
         self.data["updated"] = time.time()
-        text = json.dumps(self.data, sort_keys=True, separators=(",", ":")) + "\n"
+        data = dict(self.data, boxes={device: box.as_dict() for device, box in self.boxes.items()})
+        text = json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
         atomic_write(self.path, text)
         self.bytes_written += len(text.encode("utf-8"))
         with open(self.journal, "w", encoding="utf-8"):
             pass
         self.journaled = 0
 
-    def _count(self, outcome: Optional[str], step: int) -> None:
+    def _count(self, outcome: Optional[Outcome], step: int) -> None:
         if outcome and self._counts is not None:
             self._counts[outcome] = self._counts.get(outcome, 0) + step
             if not self._counts[outcome]:
                 del self._counts[outcome]
 
-    def outcomes(self) -> Dict[str, int]:
+    def outcomes(self) -> Dict[Outcome, int]:
         """Boxes per outcome; counted once, then kept by :meth:`set` (judged after every outcome)."""
         if self._counts is None:
             self._counts = {}
             for box in self.boxes.values():
-                self._count(box.get("outcome"), 1)
+                self._count(box.outcome, 1)
         return dict(self._counts)
 
     def executed_and_failures(self) -> Tuple[int, int]:

@@ -9,19 +9,10 @@ naming another manifest fails at once (``wrong_bundle``), as does a status servi
 from dataclasses import asdict
 from typing import Any, Optional
 
-from agent.fleet.intake import DEPLOYED, DONE, SENT, Intake, identity, one_line
+from agent.fleet.intake import Intake, one_line
 from agent.fleet.journal import RolloutState
-from agent.fleet.plan import (
-    CONFIRMED,
-    FAILED_OUTCOME,
-    MALFORMED,
-    RETRY_BASE_S,
-    RETRYABLE,
-    ROLLED_BACK,
-    TIMED_OUT,
-    deploy_verb,
-    request_id,
-)
+from agent.fleet.plan import RETRY_BASE_S, RETRYABLE, deploy_verb, request_id
+from agent.fleet.records import Outcome, Phase, identity
 from agent.protocol.messages import FINAL_STATES, SUCCEEDED, Ack, ProtocolError, parse_deploy_result
 
 ALREADY_SERVING = "already_serving"  # the box's error code for a deploy of what it serves
@@ -38,27 +29,27 @@ class Judge:
     def judge(self, state: RolloutState, device: str) -> bool:
         """Advance one box from what its acks and status say; True once it has an outcome."""
         box = state.boxes[device]
-        if box["phase"] == DONE:
+        if box.phase == Phase.DONE:
             return True
-        ack = self.intake.acks.get((device, box["request_id"]))
-        if ack is not None and box["phase"] == SENT and ack.state in FINAL_STATES:
+        ack = self.intake.acks.get((device, box.request_id or ""))
+        if ack is not None and box.phase == Phase.SENT and ack.state in FINAL_STATES:
             done = self._ack(state, device, ack)
             if done is not None:
                 return done
         view = self.intake.view.boxes.get(device)
         if view is not None and view.malformed:
-            return self.intake.finish(state, device, MALFORMED, view.malformed)
-        if view is not None and box["phase"] in (SENT, DEPLOYED):
+            return self.intake.finish(state, device, Outcome.MALFORMED, view.malformed)
+        if view is not None and box.phase in (Phase.SENT, Phase.DEPLOYED):
             serving = view.serving
             if view.serves_confirmed(self.sha):
-                return self.intake.finish(state, device, CONFIRMED, None, new=box["new"] or identity(serving))
+                return self.intake.finish(state, device, Outcome.CONFIRMED, None, new=box.new or identity(serving))
             rollback = view.last_rollback
-            if rollback and rollback != box["baseline_rollback"] and rollback.get("manifest_sha256") == self.sha:
-                return self.intake.finish(state, device, ROLLED_BACK, one_line(rollback.get("reason")))
-            old = (box["old"] or {}).get("manifest_sha256")
-            if box["phase"] == DEPLOYED and view.online and serving.get("manifest_sha256") not in (self.sha, old):
-                return self.intake.finish(state, device, FAILED_OUTCOME, "wrong_bundle: its status serves manifest %s, "
-                                    "not %s" % (serving.get("manifest_sha256"), self.sha))
+            if rollback and rollback != box.baseline_rollback and rollback.get("manifest_sha256") == self.sha:
+                return self.intake.finish(state, device, Outcome.ROLLED_BACK, one_line(rollback.get("reason")))
+            old = (box.old or {}).get("manifest_sha256")
+            if box.phase == Phase.DEPLOYED and view.online and serving.get("manifest_sha256") not in (self.sha, old):
+                return self.intake.finish(state, device, Outcome.FAILED, "wrong_bundle: its status serves manifest "
+                                          "%s, not %s" % (serving.get("manifest_sha256"), self.sha))
         return self._timed_out(state, device, view)
 
     def _ack(self, state: RolloutState, device: str, ack: Ack) -> Optional[bool]:
@@ -68,19 +59,19 @@ class Judge:
             try:
                 model = parse_deploy_result(ack).model
             except ProtocolError as exc:
-                return self.intake.finish(state, device, MALFORMED, "deploy ack: %s" % exc)
+                return self.intake.finish(state, device, Outcome.MALFORMED, "deploy ack: %s" % exc)
             if model.manifest_sha256 not in (None, self.sha):
-                return self.intake.finish(state, device, FAILED_OUTCOME, "wrong_bundle: its ack names manifest %s, not "
-                                    "%s" % (model.manifest_sha256, self.sha))
-            state.set(device, phase=DEPLOYED, deployed_at=self.intake.clock(), new=asdict(model))
+                return self.intake.finish(state, device, Outcome.FAILED, "wrong_bundle: its ack names manifest "
+                                          "%s, not %s" % (model.manifest_sha256, self.sha))
+            state.set(device, phase=Phase.DEPLOYED, deployed_at=self.intake.clock(), new=asdict(model))
             self.intake.anchor[device] = self.intake.monotonic()
             return None
         error = ack.error
         code = error.code if error is not None else "?"
         if code == ALREADY_SERVING:  # a retry after the box confirmed: judged by its status
             return None
-        if code in RETRYABLE and box.get("attempt", 0) < self.spec.retries:
-            attempt = box.get("attempt", 0) + 1
+        if code in RETRYABLE and box.attempt < self.spec.retries:
+            attempt = box.attempt + 1
             backoff = RETRY_BASE_S * 2 ** (attempt - 1)
             rid = request_id(self.intake.rollout_id, device, deploy_verb(attempt))
             state.set(device, attempt=attempt, request_id=rid,
@@ -88,26 +79,26 @@ class Judge:
             self.intake.subscribe_acks([device])
             self.intake.retry_at[device] = self.intake.monotonic() + backoff
             self.intake.anchor[device] = self.intake.monotonic() + backoff
-            self.intake.progress("  %-24s %s: retry %d/%d in %.0f s" % (device, code, attempt, self.spec.retries,
-                                                                backoff))
+            self.intake.progress("  %-24s %s: retry %d/%d in %.0f s" % (device, code, attempt,
+                                                                        self.spec.retries, backoff))
             return False
-        return self.intake.finish(state, device, FAILED_OUTCOME, one_line("%s: %s" % (
+        return self.intake.finish(state, device, Outcome.FAILED, one_line("%s: %s" % (
             code, error.message if error is not None else "")))
 
     def _timed_out(self, state: RolloutState, device: str, view: Any) -> bool:
         box = state.boxes[device]
-        if box["sent_at"] is None:
+        if box.sent_at is None:
             return False
         anchor = self.intake.anchor.get(device)
         if anchor is None:  # sent by an earlier run: only its wall time is known, read once
-            since = box["deployed_at"] if box["phase"] == DEPLOYED and box["deployed_at"] else box["sent_at"]
+            since = box.deployed_at if box.phase == Phase.DEPLOYED and box.deployed_at else box.sent_at
             anchor = self.intake.monotonic() - max(0.0, self.intake.clock() - since)
             self.intake.anchor[device] = anchor
-        limit = self.spec.confirm_timeout_s if box["phase"] == DEPLOYED else self.spec.step_timeout
+        limit = self.spec.confirm_timeout_s if box.phase == Phase.DEPLOYED else self.spec.step_timeout
         if self.intake.monotonic() - anchor <= limit:
             return False
         where = "offline" if view is not None and not view.online else (
-            "pending" if view is not None and view.holds(self.sha) == "pending" else box["phase"])
-        step = "confirmed" if box["phase"] == DEPLOYED else "heard from"
-        return self.intake.finish(state, device, TIMED_OUT, "not %s within %.0f s (last seen: %s)" % (
+            "pending" if view is not None and view.holds(self.sha) == "pending" else box.phase)
+        step = "confirmed" if box.phase == Phase.DEPLOYED else "heard from"
+        return self.intake.finish(state, device, Outcome.TIMED_OUT, "not %s within %.0f s (last seen: %s)" % (
             step, limit, where))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from agent.config.names import name_problem
+from agent.fleet.records import EXECUTED, FAILURES, Outcome
 from agent.protocol.messages import REQUEST_ID_MAX, REQUEST_ID_RE
 
 ROLLOUT_ID_MAX = 24  # leaves room in a 64-character request id for the device and the verb
@@ -18,18 +19,6 @@ DEFAULT_REVERT_TIMEOUT_S = 120.0  # a rollback is a reference swap or one reload
 DEFAULT_RETRIES = 2  # a transient 'busy' or 'interrupted' is sent again this many times
 RETRY_BASE_S = 2.0  # backoff before retry n: RETRY_BASE_S * 2**(n-1)
 RETRYABLE = ("busy", "interrupted")  # error codes that say "not now", not "never"
-
-# Outcomes. EXECUTED ones count towards the failure rate; FAILURES are the failed ones among them.
-CONFIRMED, FAILED_OUTCOME, ROLLED_BACK, TIMED_OUT = "confirmed", "failed", "rolled_back", "timed_out"
-MALFORMED, DUPLICATE = "malformed", "duplicate"
-ABORTED, CANCELLED, OFFLINE, ALREADY, NOT_STARTED = "aborted", "cancelled", "offline", "already", "not_started"
-NOT_TARGETED, UNSEEN = "not_targeted", "unseen"
-FAILURES = (FAILED_OUTCOME, ROLLED_BACK, TIMED_OUT, MALFORMED, DUPLICATE)
-EXECUTED = (CONFIRMED,) + FAILURES
-# Rollout states in the state file and report.
-RUNNING, PAUSED, COMPLETED, PARTIAL, ABORTED_ROLLOUT = "running", "paused", "completed", "partial", "aborted"
-CANCELLED_ROLLOUT = "cancelled"
-FINISHED = (COMPLETED, PARTIAL, ABORTED_ROLLOUT, CANCELLED_ROLLOUT)
 
 
 class RolloutError(Exception):
@@ -161,7 +150,7 @@ def plan_waves(devices: List[str], canary: int, waves: int, wave_size: Optional[
     return planned
 
 
-def abort_reason(spec: RolloutSpec, outcomes: Dict[str, int]) -> Optional[str]:
+def abort_reason(spec: RolloutSpec, outcomes: Dict[Outcome, int]) -> Optional[str]:
     """Why the rollout must stop now, or None (AWS IoT Jobs' abort criteria, per failure type and overall)."""
     executed = sum(n for o, n in outcomes.items() if o in EXECUTED)
     failures = sum(n for o, n in outcomes.items() if o in FAILURES)

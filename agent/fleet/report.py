@@ -3,15 +3,7 @@
 from typing import Any, Dict, List
 
 from agent.fleet.journal import RolloutState
-from agent.fleet.plan import (
-    ABORTED_ROLLOUT,
-    CANCELLED_ROLLOUT,
-    COMPLETED,
-    CONFIRMED,
-    PARTIAL,
-    PAUSED,
-)
-from agent.protocol.messages import SUCCEEDED
+from agent.fleet.records import REACHED, Outcome, RevertState, RolloutStatus
 
 # Exit codes of 'fleet rollout' (and 'fleet resume'), one per way a rollout can end (docs/fleet.md).
 EXIT_COMPLETED = 0  # every box of the group confirmed (or already there)
@@ -19,8 +11,9 @@ EXIT_ABORTED = 1  # a threshold or the canary stopped it
 EXIT_PARTIAL = 5  # it ran to its end, but some box failed, was offline, unseen or otherwise not reached
 EXIT_PAUSED = 6  # paused after its canary, waiting for 'fleet resume'
 EXIT_CANCELLED = 7  # stopped by 'fleet cancel'
-EXIT_BY_STATUS = {COMPLETED: EXIT_COMPLETED, ABORTED_ROLLOUT: EXIT_ABORTED, PARTIAL: EXIT_PARTIAL,
-                  PAUSED: EXIT_PAUSED, CANCELLED_ROLLOUT: EXIT_CANCELLED}
+EXIT_BY_STATUS = {RolloutStatus.COMPLETED: EXIT_COMPLETED, RolloutStatus.ABORTED: EXIT_ABORTED,
+                  RolloutStatus.PARTIAL: EXIT_PARTIAL, RolloutStatus.PAUSED: EXIT_PAUSED,
+                  RolloutStatus.CANCELLED: EXIT_CANCELLED}
 
 
 def exit_code(status: str) -> int:
@@ -28,29 +21,33 @@ def exit_code(status: str) -> int:
 
 
 def report(state: RolloutState) -> Dict[str, Any]:
-    """The JSON report: counts, the abort, and per box old/new version, outcome, timings, revert, anomalies."""
+    """The JSON report: counts, the abort, and per box old/new version, outcome, timings, revert, anomalies.
+
+    States are given as their plain strings (what the state file holds).
+    """
     data = state.data
     executed, failures = state.executed_and_failures()
     counts: Dict[str, int] = {}
     boxes: List[Dict[str, Any]] = []
     for device in sorted(state.boxes):
         box = state.boxes[device]
-        outcome = box["outcome"] or "in_flight"
-        counts[outcome] = counts.get(outcome, 0) + 1
-        sent = box["sent_at"]
-        revert = box["revert"]
+        outcome = box.outcome.value if box.outcome is not None else None
+        counts[outcome or "in_flight"] = counts.get(outcome or "in_flight", 0) + 1
+        sent = box.sent_at
+        revert = box.revert
         boxes.append({
-            "device": device, "wave": box["wave"], "outcome": box["outcome"], "error": box["error"],
-            "old_version": (box.get("old") or {}).get("version"),
-            "new_version": (box.get("new") or {}).get("version"),
-            "request_id": box["request_id"] if sent is not None else None, "attempts": box.get("attempt", 0) + 1
-            if sent is not None else 0,
-            "deploy_s": round(box["deployed_at"] - sent, 3) if sent and box.get("deployed_at") else None,
-            "confirm_s": round(box["finished_at"] - sent, 3) if sent and box["outcome"] == CONFIRMED else None,
-            "reverted": revert.get("state") == SUCCEEDED if revert and revert.get("request_id") else None,
-            "revert": revert, "anomalies": box.get("anomalies") or []})
-    not_reached = [b["device"] for b in boxes if b["outcome"] not in (CONFIRMED, "already", "not_targeted")]
-    return {"rollout_id": data["rollout_id"], "spec": data["spec"], "status": data["status"],
+            "device": device, "wave": box.wave, "outcome": outcome, "error": box.error,
+            "old_version": (box.old or {}).get("version"), "new_version": (box.new or {}).get("version"),
+            "request_id": box.request_id if sent is not None else None,
+            "attempts": box.attempt + 1 if sent is not None else 0,
+            "deploy_s": round(box.deployed_at - sent, 3) if sent and box.deployed_at else None,
+            "confirm_s": round((box.finished_at or sent) - sent, 3) if sent and box.outcome == Outcome.CONFIRMED
+            else None,
+            "reverted": revert.state == RevertState.SUCCEEDED if revert and revert.request_id else None,
+            "revert": dict(revert.as_dict(), state=revert.state.value) if revert else None,
+            "anomalies": list(box.anomalies)})
+    not_reached = [b["device"] for b in boxes if b["outcome"] not in REACHED]
+    return {"rollout_id": data["rollout_id"], "spec": data["spec"], "status": state.status.value,
             "abort": data["abort"], "cancel": data.get("cancel"), "started": data["started"],
             "finished": data["finished"], "shortfall": data.get("shortfall"),
             "wall_s": round(data["finished"] - data["started"], 3) if data["finished"] else None,

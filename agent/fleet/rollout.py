@@ -34,33 +34,20 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Callable, Deque, Dict, List, Optional
 
-from agent.fleet.intake import DEPLOYED, DONE, PLANNED, POLL_S, SENT, Intake, new_box
+from agent.fleet.intake import POLL_S, Intake
 from agent.fleet.journal import STATE_SCHEMA, RolloutLock, RolloutState
 from agent.fleet.judge import Judge
 from agent.fleet.link import FleetLink
-from agent.fleet.plan import (
-    ABORTED,
-    ABORTED_ROLLOUT,
-    ALREADY,
-    CANCELLED,
-    COMPLETED,
-    CONFIRMED,
+from agent.fleet.plan import RolloutError, RolloutSpec, abort_reason, check_rollout_id, plan_waves, request_id
+from agent.fleet.records import (
     FAILURES,
     FINISHED,
-    MALFORMED,
-    NOT_STARTED,
-    NOT_TARGETED,
-    OFFLINE,
-    PARTIAL,
-    PAUSED,
-    RUNNING,
-    UNSEEN,
-    RolloutError,
-    RolloutSpec,
-    abort_reason,
-    check_rollout_id,
-    plan_waves,
-    request_id,
+    REACHED,
+    BoxRecord,
+    Outcome,
+    Phase,
+    RevertWish,
+    RolloutStatus,
 )
 from agent.fleet.revert import Reverter
 from agent.fleet.status import SETTLE_S, collect
@@ -107,12 +94,7 @@ class Rollout:
         self.monotonic = monotonic  # deadlines within this run
         self.intake = Intake(spec, self.rollout_id, link, progress, clock, monotonic,
                              self.path[:-len(".json")] + ".cancel")
-        # shared with the intake, which fills them from the messages
-        self.view, self.acks = self.intake.view, self.intake.acks
-        self._anchor, self._retry_at = self.intake.anchor, self.intake.retry_at
-        self._online, self._resend = self.intake.online, self.intake.resend
-        self._pump, self._subscribe_acks, self._finish = self.intake.pump, self.intake.subscribe_acks, \
-            self.intake.finish
+        self.view = self.intake.view  # filled by the intake from the messages
         self.judge = Judge(self.intake)
         self._sends: Deque[float] = deque()  # monotonic times of recent deploys, for --max-per-minute
         self.state: Optional[RolloutState] = None
@@ -132,7 +114,7 @@ class Rollout:
             if state is None and self.preflight is not None:
                 self.preflight([b for b in self.view.in_group(self.spec.group) if not b.malformed])
             self.state = state = state or self._plan()
-            if state.status in FINISHED and state.data.get("revert") != "wanted":
+            if state.status in FINISHED and state.revert != RevertWish.WANTED:
                 self.progress("rollout %s already %s; reprinting its report" % (self.rollout_id, state.status))
                 return state
             if state.journaled:
@@ -166,35 +148,36 @@ class Rollout:
                 self.view.apply(message)
         self.view.judge_stale(self.clock())  # an "online" nobody heard lately is treated like offline
         for box in self.view.boxes.values():
-            self._online[box.device] = box.online
+            self.intake.online[box.device] = box.online
 
     def _plan(self) -> RolloutState:
-        boxes: Dict[str, Dict[str, Any]] = {}
+        boxes: Dict[str, BoxRecord] = {}
         movable: List[str] = []
         waiting: List[str] = []
         for view in self.view.in_group(None):
-            box = new_box(request_id(self.rollout_id, view.device, "deploy"), view)
+            box = BoxRecord.planned(request_id(self.rollout_id, view.device, "deploy"), view)
             boxes[view.device] = box
             if self.spec.group not in view.groups:
-                box.update(outcome=NOT_TARGETED)
+                box.update(outcome=Outcome.NOT_TARGETED)
             elif view.malformed:
-                box.update(outcome=MALFORMED, error=view.malformed)
+                box.update(outcome=Outcome.MALFORMED, error=view.malformed)
             elif not view.online:
-                box["error"] = "offline at the start (%s)" % (view.reason or view.state)
+                box.error = "offline at the start (%s)" % (view.reason or view.state)
                 if self.spec.wait_offline_s is None:
-                    box.update(outcome=OFFLINE)
+                    box.update(outcome=Outcome.OFFLINE)
                 else:
-                    box.update(waits=True, phase=PLANNED)
+                    box.update(waits=True, phase=Phase.PLANNED)
                     waiting.append(view.device)
             elif view.serves_confirmed(self.sha):
-                box.update(outcome=ALREADY, new=box["old"])
+                box.update(outcome=Outcome.ALREADY, new=box.old)
             else:
-                box["phase"] = PLANNED
+                box.phase = Phase.PLANNED
                 movable.append(view.device)
         for device in self.inventory or []:
             if device not in boxes:
-                boxes[device] = new_box(None, outcome=UNSEEN, error="in the inventory, no status heard")
-        targeted = [d for d, b in boxes.items() if b["outcome"] not in (NOT_TARGETED, UNSEEN)]
+                boxes[device] = BoxRecord.planned(None, outcome=Outcome.UNSEEN,
+                                                  error="in the inventory, no status heard")
+        targeted = [d for d, b in boxes.items() if b.outcome not in (Outcome.NOT_TARGETED, Outcome.UNSEEN)]
         if not targeted and not self.inventory:
             raise RolloutError("no box has announced itself in group %r under prefix %r" % (
                 self.spec.group, self.spec.prefix))
@@ -203,72 +186,72 @@ class Rollout:
             waves.append(waiting)
         for index, wave in enumerate(waves):
             for device in wave:
-                boxes[device]["wave"] = index
+                boxes[device].wave = index
         seen = sum(1 for d in targeted)
         shortfall = None
         if self.expect is not None and seen < self.expect:
             shortfall = "expected %d box(es) in group %s, heard %d" % (self.expect, self.spec.group, seen)
         state = RolloutState(self.path, {
             "schema": STATE_SCHEMA, "rollout_id": self.rollout_id, "spec": asdict(self.spec),
-            "status": RUNNING, "abort": None, "started": self.clock(), "finished": None, "runs": 0,
-            "waves": waves, "boxes": boxes, "shortfall": shortfall, "revert": None, "approved": False})
-        skipped = [d for d, b in boxes.items() if b["outcome"] in (OFFLINE, MALFORMED, UNSEEN) or b.get("waits")]
+            "status": RolloutStatus.RUNNING, "abort": None, "started": self.clock(), "finished": None, "runs": 0,
+            "waves": waves, "shortfall": shortfall, "revert": None, "approved": False}, boxes)
+        skipped = [d for d, b in boxes.items()
+                   if b.outcome in (Outcome.OFFLINE, Outcome.MALFORMED, Outcome.UNSEEN) or b.waits]
         self.progress("rollout %s: %d box(es) in group %s; %d in %d wave(s), %d already there, %d not reachable "
                       "now%s%s" % (self.rollout_id, len(targeted), self.spec.group, len(movable), len(waves),
-                                   sum(1 for b in boxes.values() if b["outcome"] == ALREADY), len(skipped),
+                                   sum(1 for b in boxes.values() if b.outcome == Outcome.ALREADY), len(skipped),
                                    " (%s)" % ", ".join(skipped[:10]) if skipped else "",
                                    "; " + shortfall if shortfall else ""))
         state.compact()  # the spec (--rollback-on-abort included) is on disk before anything is sent
         return state
 
     def _drive(self, state: RolloutState) -> None:
-        if state.status == PAUSED:
+        if state.status == RolloutStatus.PAUSED:
             if not self.resume:
                 self.progress("rollout %s is paused after its canary: 'fleet resume' goes on" % self.rollout_id)
                 return
-            state.top(status=RUNNING, approved=True)
+            state.top(status=RolloutStatus.RUNNING, approved=True)
             self.progress("rollout %s resumed" % self.rollout_id)
         index = 0
-        while state.status == RUNNING and index < len(state.data["waves"]):
+        while state.status == RolloutStatus.RUNNING and index < len(state.data["waves"]):
             waves = state.data["waves"]
-            todo = [d for d in waves[index] if state.boxes[d]["phase"] != DONE]
+            todo = [d for d in waves[index] if state.boxes[d].phase != Phase.DONE]
             if todo:
                 canary = index == 0 and self.spec.canary > 0
                 self.progress("wave %d/%d%s: %d box(es)" % (index + 1, len(waves), " (canary)" if canary else "",
                                                             len(todo)))
                 self._run_wave(state, index, todo)
-            if state.status == RUNNING and index == 0 and self.spec.canary > 0:
+            if state.status == RolloutStatus.RUNNING and index == 0 and self.spec.canary > 0:
                 self._after_canary(state, waves[0])
             index += 1
-        if state.status == PAUSED:
+        if state.status == RolloutStatus.PAUSED:
             return
         for device, box in state.boxes.items():
-            if box["phase"] == PLANNED:
-                state.set(device, outcome=NOT_STARTED, phase=DONE)
-        if state.status == RUNNING:
-            incomplete = state.data.get("shortfall") or any(
-                b["outcome"] not in (CONFIRMED, ALREADY, NOT_TARGETED) for b in state.boxes.values())
-            state.top(status=PARTIAL if incomplete else COMPLETED)
+            if box.phase == Phase.PLANNED:
+                state.set(device, outcome=Outcome.NOT_STARTED, phase=Phase.DONE)
+        if state.status == RolloutStatus.RUNNING:
+            incomplete = state.data.get("shortfall") or any(b.outcome not in REACHED for b in state.boxes.values())
+            state.top(status=RolloutStatus.PARTIAL if incomplete else RolloutStatus.COMPLETED)
         if state.data.get("finished") is None:
             state.top(finished=self.clock())
         state.save()
-        if state.data.get("revert") == "wanted":
-            Reverter(self, state).run()
-            state.top(revert="done")
+        if state.revert == RevertWish.WANTED:
+            Reverter(self.intake, self.send, state).run()
+            state.top(revert=RevertWish.DONE)
 
     def _after_canary(self, state: RolloutState, canary: List[str]) -> None:
-        failed = [d for d in canary if state.boxes[d]["outcome"] in FAILURES]
+        failed = [d for d in canary if state.boxes[d].outcome in FAILURES]
         if failed and not self.spec.continue_after_canary_failure:
             self._abort(state, 0, "the canary failed (%s); --continue-after-canary-failure goes on regardless" %
-                        ", ".join("%s %s" % (d, state.boxes[d]["outcome"]) for d in failed))
+                        ", ".join("%s %s" % (d, state.boxes[d].outcome) for d in failed))
         elif self.spec.pause_after_canary and not state.data.get("approved"):
-            state.top(status=PAUSED)
+            state.top(status=RolloutStatus.PAUSED)
             state.save()
             self.progress("canary done; paused: 'fleet resume' sends the next waves, 'fleet cancel' stops here")
 
     def _abort(self, state: RolloutState, index: int, reason: str) -> None:
-        state.top(status=ABORTED_ROLLOUT, abort={"reason": reason, "wave": index, "at": self.clock()},
-                  revert="wanted" if self.spec.rollback_on_abort else None)
+        state.top(status=RolloutStatus.ABORTED, abort={"reason": reason, "wave": index, "at": self.clock()},
+                  revert=RevertWish.WANTED if self.spec.rollback_on_abort else None)
         state.save()  # on disk before the line: a kill right after it still reverts on the re-run
         self.progress("ABORT in wave %d: %s; no further box is sent a deploy" % (index + 1, reason))
 
@@ -278,22 +261,23 @@ class Rollout:
         devices = self._back_online(state, devices)
         if not devices:
             return
-        self._subscribe_acks(devices)
+        self.intake.subscribe_acks(devices)
         now = self.clock()
-        fresh = [d for d in devices if state.boxes[d]["phase"] == PLANNED]
+        fresh = [d for d in devices if state.boxes[d].phase == Phase.PLANNED]
         for device in fresh:
-            state.set(device, phase=SENT, sent_at=now)
+            state.set(device, phase=Phase.SENT, sent_at=now)
         state.save()  # recorded before sending: a kill between the two re-sends the same request ids
         for device in devices:  # a box sent by an earlier run is charged from its recorded sent_at
-            if state.boxes[device]["phase"] in (SENT, DEPLOYED) and state.status == RUNNING:
+            if state.boxes[device].phase in (Phase.SENT, Phase.DEPLOYED) and state.status == RolloutStatus.RUNNING:
                 self._send_deploy(state, device, restart_clock=device in fresh)
-        in_flight = [d for d in devices if state.boxes[d]["phase"] != DONE]
+        in_flight = [d for d in devices if state.boxes[d].phase != Phase.DONE]
         while in_flight:
-            self._pump(state)
-            if state.status != RUNNING and (state.data.get("revert") == "wanted" or state.status != ABORTED_ROLLOUT):
-                outcome = ABORTED if state.status == ABORTED_ROLLOUT else CANCELLED
+            self.intake.pump(state)
+            if state.status != RolloutStatus.RUNNING and (state.revert == RevertWish.WANTED or
+                                                          state.status != RolloutStatus.ABORTED):
+                outcome = Outcome.ABORTED if state.status == RolloutStatus.ABORTED else Outcome.CANCELLED
                 for device in in_flight:  # followed by the revert (if wanted), not judged
-                    state.set(device, outcome=outcome, phase=DONE, finished_at=self.clock(),
+                    state.set(device, outcome=outcome, phase=Phase.DONE, finished_at=self.clock(),
                               error="in flight when the rollout was %s" % state.status)
                 state.save()
                 return
@@ -302,26 +286,27 @@ class Rollout:
                     in_flight.remove(device)
                     self._report_box(state, device, len(in_flight))
                     reason = abort_reason(self.spec, state.outcomes())
-                    if reason is not None and state.status == RUNNING:
+                    if reason is not None and state.status == RolloutStatus.RUNNING:
                         self._abort(state, index, reason)
-                elif device in self._resend and state.status == RUNNING:
-                    self._resend.discard(device)
+                elif device in self.intake.resend and state.status == RolloutStatus.RUNNING:
+                    self.intake.resend.discard(device)
                     self.progress("  %-24s back online: deploy sent again" % device)
                     self._send_deploy(state, device)
-                elif self._retry_at.get(device, float("inf")) <= self.monotonic() and state.status == RUNNING:
-                    del self._retry_at[device]
+                elif self.intake.retry_at.get(device, float("inf")) <= self.monotonic() and \
+                        state.status == RolloutStatus.RUNNING:
+                    del self.intake.retry_at[device]
                     self._send_deploy(state, device)
             state.save()
 
     def _send_deploy(self, state: RolloutState, device: str, restart_clock: bool = True) -> None:
         self._pace()
         box = state.boxes[device]
-        payload = {"request_id": box["request_id"], "bundle": self.spec.bundle, "sha256": self.sha}
+        payload = {"request_id": box.request_id, "bundle": self.spec.bundle, "sha256": self.sha}
         if self.spec.archive_sha256 is not None:
             payload["archive_sha256"] = self.spec.archive_sha256.lower()
         self.send(device, "deploy", payload)
         if restart_clock:
-            self._anchor[device] = self.monotonic()
+            self.intake.anchor[device] = self.monotonic()
         self._sends.append(self.monotonic())
 
     def send(self, device: str, verb: str, fields: Dict[str, Any]) -> None:
@@ -343,21 +328,21 @@ class Rollout:
                 self._sends.popleft()
             if len(self._sends) < limit:
                 return
-            self._pump(self.state)
+            self.intake.pump(self.state)
 
     def _back_online(self, state: RolloutState, devices: List[str]) -> List[str]:
         """The boxes of a wave that may be sent now: waiting boxes only once online (until --wait-offline)."""
-        waits = [d for d in devices if state.boxes[d].get("waits") and state.boxes[d]["phase"] == PLANNED]
+        waits = [d for d in devices if state.boxes[d].waits and state.boxes[d].phase == Phase.PLANNED]
         if not waits:
             return devices
         self.progress("waiting up to %.0f s for %d box(es) offline at the start" % (self.spec.wait_offline_s or 0,
                                                                                    len(waits)))
         deadline = self.monotonic() + (self.spec.wait_offline_s or 0.0)
         while self.monotonic() < deadline and not all(self._is_online(d) for d in waits):
-            self._pump(state)
+            self.intake.pump(state)
         late = [d for d in waits if not self._is_online(d)]
         for device in late:
-            state.set(device, outcome=OFFLINE, phase=DONE, finished_at=self.clock(),
+            state.set(device, outcome=Outcome.OFFLINE, phase=Phase.DONE, finished_at=self.clock(),
                       error="offline at the start and not back within %.0f s" % (self.spec.wait_offline_s or 0.0))
             self.progress("  %-24s offline (not back in time)" % device)
         state.save()
@@ -370,7 +355,6 @@ class Rollout:
     def _report_box(self, state: RolloutState, device: str, left: int) -> None:
         box = state.boxes[device]
         executed, failures = state.executed_and_failures()
-        took = box["finished_at"] - box["sent_at"] if box["sent_at"] else 0.0
+        took = (box.finished_at or 0.0) - box.sent_at if box.sent_at else 0.0
         self.progress("  %-24s %-11s %6.1f s  [executed %d, failed %d, in flight %d]%s" % (
-            device, box["outcome"], took, executed, failures, left,
-            "  " + box["error"][:120] if box["error"] else ""))
+            device, box.outcome, took, executed, failures, left, "  " + box.error[:120] if box.error else ""))
