@@ -28,14 +28,8 @@ from agent.config.secrets import resolve_secret
 from agent.fleet.inventory import Inventory, record_path
 from agent.fleet.journal import RolloutLock, RolloutState
 from agent.fleet.link import FleetLink, LinkError
-from agent.fleet.plan import (
-    CANCELLED_ROLLOUT,
-    FINISHED,
-    RolloutError,
-    RolloutSpec,
-    check_rollout_id,
-    prefix_problems,
-)
+from agent.fleet.plan import RolloutError, RolloutSpec, check_rollout_id, prefix_problems
+from agent.fleet.records import FINISHED, RevertWish, RolloutStatus
 from agent.fleet.report import exit_code, report
 from agent.fleet.rollout import Rollout, default_state_dir
 from agent.fleet.status import FleetView, collect, render_table
@@ -185,7 +179,7 @@ def _cancel(args: argparse.Namespace, out: TextIO) -> int:
             raise RolloutError("rollout %s already %s" % (rollout_id, state.status))
         atomic_write(base + ".cancel", json.dumps({"revert": args.revert}) + "\n")
         if state is not None:  # no process drives it: cancelled here, reverts by the next run of the command
-            state.top(status=CANCELLED_ROLLOUT, revert="wanted" if args.revert else None,
+            state.top(status=RolloutStatus.CANCELLED, revert=RevertWish.WANTED if args.revert else None,
                       cancel={"revert": args.revert})
             state.save()
     print("rollout %s: cancel %s%s" % (rollout_id, "sent to the running process" if running else "recorded",
