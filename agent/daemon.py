@@ -148,7 +148,7 @@ class Daemon:
         model = self.models.start()  # thresholds from the config are applied by the manager at load
         self._starting = False
         self.handlers.started = time.monotonic()
-        self.transport.set_status(self._presence("online"))
+        self.transport.set_status(self._presence())
         self._announced = True
         self.transport.start()
         for alert in self.overrides.alerts():  # a damaged or outdated overrides file: said once, at start
@@ -246,24 +246,25 @@ class Daemon:
             "watchdog": self.watchdog.snapshot(),
         }
 
-    def _presence(self, state: str) -> Dict[str, Any]:
-        model = self.models.current
-        return {"state": state, "device": self.device.name, "model": model.label, "backend": self.backend,
-                "ts": time.time(), "groups": list(self.config.mqtt.groups), "slots": self.models.status(),
+    def _presence(self) -> Dict[str, Any]:
+        """The daemon's fields of its retained status (:class:`agent.protocol.status.BoxStatus`); the transport
+        adds state, device id, time and broker."""
+        return {"device_kind": self.device.name, "model": self.models.current.label, "backend": self.backend,
+                "groups": list(self.config.mqtt.groups), "slots": self.models.status(),
                 # the operator's clock for this box: silent for a few intervals, an "online" is not believed
                 "telemetry_interval_s": self.config.publish.telemetry_interval_s}
 
     def _answer_announce(self) -> None:
         """An operator's announce request (fleet status, rollout): the live status, as on every switch."""
         if self._announced:
-            self.transport.set_status(self._presence("online"))
+            self.transport.set_status(self._presence())
 
     def _publish_event(self, event: Dict[str, Any]) -> None:
         event = dict(event, ts=time.time())
         log.info("event: %s", event)
         self.transport.publish(self.transport.topic("events"), event)
         if self._announced and event.get("event") in SLOT_EVENTS:
-            self.transport.set_status(self._presence("online"))
+            self.transport.set_status(self._presence())
 
     def _publish_alert(self, alert: Dict[str, Any]) -> None:
         self.transport.publish(self.transport.topic("telemetry", "alert"), dict(alert, ts=time.time()))

@@ -13,8 +13,7 @@ from agent.config.daemon_config import MqttConfig
 from agent.errors import CommandError
 from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport
-from agent.protocol.messages import VERBS
-from agent.protocol.requests import REQUESTS
+from agent.protocol.verbs import request_types, verb_names
 from tests.conftest import WAIT_S, MqttProbe, wait_for
 
 _devices = itertools.count()
@@ -28,15 +27,15 @@ class Handlers:
     verb's request type, already parsed by the dispatcher."""
 
     def __init__(self) -> None:
-        self.calls: Dict[str, int] = dict.fromkeys(VERBS, 0)
+        self.calls: Dict[str, int] = dict.fromkeys(verb_names(), 0)
         self.release = threading.Event()
 
     def table(self) -> Dict[str, Callable[[Any, Callable[[str], None]], Optional[Dict[str, Any]]]]:
-        return {verb: self._counted(verb, getattr(self, verb.replace("-", "_"))) for verb in VERBS}
+        return {verb: self._counted(verb, getattr(self, verb.replace("-", "_"))) for verb in verb_names()}
 
     def _counted(self, verb: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def handler(request: Any, progress: Callable[[str], None]) -> Any:
-            assert isinstance(request, REQUESTS[verb])
+            assert isinstance(request, request_types()[verb])
             self.calls[verb] += 1
             return fn(request, progress)
 

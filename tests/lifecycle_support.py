@@ -19,7 +19,7 @@ from agent.lifecycle.model_manager import ModelManager
 from agent.lifecycle.slots import EMPTY
 from agent.lifecycle.store import STAGING_DIR
 from agent.pipeline.handover import BetweenBatches
-from agent.protocol.requests import parse_request
+from agent.protocol.verbs import parse_request
 from tests.conftest import wait_for
 
 deploy_request = functools.partial(parse_request, "deploy")  # a deploy command's payload, as the dispatcher parses it

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from agent._util import quarantine
 from agent.commands.dispatcher import CommandDispatcher
 from agent.commands.record import RequestRecord
-from agent.protocol.messages import REQUEST_ID_RE, VERBS
+from agent.protocol.messages import REQUEST_ID_RE
+from agent.protocol.verbs import verb_names
 from tests import commands_support as rig
 from tests.commands_support import SHA, CommandSystem
 from tests.outbox_support import read_only_fs
@@ -318,7 +319,7 @@ def _rid(suffix: str) -> str:
 @st.composite
 def fuzz_message(draw) -> Dict[str, Any]:
     """One bad command: its verb, its bytes, and what must come of it (a failed ack code, or a drop)."""
-    verb = draw(st.one_of(st.sampled_from(VERBS), VERB_TEXT))
+    verb = draw(st.one_of(st.sampled_from(verb_names()), VERB_TEXT))
     kind = draw(st.sampled_from(["binary", "text", "non_object", "no_id", "bad_id", "bad_fields",
                                  "unknown_verb", "oversize", "oversize_no_id", "broken_json"]))
     expect: Optional[str] = None  # a failed ack with this code; None = dropped and counted
@@ -341,7 +342,7 @@ def fuzz_message(draw) -> Dict[str, Any]:
             bad = bad + "/"
         data = json.dumps({"request_id": bad, "x": 1}).encode()
     elif kind == "bad_fields":
-        verb = draw(st.sampled_from(VERBS))
+        verb = draw(st.sampled_from(verb_names()))
         # no key any request type knows, so every one of these fails its verb's schema at intake
         known = ("request_id", "config", "bundle", "sha256", "reason")
         keys = st.text(min_size=1, max_size=10).filter(lambda k: k not in known)
@@ -350,7 +351,7 @@ def fuzz_message(draw) -> Dict[str, Any]:
         data = json.dumps(dict({"request_id": rid}, **fields)).encode()
         expect = "invalid"
     elif kind == "unknown_verb":
-        verb = draw(VERB_TEXT.filter(lambda v: v not in VERBS))
+        verb = draw(VERB_TEXT.filter(lambda v: v not in verb_names()))
         rid = _rid(draw(ID_SUFFIX))
         data = json.dumps({"request_id": rid}).encode()
         expect = "unknown_verb"

@@ -193,9 +193,9 @@ FIELDS = ["conf", "iou", "max_det", "top_k", "max_batch", "max_wait_ms", "queue_
 
 def fuzz_messages(rng, count):
     """``count`` (verb, payload bytes, request id or None) for the box's command topics, seeded."""
-    from agent.protocol.messages import VERBS
+    from agent.protocol.verbs import verb_names
 
-    verbs = [v for v in VERBS if v != "restart"] + ["unknown", "x" * 80, "Deploy"]
+    verbs = [v for v in verb_names() if v != "restart"] + ["unknown", "x" * 80, "Deploy"]
     out = []
     for i in range(count):
         verb, request_id = rng.choice(verbs), "fz-%d" % i

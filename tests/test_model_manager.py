@@ -883,7 +883,7 @@ from agent.config.daemon_config import parse_daemon_config
 from agent.config.device_config import load_device_config
 from agent.lifecycle.model_manager import ModelManager
 from agent.pipeline.handover import BetweenBatches
-from agent.protocol.requests import parse_request
+from agent.protocol.verbs import parse_request
 
 deploy_request = functools.partial(parse_request, "deploy")
 config = parse_daemon_config(json.loads(sys.argv[1]))

@@ -22,8 +22,12 @@ from agent.config.schema import ConfigError, describe, parse, setting
 from agent.fleet.link import Message
 from agent.pipeline.handover import BetweenBatches
 from agent.protocol import topics
-from agent.protocol.messages import JSON_DEPTH_MAX, VERBS, ProtocolError, decode_json, parse_ack, parse_status
-from agent.protocol.requests import REQUESTS, parse_request
+from agent.protocol.messages import JSON_DEPTH_MAX, ProtocolError, decode_json, parse_ack
+from agent.protocol.status import parse_status
+from agent.protocol.verbs import parse_request, request_types, verb_names
+
+VERBS = verb_names()
+REQUESTS = request_types()
 
 DEVICE = "proto-box"
 SHA = "ab" * 32
@@ -144,7 +148,7 @@ def test_a_bad_payload_fails_invalid_naming_the_field_and_changes_nothing(box, v
 
 
 def test_every_verb_has_a_request_type_and_bad_cases():
-    assert tuple(REQUESTS) == VERBS
+    assert tuple(REQUESTS) == VERBS and len(set(VERBS)) == len(VERBS)
     covered = {case.values[0] for case in _bad_cases()}
     assert covered == set(VERBS)
     nan_fields = {case.values[2] for case in _bad_cases() if case.id.endswith("-nan")}

@@ -23,9 +23,10 @@ from agent.config.daemon_config import DEFAULT_PREFIX
 from agent.config.schema import ConfigError
 from agent.config.secrets import resolve_secret
 from agent.protocol.envelope import DEFAULT_SIGNED_TTL_S, CommandEnvelope, group_target
-from agent.protocol.messages import REQUEST_ID_RULE, SUCCEEDED, VERBS, Ack, ProtocolError, is_request_id, parse_ack
+from agent.protocol.messages import REQUEST_ID_RULE, SUCCEEDED, Ack, ProtocolError, is_request_id, parse_ack
 from agent.protocol.topics import ack_topic as build_ack_topic
 from agent.protocol.topics import check_topic_names, command_topic
+from agent.protocol.verbs import verb_names, verbs_help
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,10 @@ PORTS = {"mqtt": 1883, "mqtts": 8883}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = verbs_help()  # from the verb table: a verb added there is listed here
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("device", help="device id (as in <prefix>/<device>/...)")
-    parser.add_argument("verb", choices=VERBS, help="command to send")
+    parser.add_argument("verb", choices=verb_names(), help="command to send (listed below)")
     parser.add_argument("--json", dest="payload", default="{}", metavar="PAYLOAD",
                         help="the verb's fields as a JSON object, e.g. '{\"bundle\": \"m-1.2\"}'")
     add_broker_arguments(parser)

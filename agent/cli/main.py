@@ -97,6 +97,7 @@ def _validate(args: argparse.Namespace) -> int:
     from agent.config.device_config import DeviceConfig, load_device_config
     from agent.config.overrides import load_with_overrides
     from agent.config.schema import ConfigError, describe, to_dict
+    from agent.protocol.verbs import check_group_verbs
 
     try:
         with open(args.file, encoding="utf-8") as handle:
@@ -111,6 +112,7 @@ def _validate(args: argparse.Namespace) -> int:
             config = load_device_config(args.file)
         else:
             config, overrides = load_with_overrides(args.file, quarantine=False)
+            check_group_verbs(config.commands.group_verbs)  # the protocol's verbs: a layer above the config's
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -18,10 +18,11 @@ retained message (a retained command would run again at every reconnect), and on
 the ``group_verbs`` (one publish reaches every box of the group).
 
 Threads: :meth:`CommandDispatcher.submit` runs on paho's thread and only enqueues. The intake thread checks
-and parses each message and sends ``accepted`` at once. Two workers run handlers: the control worker runs
-:data:`CONTROL_VERBS` (status, pause, resume, rollback, cancel), the other everything else one at a time, so
-the operator is answered, and can ``cancel``, while a long deploy runs. Handlers are the daemon's
-(:mod:`agent.commands.handlers`); every ack is recorded, published and counted by :mod:`agent.commands.answers`.
+and parses each message and sends ``accepted`` at once. Two workers run handlers: the control worker runs the
+verb table's control verbs (status, pause, resume, rollback, cancel), the other everything else one at a time,
+so the operator is answered, and can ``cancel``, while a long deploy runs. Handlers are the daemon's
+(:mod:`agent.commands.handlers`), found by the verb table's method names (:func:`handlers_of`); every ack is
+recorded, published and counted by :mod:`agent.commands.answers`.
 """
 
 import logging
@@ -43,14 +44,20 @@ from agent.protocol.messages import (
     IN_PROGRESS,
     MESSAGE_MAX_CHARS,
     SUCCEEDED,
-    VERBS,
     decode_json,
     error_body,
     invalid_body,
     is_request_id,
 )
-from agent.protocol.requests import parse_request
 from agent.protocol.topics import ANNOUNCE, GROUP, command_verb
+from agent.protocol.verbs import (
+    VERB_TABLE,
+    check_group_verbs,
+    control_verbs,
+    missing_handlers,
+    parse_request,
+    verb_names,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +69,19 @@ DEFAULT_RECORD_SIZE = 1024  # request ids remembered for idempotent retries
 INBOX_SIZE = 4096  # raw messages waiting for the intake thread; beyond this they are dropped (counted)
 STOP_POLL_S = 0.2
 VERB_MAX_CHARS = 64  # an unknown verb is echoed in its failed ack cut to this
-# Verbs the operator must reach while a deploy runs: they run on their own worker, never behind a deploy.
-CONTROL_VERBS = ("status", "pause", "resume", "rollback", "cancel")
-DEFAULT_GROUP_VERBS = ("status", "pause", "resume", "cancel")  # safe on every box of a group at once
 
 Progress = Callable[[str], None]
-# handler(request, progress): ``request`` is the verb's type from agent.protocol.requests.
+# handler(request, progress): ``request`` is the verb's request type (agent.protocol.verbs).
 Handler = Callable[[Any, Progress], Optional[Mapping[str, Any]]]
+
+
+def handlers_of(target: Any) -> Dict[str, Handler]:
+    """Verb -> ``target``'s method named by the verb table; TypeError naming every verb it cannot run."""
+    missing = missing_handlers(target)
+    if missing:
+        raise TypeError("%s has no handler for %s (the verb table names %s)" % (
+            type(target).__name__, ", ".join(missing), ", ".join(VERB_TABLE[v].handler for v in missing)))
+    return {name: getattr(target, verb.handler) for name, verb in VERB_TABLE.items()}
 
 
 class AckPublisher(AckSink, Protocol):
@@ -84,7 +97,7 @@ class CommandDispatcher:
 
     ``transport`` is an :class:`AckPublisher` (:class:`agent.ops.transport.MqttTransport`). Each handler is
     ``handler(request, progress) -> dict | None``: ``request`` is the payload parsed into the verb's request
-    type (:data:`agent.protocol.requests.REQUESTS`); ``progress(message)`` sends an ``in_progress`` ack; it
+    type (:mod:`agent.protocol.verbs`); ``progress(message)`` sends an ``in_progress`` ack; it
     may raise :class:`CommandError` or :class:`agent.config.schema.ConfigError` to fail with a structured
     error.
     """
@@ -102,14 +115,13 @@ class CommandDispatcher:
         on_alert: Optional[Callable[[Dict[str, Any]], None]] = None,
         on_announce: Optional[Callable[[], None]] = None,
         freshness: Optional[Freshness] = None,
-        group_verbs: Sequence[str] = DEFAULT_GROUP_VERBS,
+        group_verbs: Optional[Sequence[str]] = None,
     ) -> None:
-        unknown = sorted(set(handlers) - set(VERBS))
+        """``group_verbs`` None: the verb table's group-safe verbs; an unknown one is a ConfigError naming
+        ``commands.group_verbs`` (the daemon then exits 78), as ``atlas-edge validate`` reports it."""
+        unknown = sorted(set(handlers) - set(verb_names()))
         if unknown:
-            raise ValueError("handlers for unknown verbs %s (known: %s)" % (unknown, ", ".join(VERBS)))
-        if set(group_verbs) - set(VERBS):
-            raise ValueError("commands.group_verbs names unknown verbs %s (known: %s)" % (
-                sorted(set(group_verbs) - set(VERBS)), ", ".join(VERBS)))
+            raise ValueError("handlers for unknown verbs %s (known: %s)" % (unknown, ", ".join(verb_names())))
         if rate_per_s <= 0 or burst < 1 or max_payload_bytes < 1 or record_size < 1 or queue_size < 1:
             raise ValueError("rate_per_s, burst, max_payload_bytes, record_size and queue_size must be > 0")
         self.transport = transport
@@ -122,7 +134,8 @@ class CommandDispatcher:
         self._jobs: "queue.Queue[Job]" = queue.Queue(queue_size)
         self._control: "queue.Queue[Job]" = queue.Queue(queue_size)
         self._freshness = freshness or Freshness()
-        self._group_verbs = frozenset(group_verbs)
+        self._group_verbs = frozenset(check_group_verbs(group_verbs))
+        self._control_verbs = frozenset(control_verbs())
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self._busy = threading.Event()  # the worker is inside a handler
@@ -256,7 +269,7 @@ class CommandDispatcher:
             answers.answer_duplicate(recorded, request_id, verb)
             return
         if verb not in self.handlers:
-            known = ", ".join(v for v in VERBS if v in self.handlers)
+            known = ", ".join(v for v in verb_names() if v in self.handlers)
             answers.finish(Job(request_id, verb, None), FAILED, error=error_body(
                 "unknown_verb", "unknown verb %r (this device handles: %s)" % (verb, known), "verb"))
             return
@@ -271,7 +284,7 @@ class CommandDispatcher:
             return
         job = Job(request_id, verb, request)
         try:
-            (self._control if verb in CONTROL_VERBS else self._jobs).put_nowait(job)
+            (self._control if verb in self._control_verbs else self._jobs).put_nowait(job)
         except queue.Full:
             # Not recorded: it never ran, so a retry once the queue has room may run it.
             answers.count_failed("busy")
@@ -332,7 +345,7 @@ class CommandDispatcher:
         started = self._answers.ack(job, IN_PROGRESS)
         self._record.save(started)
         self._answers.publish(started)
-        main = job.verb not in CONTROL_VERBS
+        main = job.verb not in self._control_verbs
         if main:
             self._busy.set()
         try:

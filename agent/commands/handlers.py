@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional
 
 from agent._util.compat import Protocol
 from agent._util.redact import redact_all
-from agent.commands.dispatcher import Handler, Progress
+from agent.commands.dispatcher import Handler, Progress, handlers_of
 from agent.config.daemon_config import DaemonConfig, merge_config
 from agent.config.overrides import Overrides
 from agent.config.schema import to_dict
@@ -21,7 +21,7 @@ from agent.lifecycle.model_manager import TRIGGER_OPERATOR, ModelManager
 from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.results import annotate
 from agent.pipeline.serving import ServingLoop
-from agent.protocol.requests import ConfigRequest, NoFields
+from agent.protocol.requests import ConfigRequest, DeployRequest, NoFields, RollbackRequest
 
 # A set-config waits this long for the serving loop (one batch plus a model's between-batches work).
 CONFIG_HANDOVER_TIMEOUT_S = 5.0
@@ -59,26 +59,35 @@ class CommandHandlers:
         self.started: Optional[float] = None  # time.monotonic() when the daemon became ready
 
     def table(self) -> Dict[str, Handler]:
-        """Verb → handler, for :class:`agent.commands.dispatcher.CommandDispatcher`; each gets its verb's
-        request type (:data:`agent.protocol.requests.REQUESTS`)."""
-        return {
-            "status": lambda request, progress: self.status(),
-            "validate": self.validate,
-            "set-config": self.set_config,
-            "deploy": self.models.deploy,
-            "rollback": lambda request, progress: self.models.rollback(request.reason or TRIGGER_OPERATOR),
-            "pause": lambda request, progress: self.pause(True),
-            "resume": lambda request, progress: self.pause(False),
-            "snapshot": self.snapshot,
-            "restart": self.restart,
-            "cancel": lambda request, progress: self.models.cancel(),
-        }
+        """Verb → handler, for :class:`agent.commands.dispatcher.CommandDispatcher`: the methods the verb table
+        (:mod:`agent.protocol.verbs`) names; each gets its verb's request type."""
+        return handlers_of(self)
+
+    # -- the verb table's methods: (request, progress) -> result ---------------------------------------------
+
+    def status_command(self, request: NoFields, progress: Progress) -> Dict[str, Any]:
+        return self.status()
+
+    def deploy(self, request: DeployRequest, progress: Progress) -> Dict[str, Any]:
+        return self.models.deploy(request, progress)
+
+    def rollback(self, request: RollbackRequest, progress: Progress) -> Dict[str, Any]:
+        return self.models.rollback(request.reason or TRIGGER_OPERATOR)
+
+    def pause_command(self, request: NoFields, progress: Progress) -> Dict[str, Any]:
+        return self.pause(True)
+
+    def resume_command(self, request: NoFields, progress: Progress) -> Dict[str, Any]:
+        return self.pause(False)
+
+    def cancel(self, request: NoFields, progress: Progress) -> Dict[str, Any]:
+        return self.models.cancel()
 
     def status(self) -> Dict[str, Any]:
         info = self.loop.telemetry()
         info.update({
             "device_id": self.get_config().device_id,
-            "device": self.device_name,
+            "device_kind": self.device_name,  # the name a retained status gives it (agent.protocol.status)
             "backend": self.backend,
             "model": self.models.current.describe(),
             "slots": self.models.status(),

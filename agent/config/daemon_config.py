@@ -251,8 +251,10 @@ class CommandsConfig:
     max_ttl_s: float = setting(3600.0, gt=0, le=86400, doc="the longest validity (ttl_s) a command may claim")
     rate_per_s: float = setting(10.0, gt=0, le=1000, doc="sustained commands per second; more are refused")
     burst: int = setting(20, ge=1, le=10000, doc="commands accepted at once before the rate applies")
-    group_verbs: List[str] = setting(factory=lambda: ["status", "pause", "resume", "cancel"],
-                                     doc="verbs a group topic may carry (one publish reaches every box of a group)")
+    # The verbs are the protocol's (agent/protocol/verbs.py, a layer above this one): checked there, by
+    # `validate` and at start (check_group_verbs); unset means the verb table's group-safe ones.
+    group_verbs: Optional[List[str]] = setting(None, doc="verbs a group topic may carry (one publish reaches every "
+                                               "box of a group); default: status, pause, resume, cancel")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from agent.fleet.link import FleetLink, Message
-from agent.protocol.messages import ProtocolError, parse_status
+from agent.protocol.messages import ProtocolError
+from agent.protocol.status import parse_status
 from agent.protocol.topics import ALERT, STATUS, TELEMETRY, announce_topic, fleet_subscriptions, split_device_topic
 
 ONLINE = "online"
@@ -49,7 +50,7 @@ class BoxView:
     broker: Optional[str] = None  # the broker (of mqtt.hosts) the box said it is on
     telemetry_interval_s: Optional[float] = None
     heard_live: bool = False  # a message from it arrived live during this run (not a retained copy)
-    kind: Optional[str] = None  # its device kind (the status's ``device``: a device_configs/ name)
+    kind: Optional[str] = None  # its device kind (the status's ``device_kind``: a device_configs/ name)
 
     @property
     def online(self) -> bool:
@@ -129,7 +130,7 @@ class FleetView:
         box = self.boxes.setdefault(device, BoxView(device))
         self.updates += 1
         try:
-            parse_status(body)
+            status = parse_status(body)
         except ProtocolError as exc:
             box.state, box.malformed, box.reason = MALFORMED, str(exc), str(exc)
             groups = body.get("groups") if isinstance(body, dict) else None
@@ -144,7 +145,7 @@ class FleetView:
         if box.online or body.get("slots"):  # an offline will carries no slots: keep the last ones known
             box.model = body.get("model", box.model)
             box.backend = body.get("backend", box.backend)
-            box.kind = body.get("device", box.kind)
+            box.kind = status.device_kind or box.kind
             if isinstance(body.get("slots"), dict):
                 box.slots = body["slots"]
         box.reason = body.get("reason")

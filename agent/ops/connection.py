@@ -31,6 +31,8 @@ from agent.config.daemon_config import MqttConfig, TlsConfig
 from agent.config.schema import ConfigError, FieldError
 from agent.config.secrets import credential_path, resolve_secret
 from agent.ops.inflight import InFlight
+from agent.protocol.messages import OFFLINE
+from agent.protocol.status import status_message
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +158,8 @@ class ConnectionSupervisor:
             client.tls_set_context(self._tls_context)
         # The broker publishes this, retained, when the connection dies without a DISCONNECT. It names the
         # groups so that a fleet view filtered by group still lists the box while it is away.
-        will = {"state": "offline", "device": self.device_id, "reason": "connection lost",
-                "connected_at": attempt_ts, "groups": list(self.config.groups)}
+        will = status_message(OFFLINE, self.device_id, reason="connection lost", connected_at=attempt_ts,
+                              ts=attempt_ts, groups=list(self.config.groups))
         client.will_set(self.status_topic, encode_payload(will), qos=1, retain=True)
         client.on_connect = _catch_and_log(self._on_connect)
         client.on_disconnect = _catch_and_log(self._on_disconnect)

@@ -41,6 +41,8 @@ from agent.ops.connection import CLOSE_TIMEOUT_S, ConnectionSupervisor, MessageH
 from agent.ops.inflight import InFlight
 from agent.ops.outbox import Outbox
 from agent.ops.replay import Replayer
+from agent.protocol.messages import OFFLINE, ONLINE
+from agent.protocol.status import status_message
 from agent.protocol.topics import command_subscriptions, device_topic, name_problem
 
 logger = logging.getLogger(__name__)
@@ -159,16 +161,18 @@ class MqttTransport:
         return self.publish(self.topic("ack", request_id), payload, qos=1)
 
     def set_status(self, fields: Dict[str, Any]) -> None:
-        """Replace the extra fields of the retained status (model version, paused, ...) and republish it."""
+        """Replace the daemon's fields of the retained status (device kind, model, slots, ...: names of
+        :class:`agent.protocol.status.BoxStatus`) and republish it; state, device id, time and broker are added
+        here, by :func:`agent.protocol.status.status_message`."""
+        status_message(ONLINE, self.device_id, **fields)  # a field BoxStatus lacks fails here, in the caller
         self._status_fields = dict(fields)
         if self._link.connected:
-            self._publish_status("online")
+            self._publish_status(ONLINE)
 
     def _status_payload(self, state: str, **extra: Any) -> bytes:
-        message = dict(self._status_fields)
-        message.update(extra)
-        message.update(state=state, device=self.device_id, ts=time.time(), broker=self._link.broker)
-        return encode_payload(message)
+        fields = dict(self._status_fields, ts=None, broker=self._link.broker)
+        fields.update(extra)
+        return encode_payload(status_message(state, self.device_id, **fields))
 
     def _publish_status(self, state: str, **extra: Any) -> str:
         # Not durable: a stale status replayed later would be wrong, and each connect publishes a fresh one.
@@ -228,7 +232,7 @@ class MqttTransport:
     # -- sessions (called by the supervisor thread) ---------------------------------------------------------
 
     def _session_started(self) -> None:
-        self._publish_status("online")
+        self._publish_status(ONLINE)
         self._replay.wake.set()
         if self._on_connected is not None:
             try:
@@ -291,7 +295,7 @@ class MqttTransport:
         self._replay.wake.set()
         self._join(self._threads[1], deadline)
         if self._link.connected:
-            self._publish_status("offline", reason="stopped")
+            self._publish_status(OFFLINE, reason="stopped")
         drained = self._inflight.wait_all_drained(max(0.0, deadline - time.monotonic()))
         self._link.stopping.set()
         self._join(self._threads[0], deadline + CLOSE_TIMEOUT_S)

@@ -1,4 +1,4 @@
-"""Verbs, ack states, request ids, the error body, and typed readers for what an operator receives.
+"""Ack states, request ids, the error body, and typed readers for what an operator receives.
 
 An ack (on ``<prefix>/<device>/ack/<request_id>``) moves ``accepted`` -> ``in_progress`` -> ``succeeded`` |
 ``failed``::
@@ -7,10 +7,10 @@ An ack (on ``<prefix>/<device>/ack/<request_id>``) moves ``accepted`` -> ``in_pr
      "error": {"code": "invalid", "field": "bundle", "message": "...",
                "errors": [{"field": "bundle", "message": "..."}]}}
 
-:func:`parse_ack` and :func:`parse_status` turn a received JSON body into :class:`Ack` / :class:`BoxStatus`
-or raise :class:`ProtocolError` naming the field, so an operator's tool reports a malformed message instead of
-crashing on it. Both ignore keys they do not know: a newer box may add fields, and an older tool must still
-read the ones it knows.
+:func:`parse_ack` (and :func:`agent.protocol.status.parse_status`) turn a received JSON body into
+:class:`Ack` (:class:`~agent.protocol.status.BoxStatus`) or raise :class:`ProtocolError` naming the field, so
+an operator's tool reports a malformed message instead of crashing on it. Both ignore keys they do not know: a
+newer box may add fields, and an older tool must still read the ones it knows.
 """
 
 import json
@@ -20,9 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent.config.schema import ConfigError, parse, setting
-
-VERBS = ("status", "validate", "set-config", "deploy", "rollback", "pause", "resume", "snapshot", "restart",
-         "cancel")
 
 ACCEPTED = "accepted"
 IN_PROGRESS = "in_progress"
@@ -166,60 +163,12 @@ class Ack:
         return "%s: %s" % (self.error.code, self.error.message) if self.error is not None else ""
 
 
-@dataclass(frozen=True)
-class SlotView:
-    """One A/B slot as the box reports it (``SlotTable.public()``)."""
-
-    state: Optional[str] = None
-    name: Optional[str] = None
-    version: Optional[str] = None
-    manifest_sha256: Optional[str] = None
-    since: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class SlotsView:
-    serving: Optional[str] = None
-    slots: Dict[str, Optional[SlotView]] = setting(factory=dict)
-    last_rollback: Optional[Dict[str, Any]] = None
-    pending: Optional[Dict[str, Any]] = None
-
-
-@dataclass(frozen=True)
-class BoxStatus:
-    """A box's retained status: ``online`` from the daemon, ``offline`` from its stop or its last will."""
-
-    state: str
-    device: Optional[str] = None
-    ts: Optional[float] = None
-    groups: List[str] = setting(factory=list)
-    model: Optional[str] = None
-    backend: Optional[str] = None
-    slots: Optional[SlotsView] = None
-    reason: Optional[str] = None
-    connected_at: Optional[float] = None
-    broker: Optional[str] = None  # which of the box's mqtt.hosts it is on
-    telemetry_interval_s: Optional[float] = setting(None, gt=0)  # how often it speaks: judges staleness
-
-    @property
-    def online(self) -> bool:
-        return self.state == ONLINE
-
-
 def parse_ack(body: Any) -> Ack:
     """An ack from its decoded JSON; raises :class:`ProtocolError` naming the field when it is malformed."""
     try:
         return parse(Ack, body, "ack", unknown="ignore")
     except ConfigError as exc:
         raise ProtocolError("ack", exc) from None
-
-
-def parse_status(body: Any) -> BoxStatus:
-    """A retained status from its decoded JSON; raises :class:`ProtocolError` naming the field when malformed."""
-    try:
-        return parse(BoxStatus, body, "status", unknown="ignore")
-    except ConfigError as exc:
-        raise ProtocolError("status", exc) from None
 
 
 @dataclass(frozen=True)

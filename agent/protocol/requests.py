@@ -1,15 +1,15 @@
-"""One request type per verb: what each command's payload may hold, parsed by the schema engine.
+"""The request types: what a command's payload may hold, parsed by the schema engine.
 
-The dispatcher parses a payload here before it accepts the command, so an unknown key, a wrong type or a
-non-finite number is a failed ack ``invalid`` naming the field, and a handler only ever sees a typed request.
-``request_id`` is the envelope (:mod:`agent.protocol.messages`), not part of any request.
+The verb table (:mod:`agent.protocol.verbs`) names each verb's type; the dispatcher parses a payload through
+it (:func:`agent.protocol.verbs.parse_request`) before it accepts the command, so an unknown key, a wrong type
+or a non-finite number is a failed ack ``invalid`` naming the field, and a handler only ever sees a typed
+request. ``request_id`` is the envelope (:mod:`agent.protocol.messages`), not part of any request.
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple
 
-from agent.config.schema import parse, setting
-from agent.protocol.messages import VERBS
+from agent.config.schema import setting
 
 ENVELOPE_KEYS = ("request_id", "issued_at", "ttl_s", "signature")  # beside the verb's fields (see freshness)
 
@@ -57,27 +57,3 @@ def _is_sha256(text: str) -> bool:
 class RollbackRequest:
     reason: Optional[str] = setting(None, min_len=1, doc="why, as events and the slot table show it "
                                     "(default: the operator's rollback command)")
-
-
-REQUESTS: Dict[str, Type[Any]] = {
-    "status": NoFields,
-    "validate": ConfigRequest,
-    "set-config": ConfigRequest,
-    "deploy": DeployRequest,
-    "rollback": RollbackRequest,
-    "pause": NoFields,
-    "resume": NoFields,
-    "snapshot": NoFields,
-    "restart": NoFields,
-    "cancel": NoFields,
-}
-assert tuple(REQUESTS) == VERBS, "every verb has exactly one request type"
-
-
-def parse_request(verb: str, payload: Mapping[str, Any]) -> Any:
-    """The typed request of ``verb`` from a command's payload (envelope keys left out).
-
-    Raises :class:`agent.config.schema.ConfigError` naming every bad field; KeyError for an unknown verb.
-    """
-    fields = {k: v for k, v in payload.items() if k not in ENVELOPE_KEYS}
-    return parse(REQUESTS[verb], fields, verb)
