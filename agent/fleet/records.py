@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any, Callable, Dict, List, Optional
 
 from agent.fleet.status import BoxView
+from agent.protocol import messages
 
 
 class Named(str, Enum):
@@ -60,8 +61,8 @@ class RevertState(Named):
     """A moved box being put back: its rollback sent, answered (the box's ack state), or why not."""
 
     SENT = "sent"
-    SUCCEEDED = "succeeded"  # the ack states of agent.protocol.messages, as the box said them
-    FAILED = "failed"
+    SUCCEEDED = messages.SUCCEEDED  # the box's final answer to the rollback (its ack's state)
+    FAILED = messages.FAILED
     NOTHING = "nothing"  # it never moved: nothing to put back
     UNKNOWN = "unknown"  # not settled by --revert-timeout, and no rollback was sent
     TIMED_OUT = "timed_out"  # a rollback was sent and not answered by --revert-timeout
