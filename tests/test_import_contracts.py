@@ -19,12 +19,13 @@ PACKAGES = ("agent", "quant", "converters", "benchmarks")
 
 pytest.importorskip("importlinter", reason="import-linter is not installed (dev extra: pip install -e '.[dev]')")
 
-# Prints every circle of runtime imports between modules of the packages, one per line; exit 1 if any.
+# Prints every circle of imports between modules of the packages, one per line; exit 1 if any. An import under
+# TYPE_CHECKING counts: it ties the two modules as much as any other (farm-studio counts it too).
 CIRCLES = r"""
 import sys
 import grimp
 
-graph = grimp.build_graph(*sys.argv[1:], exclude_type_checking_imports=True)
+graph = grimp.build_graph(*sys.argv[1:], exclude_type_checking_imports=False)
 modules = sorted(graph.modules)
 edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in modules}
 index, low, on_stack, stack, circles = {}, {}, set(), [], []
