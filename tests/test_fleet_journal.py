@@ -9,9 +9,11 @@ import json
 import os
 import shutil
 
+import pytest
+
 from agent.fleet.journal import RolloutState
 from agent.fleet.link import Message
-from agent.fleet.plan import RolloutSpec
+from agent.fleet.plan import RolloutError, RolloutSpec
 from agent.fleet.records import (
     BoxRecord,
     Outcome,
@@ -136,3 +138,18 @@ def test_a_revert_left_by_the_untyped_engine_is_finished_with_its_request_ids(tm
     reverted = {b["device"]: b["reverted"] for b in report(state)["boxes"]}
     assert reverted == {"box-0": True, "box-1": True, "box-2": None, "box-3": None, "box-4": None,
                         "box-5": None, "box-6": None}
+
+
+@pytest.mark.parametrize("line, names", [
+    ('{"b": "box-3", "f": {"phase": "flying"}}', "box 'box-3': 'flying' is not a valid Phase"),
+    ('{"b": "box-3", "f": {"revert": {"state": "gone"}}}', "box 'box-3': 'gone' is not a valid RevertState"),
+    ('{"b": "box-3", "f": {"colour": "red"}}', "box 'box-3': a box record has no field 'colour'"),
+    ('{"t": {"status": "dancing"}}', "'dancing' is not a valid RolloutStatus"),
+])
+def test_a_state_no_enum_knows_is_a_damaged_file_named_with_the_box(tmp_path, line, names):
+    path = _copy("in_progress", tmp_path)
+    with open(path[:-len(".json")] + ".journal", "a", encoding="utf-8") as handle:
+        handle.write(line + "\n" + '{"t": {"runs": 1}}\n')  # not the last line: not taken for a torn write
+    with pytest.raises(RolloutError, match="is damaged") as caught:
+        RolloutState.load(path)
+    assert names in str(caught.value)

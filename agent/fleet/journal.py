@@ -45,7 +45,7 @@ class RolloutState:
         self.boxes: Dict[str, BoxRecord] = boxes if boxes is not None else {}
         self.bytes_written = 0  # what this process wrote to the state files (the bench reports it)
         self._pending: List[str] = []
-        self._counts: Optional[Dict[str, int]] = None  # outcome -> boxes, kept up to date by set()
+        self._counts: Optional[Dict[Outcome, int]] = None  # outcome -> boxes, kept up to date by set()
         self.journaled = 0  # change records in the journal file (replayed at load, appended since)
 
     @classmethod
@@ -68,6 +68,12 @@ class RolloutState:
                 state.boxes[device] = BoxRecord.from_dict(box)
             except (ValueError, TypeError) as exc:
                 raise _damaged(path, "box %r: %s" % (device, exc)) from None
+        try:  # the rollout's own states too: a member of its enum, or the file is damaged
+            RolloutStatus(state.data["status"])
+            if state.data.get("revert") is not None:
+                RevertWish(state.data["revert"])
+        except ValueError as exc:
+            raise _damaged(path, str(exc)) from None
         return state
 
     def _replay(self, boxes: Any) -> None:
