@@ -25,7 +25,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[edge,host,dev]'
+	$(PY) -m pip install -q -e '.[edge,host,dev,ort]'
 	$(PY) -m pip install -q --no-deps $(MINDSPORE_GS)
 	touch $@
 
@@ -36,7 +36,7 @@ $(LITE_VENV)/.installed: pyproject.toml
 		"Install one (e.g. 'pyenv install 3.7') or pass PYTHON37=/path/to/python3.7." >&2; exit 2; }
 	$(PYTHON37) -m venv $(LITE_VENV)
 	$(LITE_PY) -m pip install -q --upgrade pip
-	$(LITE_PY) -m pip install -q -e '.[edge,lite,test]'
+	$(LITE_PY) -m pip install -q -e '.[edge,lite,test,ort]'
 	touch $@
 
 # The embedded broker of the demo and the tests' broker are a real Mosquitto from the system packages.

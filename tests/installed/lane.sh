@@ -5,8 +5,9 @@
 #
 # 1. the tree as a fresh clone holds it (tracked and new files, nothing ignored) is copied to a work dir under
 #    /tmp and built into a wheel there (no build/ left over from earlier builds can leak into it);
-# 2. a new venv under /tmp gets the wheel with the `edge` extra and the test runner, offline from a wheelhouse
-#    cached per Python in $ATLAS_EDGE_CACHE (~/.cache/atlas-edge), filled from the index on its first run;
+# 2. a new venv under /tmp gets the wheel with the `edge` extra, onnxruntime without its dependencies (as a box
+#    installs it) and the test runner, offline from a wheelhouse cached per Python in $ATLAS_EDGE_CACHE
+#    (~/.cache/atlas-edge), filled from the index on its first run;
 # 3. tests/ is copied next to it and pytest runs from an empty directory with an ini file of its own (no
 #    `pythonpath = .` of the checkout): tests/installed plus the box's end-to-end tests, against site-packages.
 set -euo pipefail
@@ -37,6 +38,10 @@ install "${REQS[@]}" 2>/dev/null || { fill "${REQS[@]}" && install "${REQS[@]}";
 "$V/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src"
 WHEEL=$(ls "$WORK/dist"/atlas_edge-*.whl)
 install "$WHEEL[edge]" 2>/dev/null || { fill "$WHEEL[edge]" && install "$WHEEL[edge]"; }
+# The onnxruntime backend as a box installs it: the wheel's own `ort` requirement for this Python, without its
+# dependencies (inference needs numpy only); the box's tests then serve on it (cpu-dev prefers it).
+ORT=$("$V/python" "$WORK/src/tests/installed/ort_requirement.py" "$WHEEL")
+install --no-deps "$ORT" 2>/dev/null || { fill --no-deps "$ORT" && install --no-deps "$ORT"; }
 
 mkdir "$WORK/t"
 cp -a "$WORK/src/tests" "$WORK/t/tests"

@@ -71,6 +71,29 @@ def test_demo_shows_three_results(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_onnxruntime_installed_without_its_dependencies_serves_the_demo_bundle():
+    """lane.sh installs onnxruntime as a box does (``--no-deps``): numpy is all inference needs, and cpu-dev
+    serves the demo bundle on it, golden self-test included."""
+    import importlib.util
+
+    from agent.bundle.verify import verify_bundle
+    from agent.config.device_config import load_device_config
+    from agent.pipeline.backends import backend_for
+    from agent.pipeline.model import load_model
+
+    assert importlib.util.find_spec("onnxruntime") is not None, "lane.sh installs onnxruntime"
+    assert [m for m in ("google.protobuf", "sympy", "flatbuffers", "coloredlogs")
+            if importlib.util.find_spec(m.split(".")[0]) is not None] == []  # installed with --no-deps
+    bundle = verify_bundle(DEMO_BUNDLE)
+    device = load_device_config("cpu-dev")
+    assert backend_for(device, bundle.manifest) == "onnxruntime"
+    model = load_model(bundle, device, "onnxruntime")
+    try:
+        assert model.golden_check().passed and model.describe()["backend"] == "onnxruntime"
+    finally:
+        model.close()
+
+
 def write_config(site, broker=None, device="cpu-dev") -> str:
     config = {"device_id": "wheel", "device": device, "state_dir": "state",
               "model": {"bundle": DEMO_BUNDLE, "backend": "opencv"},
