@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, Optional
 
+from agent._util.redact import redact_all
 from agent.config.daemon_config import DaemonConfig, load_daemon_config
 from agent.config.device_config import DeviceConfig, load_device_config
 from agent.config.overrides import Overrides, load_with_overrides, overrides_path
@@ -40,9 +41,6 @@ STARTUP_STEP_TIMEOUT_S = 120.0
 # Model events after which the retained status is republished, so that an operator (``atlas-edge fleet``) who
 # subscribes later, or resumes a rollout, reads the slot states there instead of having missed the event.
 SLOT_EVENTS = ("switched", "confirmed", "rollback")
-# Bound on stopping every source reader together: a reader notices stop within a poll (0.1 s) and its camera's
-# worker process gets 0.5 s to exit before it is killed.
-SOURCES_STOP_S = 2.0
 
 
 def choose_backend(config: DaemonConfig, device: DeviceConfig) -> str:
@@ -85,6 +83,7 @@ class Daemon:
         self.exit_code = EXIT_OK
         self.stop_reason = ""
         self._announced = False  # the retained status carries slots only once the model manager has started
+        self._ready_at: Optional[float] = None  # time.monotonic() at READY=1: the status answer's uptime
         self.handover = BetweenBatches()  # config changes, swaps and rollbacks: run between batches, in order
         self._build_services(on_result)
 
@@ -124,16 +123,19 @@ class Daemon:
         sources = SourceSet(list(cfg.sources), frames, self._publish_alert)
         self.watchdog = Watchdog(cfg.watchdog, self.memory, self.progress, self.notifier,
                                  on_alert=self._publish_alert, request_restart=self._restart_requested,
-                                 input_states=lambda: self.loop.sources.summary())
+                                 input_states=lambda: self.loop.source_states())
+        self.numbering = SequenceCounter(cfg.state_path("sequence.json"))
+        # The daemon uses the loop through its methods only (seams.ServingControl, its lifecycle, and the
+        # between-batches changes inside a handover item); the commands get the control and a status provider.
         self.loop = ServingLoop(frames, sources, self.models, self.transport, self.progress, self.handover,
                                 self.stop_event, cfg.batching.max_batch,
                                 cfg.batching.max_wait_ms, cfg.publish, on_event=self._publish_event,
                                 telemetry_extras=self._telemetry_extras, on_result=on_result,
-                                numbering=SequenceCounter(cfg.state_path("sequence.json")))
+                                numbering=self.numbering)
         self.handlers = CommandHandlers(self.loop, self.models, self.transport, self.handover,
                                         get_config=lambda: self.config, apply_config=self._apply_config,
-                                        request_restart=self._restart, device_name=self.device.name,
-                                        backend=self.backend, overrides=self.overrides)
+                                        request_restart=self._restart, status=self._status,
+                                        overrides=self.overrides)
         self.dispatcher = CommandDispatcher(self.transport, self.handlers.table(),
                                             record_path=cfg.state_path("requests.sqlite"),
                                             on_alert=self._publish_alert, on_announce=self._answer_announce,
@@ -147,16 +149,16 @@ class Daemon:
         """Load and self-test the model before announcing readiness: READY=1 means 'serving'."""
         model = self.models.start()  # thresholds from the config are applied by the manager at load
         self._starting = False
-        self.handlers.started = time.monotonic()
+        self._ready_at = time.monotonic()
         self.transport.set_status(self._presence())
         self._announced = True
         self.transport.start()
         for alert in self.overrides.alerts():  # a damaged or outdated overrides file: said once, at start
             self._publish_alert(alert)
         self.dispatcher.start()  # reports a damaged command record, if it found one
-        for alert in self.loop.numbering.alerts:  # and a damaged sequence file
+        for alert in self.numbering.alerts:  # and a damaged sequence file
             self._publish_alert(alert)
-        self.loop.sources.start()
+        self.loop.start_sources()
         self.notifier.ready()
         self.notifier.status("serving %s on %s" % (model.label, self.backend))
         self.watchdog.start()
@@ -206,8 +208,9 @@ class Daemon:
 
     def shutdown(self) -> None:
         timeout = self.config.watchdog.shutdown_timeout_s
+        served = self.loop.status()  # its view names the serving model: read it before the model is released
         self.notifier.stopping()
-        self.loop.sources.stop(timeout=SOURCES_STOP_S)
+        self.loop.stop_sources()
         self.watchdog.stop()
         self.dispatcher.stop()
         self.dispatcher.close()
@@ -217,7 +220,7 @@ class Daemon:
         self.transport.stop(timeout)
         self.outbox.close()
         self.models.close()
-        log.info("stopped (%s); published %d results", self.stop_reason, self.loop.published)
+        log.info("stopped (%s); published %d results", self.stop_reason, served["published"])
 
     # --- wiring between the parts ---------------------------------------------------------------------------
 
@@ -228,9 +231,7 @@ class Daemon:
         self.loop.configure(new.batching.max_batch, new.batching.max_wait_ms, new.publish)
         self.models.apply_thresholds()  # the serving model and the kept confirmed one; later loads read the config
         if new.sources != old.sources:
-            self.loop.sources.stop(timeout=SOURCES_STOP_S)
-            self.loop.sources = SourceSet(list(new.sources), self.loop.frames, self._publish_alert)
-            self.loop.sources.start()
+            self.loop.replace_sources(list(new.sources))
         self.notifier.ready()  # ends a SIGHUP's RELOADING=1 (harmless otherwise)
 
     def _telemetry_extras(self) -> Dict[str, Any]:
@@ -245,6 +246,22 @@ class Daemon:
             # limits, trend, pings and progress behind the watchdog's decisions (operations.md "Reading alerts")
             "watchdog": self.watchdog.snapshot(),
         }
+
+    def _status(self) -> Dict[str, Any]:
+        """The ``status`` command's answer, assembled here from each part's own view: the serving loop's figures,
+        the daemon's (as in telemetry), the model's, and who this box is."""
+        info = self.loop.status()
+        info.update(self._telemetry_extras())
+        info.update({
+            "device_id": self.config.device_id,
+            "device_kind": self.device.name,  # the name a retained status gives it (agent.protocol.status)
+            "backend": self.backend,
+            "model": self.models.current.describe(),
+            "slots": self.models.status(),
+            "uptime_s": None if self._ready_at is None else round(time.monotonic() - self._ready_at, 1),
+            "overrides": redact_all(self.overrides.report()),
+        })
+        return info
 
     def _presence(self) -> Dict[str, Any]:
         """The daemon's fields of its retained status (:class:`agent.protocol.status.BoxStatus`); the transport

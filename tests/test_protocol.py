@@ -85,7 +85,7 @@ def box(tmp_path):
     applied: List[DaemonConfig] = []
     handlers = CommandHandlers(None, MustNotRun(), None, BetweenBatches(), get_config=lambda: config,
                                apply_config=applied.append, request_restart=lambda why: None,
-                               device_name="cpu-dev", backend="opencv",
+                               status=dict,
                                overrides=Overrides(str(tmp_path / "overrides.json")))
     recorder = AckRecorder()
     dispatcher = CommandDispatcher(recorder, handlers.table()).start()

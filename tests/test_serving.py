@@ -336,7 +336,7 @@ def test_pause_with_chunks_in_flight_finishes_what_was_taken_then_serves_nothing
     try:
         feeding.set()
         assert wait_for(lambda: len(sink.results) >= 20, timeout=WAIT_S), "only %d results" % len(sink.results)
-        loop.set_paused(True)  # chunks are on the backend and letterboxed right now
+        loop.pause(timeout=WAIT_S)  # chunks are on the backend and letterboxed right now
         # The second idle turn from here began after the pause was seen: everything taken has been served.
         turns = loop.progress.idle_turns
         assert wait_for(lambda: loop.progress.idle_turns >= turns + 2, timeout=WAIT_S), "the paused loop never idled"
@@ -348,7 +348,7 @@ def test_pause_with_chunks_in_flight_finishes_what_was_taken_then_serves_nothing
             "the paused loop did not turn with frames waiting"
         assert len(sink.results) == settled == loop.taken, "results kept coming while paused"
         feeding.clear()
-        stale = loop.set_paused(False)
+        stale = loop.resume(timeout=WAIT_S)
         assert stale > 0 and loop.dropped_on_resume == stale
         feeding.set()
         assert wait_for(lambda: len(sink.results) >= settled + 10, timeout=WAIT_S), \

@@ -62,6 +62,7 @@ class ConsoleView:
 
         self.topic = "%s/%s/results/#" % (prefix, device_id)
         self.received = 0
+        self.model: Dict[str, Any] = {}  # the last result's model block (name, version, backend, precision)
         self.lock = threading.Lock()
         self.subscribed = threading.Event()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="atlas-edge-demo-view-%d" % os.getpid())
@@ -86,6 +87,7 @@ class ConsoleView:
         with self.lock:
             self.received += 1
             count = self.received
+            self.model = result.get("model") or {}
         dets = result.get("detections", [])
         shown = ", ".join("%s %.2f [%d,%d,%d,%d]" % ((d["label"], d["score"]) + tuple(int(v) for v in d["box"]))
                           for d in dets[:4])
@@ -126,9 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop after N frames (default: run until Ctrl-C)")
     parser.add_argument("--device-id", default="demo", help="device id in topics (default: demo)")
     parser.add_argument("--backend", default=None, choices=tuple(BACKEND_FORMATS),
-                        help="inference backend (default: cpu-dev's order: mslite when it imports and the "
-                             "bundle has a .ms, else mindspore, else opencv); mslite converts the bundle first "
-                             "when it has no .ms")
+                        help="inference backend (default: cpu-dev's order: onnxruntime when it imports, int8 "
+                             "when the bundle has it; else mslite for a .ms, else mindspore, else opencv); mslite "
+                             "converts the bundle first when it has no .ms")
     parser.add_argument("--bundle", default=DEMO_BUNDLE,
                         help="model bundle (default: examples/demo-bundle, shipped in the package)")
     parser.add_argument("--frames-dir", default=None,
@@ -222,6 +224,8 @@ def _serve(args: argparse.Namespace, work: str) -> int:
     latency = served.stats.percentiles()
     print("\n%d frames served in %.1fs (%.1f fps); %d results published, %d received over MQTT" % (
         served.stats.frames, elapsed, served.stats.frames / max(elapsed, 1e-6), served.published, received))
+    if view.model:  # the results' own model block: what ran, as a subscriber sees it
+        print("  served on %s at precision %s" % (view.model.get("backend"), view.model.get("precision")))
     for stage in ("queue", "preprocess", "wait_backend", "infer", "postprocess", "publish", "total"):
         if stage in latency:
             p = latency[stage]

@@ -1,13 +1,13 @@
 """The daemon's command verbs: what ``status``, ``validate``, ``set-config``, ``pause``, ``snapshot``, ``restart``
 (and, through the model manager, ``deploy`` and ``rollback``) do.
 
-Handlers run on the command dispatcher's worker thread, one at a time. Anything that changes what the next
-batch sees goes to the serving loop through the between-batches handover; the rest reads counters that the
-loop only ever replaces whole.
+Handlers run on the command dispatcher's workers. Anything that changes what the next batch sees goes to the
+serving loop through the between-batches handover: set-config submits the daemon's switch, pause and resume
+go through the loop's :class:`~agent.pipeline.seams.ServingControl`, which submits them there. ``status`` is
+the daemon's answer (a provider it hands in), ``snapshot`` the loop's latest result, replaced whole.
 """
 
 import threading
-import time
 from typing import Any, Callable, Dict, Optional
 
 from agent._util.compat import Protocol
@@ -20,11 +20,12 @@ from agent.errors import CommandError
 from agent.lifecycle.model_manager import TRIGGER_OPERATOR, ModelManager
 from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.results import annotate
-from agent.pipeline.serving import ServingLoop
+from agent.pipeline.seams import ServingControl
 from agent.protocol.requests import ConfigRequest, DeployRequest, NoFields, RollbackRequest
 
-# A set-config waits this long for the serving loop (one batch plus a model's between-batches work).
-CONFIG_HANDOVER_TIMEOUT_S = 5.0
+# A set-config, pause or resume waits this long for the serving loop (one batch plus a model's between-batches
+# work); a change the loop did not take by then is withdrawn, and the command fails with nothing changed.
+HANDOVER_TIMEOUT_S = 5.0
 # The restart ack must reach the operator before the process goes away.
 RESTART_DELAY_S = 0.5
 SNAPSHOT_JPEG_QUALITY = 85  # a picture for a person, not for a model: small beats exact
@@ -42,21 +43,19 @@ class Publisher(Protocol):
 class CommandHandlers:
     """The verb table of one daemon; the daemon owns the config and applies it (``apply_config``)."""
 
-    def __init__(self, loop: ServingLoop, models: ModelManager, publisher: Publisher, handover: BetweenBatches,
-                 get_config: Callable[[], DaemonConfig], apply_config: Callable[[DaemonConfig], None],
-                 request_restart: Callable[[str], None], device_name: str, backend: str,
-                 overrides: Overrides) -> None:
-        self.loop = loop
+    def __init__(self, serving: ServingControl, models: ModelManager, publisher: Publisher,
+                 handover: BetweenBatches, get_config: Callable[[], DaemonConfig],
+                 apply_config: Callable[[DaemonConfig], None], request_restart: Callable[[str], None],
+                 status: Callable[[], Dict[str, Any]], overrides: Overrides) -> None:
+        self.serving = serving
         self.models = models
         self.publisher = publisher
         self.handover = handover
         self.get_config = get_config
         self.apply_config = apply_config
         self.request_restart = request_restart
-        self.device_name = device_name
-        self.backend = backend
+        self.status = status  # the daemon's status answer: the loop's view, the daemon's figures, who it is
         self.overrides = overrides
-        self.started: Optional[float] = None  # time.monotonic() when the daemon became ready
 
     def table(self) -> Dict[str, Handler]:
         """Verb → handler, for :class:`agent.commands.dispatcher.CommandDispatcher`: the methods the verb table
@@ -83,20 +82,6 @@ class CommandHandlers:
     def cancel(self, request: NoFields, progress: Progress) -> Dict[str, Any]:
         return self.models.cancel()
 
-    def status(self) -> Dict[str, Any]:
-        info = self.loop.telemetry()
-        info.update({
-            "device_id": self.get_config().device_id,
-            "device_kind": self.device_name,  # the name a retained status gives it (agent.protocol.status)
-            "backend": self.backend,
-            "model": self.models.current.describe(),
-            "slots": self.models.status(),
-            "uptime_s": None if self.started is None else round(time.monotonic() - self.started, 1),
-            "overrides": redact_all(self.overrides.report()),
-            "paused": self.loop.paused,
-        })
-        return info
-
     def validate(self, request: ConfigRequest, progress: Progress) -> Dict[str, Any]:
         changes = request.config
         merged = merge_config(self.get_config(), changes)  # raises ConfigError with per-field errors
@@ -117,7 +102,7 @@ class CommandHandlers:
                 self.overrides.path, exc)) from exc
         try:
             # Applied by the serving loop between batches, all at once; withdrawn if the loop does not get to it.
-            self.handover.submit(lambda: self.apply_config(merged), CONFIG_HANDOVER_TIMEOUT_S,
+            self.handover.submit(lambda: self.apply_config(merged), HANDOVER_TIMEOUT_S,
                                  what="config change")
         except BaseException:
             self.overrides.restore(previous)
@@ -125,13 +110,16 @@ class CommandHandlers:
         return {"applied": sorted(changes), "overrides": self.overrides.path}
 
     def pause(self, paused: bool) -> Dict[str, Any]:
-        stale = self.loop.set_paused(paused)
-        return {"paused": paused, "stale_frames_dropped": stale}
+        """Answered once the serving loop applied it between batches: after a pause, no frame is taken."""
+        if paused:
+            self.serving.pause(HANDOVER_TIMEOUT_S)
+            return {"paused": True, "stale_frames_dropped": 0}
+        return {"paused": False, "stale_frames_dropped": self.serving.resume(HANDOVER_TIMEOUT_S)}
 
     def snapshot(self, request: NoFields, progress: Progress) -> Dict[str, Any]:
         import cv2
 
-        latest = self.loop.latest
+        latest = self.serving.latest()
         if latest is None:
             raise CommandError("no_frame", "no frame has been served yet")
         frame, result = latest

@@ -1,16 +1,21 @@
-"""What the serving loop needs from the rest of the box, as structural types the daemon fills in.
+"""The serving loop's contract with the rest of the box, as structural types.
 
-The loop publishes through a :class:`ResultSink` (the MQTT transport), marks liveness on a :class:`ProgressSink`
+What others may do with the loop is :class:`ServingControl`: the daemon's commands pause and resume it (through
+the handover queue, applied between batches) and read its views; nothing sets the loop's state from another
+thread.
+
+The other way, the loop publishes through a :class:`ResultSink` (the MQTT transport), marks liveness on a :class:`ProgressSink`
 (the watchdog's progress monitor) and asks a :class:`ModelSource` (the model manager) for the model of each
 batch. They live apart from the loop because they are the contract the daemon wires, not the loop's mechanism:
 structural types, so ``pipeline`` imports none of ``ops``, ``health`` or ``lifecycle``, and what fills them in
 need not import them either.
 """
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 from agent._util.compat import Protocol
 from agent.pipeline.model import LoadedModel
+from agent.pipeline.sources import Frame
 
 
 class ResultSink(Protocol):
@@ -42,3 +47,21 @@ class ModelSource(Protocol):
     def between_batches(self) -> None: ...
 
     def record_batch(self, frames: int, infer_ms_per_frame: float, failed: bool) -> None: ...
+
+
+class ServingControl(Protocol):
+    """What the daemon's commands may do with the serving loop (:class:`agent.pipeline.serving.ServingLoop`).
+
+    ``pause`` and ``resume`` go through the handover queue and return once the loop applied them between
+    batches (or raise :class:`~agent.pipeline.handover.HandoverTimeout`, and nothing changed); after ``pause``
+    returns, no frame is taken. ``resume`` returns how many stale frames it dropped. The views are safe from
+    any thread.
+    """
+
+    def pause(self, timeout: float) -> None: ...
+
+    def resume(self, timeout: float) -> int: ...
+
+    def status(self) -> Dict[str, Any]: ...
+
+    def latest(self) -> Optional[Tuple[Frame, Dict[str, Any]]]: ...

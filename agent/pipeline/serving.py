@@ -1,38 +1,36 @@
 """The serving loop: frame queue → batcher → letterbox → backend → decode → result payloads → a result sink.
 
-The stages overlap. One backend thread makes every backend call, in order, one at a time (an accelerator
-runs one model call at a time anyway); the serving thread letterboxes the next chunk into the tier's other
-preallocated input buffer while the backend runs the current one, and decodes and publishes the previous
-one meanwhile. A chunk is up to one fixed artifact batch of one tier; a batch from the batcher is one or
-more chunks, and its results are published together, in frame order, so each source's frames keep their
-order.
+The stages overlap. One backend thread (:mod:`agent.pipeline.backend_thread`) makes every backend call, in
+order, one at a time; the serving thread letterboxes the next chunk into the tier's other preallocated input
+buffer while the backend runs the current one, and decodes and publishes the previous one meanwhile. A batch
+from the batcher is one or more chunks (:mod:`agent.pipeline.inflight`); its results are published together,
+in frame order, so each source's frames keep their order.
 
 Between two batches, with nothing on the backend, the loop runs the
 :class:`~agent.pipeline.handover.BetweenBatches` queue and the model source's ``between_batches``: a config
-change, a swap or a rollback lands there, so a batch runs on one model from its letterbox to its decode (a
-batch letterboxed for a model that was just swapped out is letterboxed again for the new one). Shutdown and
-pause stop taking frames and finish everything already taken.
+change, a swap, a rollback, a pause or a resume lands there, so a batch runs on one model from its letterbox
+to its decode. Shutdown and pause stop taking frames and finish everything already taken.
 
-The loop knows nothing of MQTT or systemd: it publishes through a :class:`~agent.pipeline.seams.ResultSink` (the
-daemon passes the MQTT transport), marks liveness on a :class:`~agent.pipeline.seams.ProgressSink` (the daemon
-passes the watchdog's progress monitor) and asks a :class:`~agent.pipeline.seams.ModelSource` (the model manager)
-for the model of each batch. Those are structural types, so ``pipeline`` imports neither ``ops`` nor ``health``.
-The backend thread is :mod:`agent.pipeline.backend_thread`.
+Others use the loop through :class:`~agent.pipeline.seams.ServingControl` (pause, resume, its views) and, the
+daemon, its lifecycle and the between-batches changes (configure, replace the sources). It knows nothing of
+MQTT or systemd: it publishes through a :class:`~agent.pipeline.seams.ResultSink`, marks liveness on a
+:class:`~agent.pipeline.seams.ProgressSink` and asks a :class:`~agent.pipeline.seams.ModelSource` for the
+model of each batch, structural types the daemon fills in.
 """
 
 import logging
 import queue
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from agent._util.ratelog import LogLimiter
-from agent.config.daemon_config import PublishConfig
-from agent.pipeline.backend_thread import BackendCall, BackendThread
+from agent.config.daemon_config import PublishConfig, SourceConfig
+from agent.pipeline.backend_thread import BackendThread
 from agent.pipeline.batcher import Batcher
 from agent.pipeline.handover import BetweenBatches
-from agent.pipeline.model import FrameResult, LoadedModel, PreparedChunk
+from agent.pipeline.inflight import Batch, Chunk
+from agent.pipeline.model import LoadedModel
 from agent.pipeline.results import SequenceCounter, result_payload
 from agent.pipeline.seams import ModelSource, ProgressSink, ResultSink
 from agent.pipeline.sources import Frame, SourceSet
@@ -46,52 +44,18 @@ PAUSED_POLL_S = 0.05
 EVENT_ERROR_CHARS = 200
 # How long the batcher waits for a first frame when nothing is in flight (keeps stop, pause and handover prompt).
 IDLE_WAIT_S = 0.1
+# Bound on stopping every source reader together: a reader notices stop within a poll (0.1 s) and its camera's
+# worker process gets 0.5 s to exit before it is killed.
+SOURCES_STOP_S = 2.0
 
 ResultCallback = Callable[[Frame, Dict[str, Any]], None]
 
 
-class _Batch:
-    """Frames taken together from the batcher, served on one model and published together, in order."""
-
-    def __init__(self, frames: List[Frame], model: LoadedModel, taken: float) -> None:
-        self.frames = frames
-        self.model = model
-        self.taken = taken
-        self.results: List[Optional[FrameResult]] = [None] * len(frames)
-        self.infer_s = 0.0
-        self.failed = False
-        self.recorded = False  # told to the model source (probation) once, as served or as failed
-        # Planned by the serving loop (plan() raises for a frame the model cannot take, and that fails the batch).
-        self.todo: Deque[Tuple[Any, List[int]]] = deque()
-        self.chunks_left = 0
-
-    def plan(self, model: LoadedModel) -> None:
-        """(Re)plan the chunks for ``model``; the chunks not yet prepared are ``todo``."""
-        self.model = model
-        self.todo = deque(model.chunks([f.image for f in self.frames]))
-        self.chunks_left = len(self.todo)
-
-
-class _Chunk:
-    __slots__ = ("batch", "indices", "prepared", "first", "ready_at", "submitted_at", "call")
-
-    def __init__(self, batch: _Batch, indices: List[int], prepared: PreparedChunk, first: bool) -> None:
-        self.batch = batch
-        self.indices = indices
-        self.prepared = prepared
-        self.first = first  # the batch's first chunk: the point before it is a point between batches
-        self.ready_at = time.monotonic()
-        self.submitted_at = 0.0
-        self.call: Optional[BackendCall] = None
-
-
 class ServingLoop:
-    """Serve batches until stopped; owns the batcher, the backend thread, the stage statistics and the counters.
+    """Serve batches until stopped; owns the batcher, the backend thread, the sources, statistics and counters.
 
-    ``on_event(dict)`` receives an ``inference_error`` event for a failed batch; ``telemetry_extras()`` adds the
-    daemon's own figures (memory, MQTT) to each telemetry message; ``on_result(frame, payload)`` sees every
-    result, published or rate-limited (the demo's console view).
-    """
+    ``on_event(dict)`` receives an ``inference_error`` event; ``telemetry_extras()`` adds the daemon's figures
+    (memory, MQTT) to telemetry; ``on_result(frame, payload)`` sees every result (the demo's console view)."""
 
     def __init__(self, frames: "queue.Queue[Frame]", sources: SourceSet, models: ModelSource, sink: ResultSink,
                  progress: ProgressSink, handover: BetweenBatches, stop_event: threading.Event,
@@ -121,25 +85,26 @@ class ServingLoop:
         self.publish_errors = 0  # results the sink or the result callback raised on: counted, serving goes on
         self._publish_log = LogLimiter(log)
         self.failed_frames = 0
-        self.paused = False
+        self._paused = False  # changed on the serving thread only, through the handover queue
         self.dropped_on_resume = 0
-        self.latest: Optional[Tuple[Frame, Dict[str, Any]]] = None  # replaced whole: readers see a matched pair
+        self._latest: Optional[Tuple[Frame, Dict[str, Any]]] = None  # replaced whole: readers see a matched pair
+        self._serving_thread: Optional[threading.Thread] = None  # while serve() runs
         self._last_telemetry = 0.0
         self._last_publish: Dict[str, float] = {}
-        self._preparing: Optional[_Batch] = None  # the batch whose chunks are being prepared
-        self._ready: Optional[_Chunk] = None  # prepared, not yet on the backend
-        self._running: Optional[_Chunk] = None  # on the backend
+        self._preparing: Optional[Batch] = None  # the batch whose chunks are being prepared
+        self._ready: Optional[Chunk] = None  # prepared, not yet on the backend
+        self._running: Optional[Chunk] = None  # on the backend
 
     def configure(self, max_batch: int, max_wait_ms: float, publish: PublishConfig) -> None:
-        """Serving thread only (a handover item): batching and publishing take effect from the next batch."""
+        """Between batches only (a handover item): batching and publishing take effect from the next batch."""
+        self._between_batches_only("the batching and publishing change")
         self.batcher.configure(max_batch, max_wait_ms)
         self.publish = publish
 
     def serve(self, max_frames: Optional[int] = None, until_sources_end: bool = False) -> Optional[str]:
         """Serve until the stop event is set; returns why the loop stopped on its own (None when told to).
-
-        Either way, every frame already taken from the queue is served before it returns.
-        """
+        Either way, every frame already taken from the queue is served before it returns."""
+        self._serving_thread = threading.current_thread()
         self.backend.start()
         reason: Optional[str] = None
         try:
@@ -149,27 +114,92 @@ class ServingLoop:
                 self._turn(None, False, taking=False)
         finally:
             self.backend.stop()
+            self._serving_thread = None
         return reason
 
     def _in_flight(self) -> bool:
         return self._running is not None or self._ready is not None or (
             self._preparing is not None and bool(self._preparing.todo))
 
-    def set_paused(self, paused: bool) -> int:
-        """Pause stops taking frames at once (what was taken is finished); frames queued meanwhile are stale
-        on resume, so they are dropped. Returns how many were dropped. Any thread may call it."""
-        self.sources.pause(paused)
+    # --- what the daemon and its commands use (seams.ServingControl) ----------------------------------------
+
+    def pause(self, timeout: float) -> None:
+        """Stop taking frames. Returns once the loop applied it between batches: no frame is taken after that,
+        and what was taken before is still served. Any thread but the serving one; raises
+        :class:`~agent.pipeline.handover.HandoverTimeout` (nothing changed) when the loop did not get to it."""
+        self.handover.submit(lambda: self._set_paused(True), timeout, what="pause")
+
+    def resume(self, timeout: float) -> int:
+        """Take frames again from the next batch on; returns how many frames queued before it were dropped as
+        stale. As :meth:`pause`: through the handover queue, applied between batches."""
+        return self.handover.submit(lambda: self._set_paused(False), timeout, what="resume")
+
+    def status(self) -> Dict[str, Any]:
+        """The loop's own view (any thread): its figures, counters and whether it is paused. Telemetry and the
+        daemon's ``status`` answer are built on it; it holds nothing of the daemon's (memory, MQTT)."""
+        busy = self.backend.busy_fraction()
+        return {
+            "ts": time.time(),
+            "fps": round(self.stats.fps(), 2),
+            "frames": self.stats.frames,
+            "latency_ms": self.stats.percentiles(),
+            "backend_busy_fraction": None if busy is None else round(busy, 3),
+            "queue_depth": self.frames.qsize(),
+            "published": self.published,
+            "inference_errors": self.inference_errors,
+            "publish_errors": self.publish_errors,
+            "dropped_on_resume": self.dropped_on_resume,
+            "paused": self._paused,
+            "sources": self.sources.counters(),
+        }
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def latest(self) -> Optional[Tuple[Frame, Dict[str, Any]]]:
+        """The last frame served and its result payload (a snapshot's picture), or None; any thread."""
+        return self._latest
+
+    def start_sources(self) -> None:  # the daemon's start; stop_sources is its shutdown's first step
+        self.sources.start()
+
+    def stop_sources(self, timeout: float = SOURCES_STOP_S) -> bool:
+        return self.sources.stop(timeout)
+
+    def source_states(self) -> Dict[str, int]:
+        """How many sources are in each state (the watchdog's 'no input' versus 'stuck'); any thread."""
+        return self.sources.summary()
+
+    def replace_sources(self, configs: List[SourceConfig]) -> None:
+        """Between batches only (a handover item, as the daemon's config switch): stop the sources and start
+        ``configs`` in their place, feeding the same queue, and paused when the loop is."""
+        self._between_batches_only("replacing the sources")
+        old = self.sources
+        old.stop(timeout=SOURCES_STOP_S)
+        self.sources = SourceSet(list(configs), self.frames, old.on_alert)
+        self.sources.start()
+        self.sources.pause(self._paused)  # a frame read before this is stale at resume, and dropped then
+
+    def _set_paused(self, paused: bool) -> int:
+        """Serving thread (a handover item); resume drops the frames queued before it and returns how many."""
         stale = 0
-        if not paused:
-            while True:
-                try:
-                    self.frames.get_nowait()
-                    stale += 1
-                except queue.Empty:
-                    break
-            self.dropped_on_resume += stale
-        self.paused = paused
+        while not paused:
+            try:
+                self.frames.get_nowait()
+                stale += 1
+            except queue.Empty:
+                break
+        self.dropped_on_resume += stale
+        self.sources.pause(paused)
+        self._paused = paused
         return stale
+
+    def _between_batches_only(self, what: str) -> None:
+        serving = self._serving_thread
+        if serving is not None and serving is not threading.current_thread():
+            raise RuntimeError("%s changes what the next batch sees: hand it to the serving loop through the "
+                               "handover queue" % what)
 
     # --- one turn of the pipeline ---------------------------------------------------------------------------
 
@@ -177,7 +207,7 @@ class ServingLoop:
         """Prepare the next chunk, collect the running one, pass a point between batches, submit, publish."""
         room = None if max_frames is None else max(0, max_frames - self.taken)  # `--frames N` takes N, no more
         if self._ready is None:
-            self._ready = self._prepare_next(taking and not self.paused and room != 0, room)
+            self._ready = self._prepare_next(taking and not self._paused and room != 0, room)
         finished = self._collect()
         if self._ready is None or self._ready.first:  # nothing on the backend, no batch half-served
             self.handover.run_pending()
@@ -192,7 +222,7 @@ class ServingLoop:
         reason = None
         if finished is None and self._running is None and self._ready is None:
             self.progress.idle_tick()  # nothing to do, on purpose or for want of frames: not a hang
-            if self.paused and taking:
+            if self._paused and taking:
                 self.stop_event.wait(PAUSED_POLL_S)
             elif until_sources_end and self.sources.all_finished() and self.frames.empty():
                 reason = "sources finished"
@@ -201,7 +231,7 @@ class ServingLoop:
             reason = "%d frames done" % max_frames
         return reason
 
-    def _prepare_next(self, taking: bool, at_most: Optional[int] = None) -> Optional[_Chunk]:
+    def _prepare_next(self, taking: bool, at_most: Optional[int] = None) -> Optional[Chunk]:
         """Letterbox the next chunk: the rest of the batch being prepared, else a new batch from the batcher."""
         batch = self._preparing
         if batch is None or not batch.todo:
@@ -215,11 +245,11 @@ class ServingLoop:
             if not frames:
                 return None
             self.taken += len(frames)
-            batch = self._preparing = _Batch(frames, self.models.current, time.monotonic())
+            batch = self._preparing = Batch(frames, self.models.current, time.monotonic())
             return self._letterbox(batch, plan_for=batch.model)
         return self._letterbox(batch)
 
-    def _letterbox(self, batch: _Batch, plan_for: Optional[LoadedModel] = None) -> Optional[_Chunk]:
+    def _letterbox(self, batch: Batch, plan_for: Optional[LoadedModel] = None) -> Optional[Chunk]:
         """Letterbox the batch's next chunk, after planning its chunks for ``plan_for`` when given.
 
         A frame the model cannot take (no tier fits it, the letterbox raises) fails its batch, not the loop.
@@ -227,28 +257,22 @@ class ServingLoop:
         try:
             if plan_for is not None:
                 batch.plan(plan_for)
-            return self._prepare_chunk(batch)
+            return batch.next_chunk()
         except Exception as exc:
             self._fail(batch, exc)
             return None
 
-    def _prepare_chunk(self, batch: _Batch) -> _Chunk:
-        first = len(batch.todo) == batch.chunks_left
-        tier, indices = batch.todo.popleft()
-        prepared = batch.model.prepare(tier, [batch.frames[i].image for i in indices])
-        return _Chunk(batch, indices, prepared, first)
-
-    def _replan(self, chunk: _Chunk) -> None:
+    def _replan(self, chunk: Chunk) -> None:
         """The model changed between batches: letterbox the new batch again, for the model that serves it."""
         self._ready = self._letterbox(chunk.batch, plan_for=self.models.current)
 
-    def _submit(self, chunk: _Chunk) -> None:
+    def _submit(self, chunk: Chunk) -> None:
         chunk.submitted_at = time.monotonic()
         model, prepared = chunk.batch.model, chunk.prepared
         chunk.call = self.backend.submit(lambda: model.run(prepared))
         self._running = chunk
 
-    def _collect(self) -> Optional[_Chunk]:
+    def _collect(self) -> Optional[Chunk]:
         """Wait for the chunk on the backend and account its call; a failed call fails its batch."""
         chunk = self._running
         if chunk is None:
@@ -263,7 +287,7 @@ class ServingLoop:
             self._fail(batch, chunk.call.error)
         return chunk
 
-    def _record(self, batch: _Batch) -> None:
+    def _record(self, batch: Batch) -> None:
         """Tell the model source how the batch went, once: as failed, or as served once its last chunk decoded.
 
         Not when the model source has moved on from the batch's model meanwhile (a swap or a rollback between
@@ -278,7 +302,7 @@ class ServingLoop:
         per_frame_ms = 0.0 if batch.failed else batch.infer_s * 1e3 / len(batch.frames)
         self.models.record_batch(len(batch.frames), per_frame_ms, failed=batch.failed)
 
-    def _fail(self, batch: _Batch, error: BaseException) -> None:
+    def _fail(self, batch: Batch, error: BaseException) -> None:
         """A failing model is reported and counted; the batch's other chunks are dropped, serving goes on."""
         if batch.failed:
             return
@@ -295,7 +319,7 @@ class ServingLoop:
         log.error("inference failed on a batch of %d: %s", len(batch.frames), error, exc_info=error)
         self.on_event({"event": "inference_error", "error": str(error)[:EVENT_ERROR_CHARS]})
 
-    def _decode(self, chunk: _Chunk) -> None:
+    def _decode(self, chunk: Chunk) -> None:
         batch = chunk.batch
         if batch.failed:
             return
@@ -307,11 +331,7 @@ class ServingLoop:
         except Exception as exc:  # outputs the decoder cannot read fail the batch, as a backend error does
             self._fail(batch, exc)
             return
-        n = len(chunk.indices)
-        timings = {"preprocess": chunk.prepared.preprocess_ms / n,
-                   "wait_backend": (call.started - chunk.ready_at) * 1e3,
-                   "infer": call.seconds * 1e3 / n,
-                   "postprocess": (time.monotonic() - started) * 1e3 / n}
+        timings = chunk.timings(started)
         for index, result in zip(chunk.indices, decoded):
             result.timings_ms.update(timings)
             batch.results[index] = result
@@ -319,7 +339,7 @@ class ServingLoop:
             self._record(batch)
             self._publish(batch)
 
-    def _publish(self, batch: _Batch) -> None:
+    def _publish(self, batch: Batch) -> None:
         manifest = batch.model.manifest
         identity = batch.model.identity()  # name, version, backend, precision
         for frame, result in zip(batch.frames, batch.results):
@@ -337,7 +357,7 @@ class ServingLoop:
                     self.published += 1
             timings["publish"] = (time.monotonic() - started) * 1e3  # in the statistics, not in the payload
             self.stats.add(timings)
-            self.latest = (frame, payload)
+            self._latest = (frame, payload)
             if self.on_result is not None:
                 self._hand_over(frame, self.on_result, frame, payload)
         self.stats.frame_done(len(batch.frames))
@@ -374,20 +394,8 @@ class ServingLoop:
             self.sink.publish_telemetry(self.telemetry())
 
     def telemetry(self) -> Dict[str, Any]:
-        """The periodic telemetry message: the pipeline's figures plus the daemon's ``telemetry_extras``."""
-        busy = self.backend.busy_fraction()
-        info: Dict[str, Any] = {
-            "ts": time.time(),
-            "fps": round(self.stats.fps(), 2),
-            "frames": self.stats.frames,
-            "latency_ms": self.stats.percentiles(),
-            "backend_busy_fraction": None if busy is None else round(busy, 3),
-            "model": self.models.current.identity(),  # name, version, backend, precision
-            "queue_depth": self.frames.qsize(),
-            "inference_errors": self.inference_errors,
-            "publish_errors": self.publish_errors,
-            "dropped_on_resume": self.dropped_on_resume,
-            "sources": self.sources.counters(),
-        }
+        """The periodic telemetry message: the loop's :meth:`status` plus the daemon's ``telemetry_extras``."""
+        info = self.status()
+        info["model"] = self.models.current.identity()  # name, version, backend, precision
         info.update(self.telemetry_extras())
         return info
