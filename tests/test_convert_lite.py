@@ -151,8 +151,8 @@ BOX_PX = 1.0  # the daemon's boxes vs OpenCV's on the same frames, in source pix
 
 @pytest.mark.skipif(not lite_support.HAS_MSLITE, reason=lite_support.NO_MSLITE)
 def test_daemon_serves_the_converted_bundle_on_lite_over_mosquitto(converted, tmp_path, mosquitto):
-    """The box on Python 3.7: cpu-dev picks MindSpore Lite for the .ms; N frames in, N results out, boxes within
-    a pixel of the OpenCV backend's on the same bundle's ONNX."""
+    """The box on Python 3.7: MindSpore Lite serves the .ms (named: cpu-dev prefers onnxruntime, which the lane
+    also has); N frames in, N results out, boxes within a pixel of the OpenCV backend's on the bundle's ONNX."""
     import cv2
     import yaml
 
@@ -165,7 +165,7 @@ def test_daemon_serves_the_converted_bundle_on_lite_over_mosquitto(converted, tm
     frames = tmp_path / "frames"
     truth = write_sample_frames(str(frames), sizes_hw=E2E_SIZES, seed=5)
     config = {"device_id": "lite", "device": "cpu-dev", "state_dir": str(tmp_path / "state"),
-              "model": {"bundle": root, "observation_s": 0},
+              "model": {"bundle": root, "observation_s": 0, "backend": "mslite"},
               "sources": [{"name": "cam", "uri": str(frames), "loop": False}],
               "mqtt": {"host": mosquitto.host, "port": mosquitto.port},
               "batching": {"max_batch": 1, "max_wait_ms": 5}, "publish": {"telemetry_interval_s": 1.0}}
@@ -262,7 +262,7 @@ def test_bundle_verify_runs_the_golden_set_on_lite(converted):
     root, status, output = converted
     assert status == cli.EXIT_OK, output
     done = subprocess.run([sys.executable, "-m", "agent", "bundle", "verify", root, "--device", "cpu-dev",
-                           "--run-golden"], cwd=lite_support.REPO, capture_output=True, text=True, timeout=300,
+                           "--backend", "mslite", "--run-golden"], cwd=lite_support.REPO, capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cpu-dev/mslite serves      tier 256x256 with shapes-det_256x256_cpu.ms" in done.stdout

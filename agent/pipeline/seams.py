@@ -4,11 +4,11 @@ What others may do with the loop is :class:`ServingControl`: the daemon's comman
 the handover queue, applied between batches) and read its views; nothing sets the loop's state from another
 thread.
 
-The other way, the loop publishes through a :class:`ResultSink` (the MQTT transport), marks liveness on a :class:`ProgressSink`
-(the watchdog's progress monitor) and asks a :class:`ModelSource` (the model manager) for the model of each
-batch. They live apart from the loop because they are the contract the daemon wires, not the loop's mechanism:
-structural types, so ``pipeline`` imports none of ``ops``, ``health`` or ``lifecycle``, and what fills them in
-need not import them either.
+The other way, the loop publishes through a :class:`ResultSink` (the MQTT transport), marks liveness on a
+:class:`ProgressSink` (the watchdog's progress monitor) and asks a :class:`ModelSource` (the model manager) for
+the model of each batch. They live apart from the loop because they are the contract the daemon wires, not the
+loop's mechanism: structural types, so ``pipeline`` imports none of ``ops``, ``health`` or ``lifecycle``, and
+what fills them in need not import them either.
 """
 
 from typing import Any, Dict, Optional, Tuple
