@@ -262,8 +262,8 @@ def test_bundle_verify_runs_the_golden_set_on_lite(converted):
     root, status, output = converted
     assert status == cli.EXIT_OK, output
     done = subprocess.run([sys.executable, "-m", "agent", "bundle", "verify", root, "--device", "cpu-dev",
-                           "--backend", "mslite", "--run-golden"], cwd=lite_support.REPO, capture_output=True, text=True, timeout=300,
-                          check=False)
+                           "--backend", "mslite", "--run-golden"], cwd=lite_support.REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cpu-dev/mslite serves      tier 256x256 with shapes-det_256x256_cpu.ms" in done.stdout
     assert "golden set       passed: 4 case(s)" in done.stdout
