@@ -158,3 +158,69 @@ def test_the_demo_bundle_passes_its_golden_self_test_and_serves_batches_on_onnxr
         assert drawn > 0 and found >= drawn // 2, "found %d detections for %d drawn objects" % (found, drawn)
     finally:
         model.close()
+
+
+def fold_uint8_input(src: str, dst: str) -> None:
+    """The demo detector taking the letterbox's uint8 BGR NHWC frame: Cast, BGR->RGB, NHWC->NCHW and x/255 put in
+    front of its graph with onnx.helper (what ``normalize_on: model`` means; the project's exporters fold it more
+    cleverly, this is the plain form)."""
+    onnx = pytest.importorskip("onnx", reason="needs onnx to rewrite the test model")
+    from onnx import TensorProto, helper
+
+    model = onnx.load(src)
+    graph = model.graph
+    image = graph.input[0]
+    n, c, h, w = [d.dim_value for d in image.type.tensor_type.shape.dim]
+    for node in graph.node:
+        node.input[:] = ["normalised" if name == image.name else name for name in node.input]
+    prefix = [
+        helper.make_node("Cast", [image.name], ["as_float"], to=TensorProto.FLOAT),
+        helper.make_node("Gather", ["as_float", "bgr_to_rgb"], ["rgb"], axis=3),
+        helper.make_node("Transpose", ["rgb"], ["nchw"], perm=[0, 3, 1, 2]),  # (n, h, w, 3) -> (n, 3, h, w)
+        helper.make_node("Mul", ["nchw", "inv_255"], ["normalised"]),
+    ]
+    for node in reversed(prefix):
+        graph.node.insert(0, node)
+    graph.initializer.extend([helper.make_tensor("bgr_to_rgb", TensorProto.INT64, [3], [2, 1, 0]),
+                              helper.make_tensor("inv_255", TensorProto.FLOAT, [], [1.0 / 255])])
+    graph.input.remove(image)
+    graph.input.insert(0, helper.make_tensor_value_info(image.name, TensorProto.UINT8, [n, h, w, c]))
+    onnx.save(model, dst)
+
+
+def test_a_normalize_on_model_bundle_serves_uint8_frames_with_the_float_models_results(tmp_path) -> None:
+    """The box feeds a ``normalize_on: model`` artifact the letterboxed uint8 frame (no host normalisation): its
+    golden self-test (expected outputs of the float model) passes and its detections are the float model's."""
+    import json
+    import shutil
+
+    from agent.bundle.verify import write_manifest
+    from agent.devtools.scenes import generate_scenes
+    from agent.pipeline.model import load_model
+
+    root = str(tmp_path / "bundle")
+    shutil.copytree(DEMO_BUNDLE, root)
+    with open(os.path.join(root, "manifest.json")) as handle:
+        manifest = json.load(handle)
+    folded = []
+    for art in manifest["artifacts"]:
+        if art["format"] == "onnx" and art["batch"] == 1 and art["precision"] == "float32":
+            path = os.path.join(root, art["file"])
+            fold_uint8_input(path, path)
+            art.update(input_dtype="uint8", input_layout="NHWC", input_color="bgr", normalize_on="model")
+            folded.append(art["file"])
+    assert folded, "the demo bundle has float batch-1 ONNX artifacts"
+    write_manifest(root, manifest)
+    device = load_device_config("cpu-dev")
+    frames = [image for image, _boxes, _labels in generate_scenes(9, 4, (480, 640))]
+    float_model = load_model(verify_bundle(DEMO_BUNDLE), device, "onnxruntime", precision="float")
+    uint8_model = load_model(verify_bundle(root), device, "onnxruntime", precision="float")
+    try:
+        assert {a.normalize_on for a in uint8_model.artifacts.values()} == {"model"}
+        assert uint8_model.golden_check().passed
+        for ours, reference in zip(uint8_model.infer_frames(frames), float_model.infer_frames(frames)):
+            assert len(ours.detections) == len(reference.detections) > 0
+            np.testing.assert_allclose(ours.detections, reference.detections, atol=0.05)  # px and scores
+    finally:
+        uint8_model.close()
+        float_model.close()
