@@ -86,7 +86,9 @@ class SimBox:
         elif self.fault == "bad_rollback":
             slots["last_rollback"] = "rolled back at some point"
         serving = self.slots["slots"][self.slots["serving"]]
-        return {"state": state, "device": self.params.get("kind", "sim"), "ts": time.time(),
+        # docs/mqtt.md's status: the id under device_id (and device, as always), the kind under device_kind
+        return {"state": state, "device_id": self.device, "device": self.device,
+                "device_kind": self.params.get("kind", "sim"), "ts": time.time(),
                 "model": "%s %s" % (serving["name"], serving["version"]), "backend": self.params.get("backend", "sim"),
                 "groups": list(self.groups), "slots": slots}
 
@@ -95,7 +97,8 @@ class SimBox:
                              reconnect_on_failure=False)
         if self.password is not None:
             client.username_pw_set(self.device, self.password)
-        will = {"state": "offline", "device": self.device, "reason": "connection lost", "groups": self.groups}
+        will = {"state": "offline", "device_id": self.device, "device": self.device, "reason": "connection lost",
+                "groups": self.groups}
         client.will_set(self.topic("status"), json.dumps(will), qos=1, retain=True)
         client.on_connect = self._on_connect
         client.on_message = self._on_message
@@ -127,7 +130,8 @@ class SimBox:
     def stop(self) -> None:
         """A clean stop: status offline ('stopped'), then DISCONNECT (no will)."""
         if self.client is not None and self.connected:
-            self.send(self.topic("status"), {"state": "offline", "device": self.device, "reason": "stopped",
+            self.send(self.topic("status"), {"state": "offline", "device_id": self.device, "device": self.device,
+                                             "reason": "stopped",
                                              "groups": self.groups}, retain=True)
             self.client.disconnect()
         self.drop()

@@ -283,18 +283,20 @@ class CommandDispatcher:
             answers.finish(Job(request_id, verb, None), FAILED, error=invalid_body(exc))
             return
         job = Job(request_id, verb, request)
-        try:
-            (self._control if verb in self._control_verbs else self._jobs).put_nowait(job)
-        except queue.Full:
+        jobs = self._control if verb in self._control_verbs else self._jobs
+        if jobs.full():
             # Not recorded: it never ran, so a retry once the queue has room may run it.
             answers.count_failed("busy")
             answers.publish(answers.ack(job, FAILED, error=error_body(
-                "busy", "%d commands already waiting; retry later" % self._jobs.maxsize)))
+                "busy", "%d commands already waiting; retry later" % jobs.maxsize)))
             return
         answers.count("accepted")
         ack = answers.ack(job, ACCEPTED)
         self._record.save(ack)
         answers.publish(ack)
+        # Queued only once "accepted" is out, so a worker's in_progress never overtakes it. This thread is the
+        # queues' only producer: the room checked above is still there.
+        jobs.put_nowait(job)
 
     def _announce(self, topic: str) -> None:
         """Answer an operator's announce request at once (here, not behind a running deploy on the worker).
