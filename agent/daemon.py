@@ -208,7 +208,6 @@ class Daemon:
 
     def shutdown(self) -> None:
         timeout = self.config.watchdog.shutdown_timeout_s
-        served = self.loop.status()  # its view names the serving model: read it before the model is released
         self.notifier.stopping()
         self.loop.stop_sources()
         self.watchdog.stop()
@@ -219,8 +218,9 @@ class Daemon:
             log.warning("broker did not confirm every result within %.1fs; the rest is in the outbox", timeout)
         self.transport.stop(timeout)
         self.outbox.close()
+        published = self.loop.status()["published"]  # the view names the serving model: read it before its release
         self.models.close()
-        log.info("stopped (%s); published %d results", self.stop_reason, served["published"])
+        log.info("stopped (%s); published %d results", self.stop_reason, published)
 
     # --- wiring between the parts ---------------------------------------------------------------------------
 
