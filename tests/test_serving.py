@@ -2,9 +2,10 @@
 
 Functional, not timed: the backend is the paced stand-in of the benchmarks (benchmarks/paced_backend.py: the
 demo model's real outputs, each call held for a few milliseconds without using the CPU), so that the serving
-thread really letterboxes and decodes while a call is in flight. Each test checks that overlap happened, then
-the guarantee: order per source, one model per frame across a swap, nothing lost at shutdown, and a failed
-batch that costs only its own frames.
+thread really letterboxes and decodes while a call is in flight. The tests that claim overlap force it rather
+than hope for it (:class:`OverlapProbe` holds the first backend call until the next letterbox has begun, which
+a loop that waited for each call first would never do), then check the guarantee: order per source, one model
+per frame across a swap, nothing lost at shutdown, and a failed batch that costs only its own frames.
 """
 
 import os
@@ -33,6 +34,7 @@ HOLD_S = 0.002  # long enough that the serving thread's letterbox lands inside a
 SQUARE_HW = (480, 480)  # -> the demo model's 256x256 tier
 WIDE_HW = (480, 800)  # -> its 192x320 tier
 MAX_BATCH = 4  # four chunks per batch: the artifacts have batch 1
+QUEUED_AT_START = 2 * MAX_BATCH  # frames started_loop queues before its loop starts
 
 
 class Sink:
@@ -81,31 +83,44 @@ class Models:
 
 
 class OverlapProbe:
-    """Counts the letterboxes done while a backend call was running: proof that the stages overlapped."""
+    """Forces the stages to overlap, and says whether they did.
+
+    The first backend call is held until the serving thread has begun letterboxing a later chunk. A pipelined
+    loop does that while the call is in flight, on any machine however loaded; a loop that waited for each call
+    before the next letterbox never would, so the hold ends unanswered after WAIT_S and ``forced`` is False.
+    The test must give that first call a successor the loop can letterbox without new frames (a first batch of
+    several chunks: queue the frames before the loop starts).
+    """
+
+    NOT_FORCED = "the serving thread began no letterbox while the first backend call was held: no overlap"
 
     def __init__(self):
-        self.in_call = 0
-        self.overlapped = 0
+        self.begun = 0  # letterboxes begun
+        self.ordinal = {}  # id(prepared chunk) -> (the ordinal of its letterbox, the chunk: keeps the id unique)
+        self.forced = None  # set by the first call: whether a later letterbox began while it was held
         self.inputs = {}  # tier -> ids of the input arrays the backend was given
-        self.lock = threading.Lock()
+        self.cond = threading.Condition()
 
     def wrap(self, model):
         prepare, run = model.prepare, model.run
 
         def probed_prepare(tier, images):
-            with self.lock:
-                self.overlapped += bool(self.in_call)
-            return prepare(tier, images)
+            with self.cond:
+                ordinal = self.begun
+                self.begun += 1
+                self.cond.notify_all()
+            prepared = prepare(tier, images)
+            with self.cond:
+                self.ordinal[id(prepared)] = (ordinal, prepared)
+            return prepared
 
         def probed_run(chunk):
-            with self.lock:
-                self.in_call += 1
+            with self.cond:
+                ordinal = self.ordinal[id(chunk)][0]
                 self.inputs.setdefault(chunk.tier, set()).add(id(chunk.buffer.batch))
-            try:
-                return run(chunk)
-            finally:
-                with self.lock:
-                    self.in_call -= 1
+                if self.forced is None:
+                    self.forced = self.cond.wait_for(lambda: self.begun > ordinal + 1, timeout=WAIT_S)
+            return run(chunk)
 
         model.prepare, model.run = probed_prepare, probed_run
         return model
@@ -157,11 +172,18 @@ def queued(images, sources=("cam-a", "cam-b"), per_source=24):
     return frames
 
 
+def wide_frame(images, frame_id, source="cam"):
+    return Frame(source=source, frame_id=frame_id, ts=time.time(), image=images["wide"], enqueued=time.monotonic())
+
+
 def started_loop(images):
-    """A paced, probed model behind a loop serving on its own thread from a small queue (fed by the test)."""
+    """A paced, probed model behind a loop serving on its own thread from a small queue, which holds frames 0 to
+    QUEUED_AT_START - 1 when the loop starts (its first batch has several chunks); the test feeds the rest."""
     probe = OverlapProbe()
     model = probe.wrap(paced_model(images))
-    frames = queue.Queue(maxsize=8)
+    frames = queue.Queue(maxsize=QUEUED_AT_START)
+    for frame_id in range(QUEUED_AT_START):
+        frames.put(wide_frame(images, frame_id))
     sink, stop = Sink(), threading.Event()
     loop = make_loop(Models(model), frames, sink, stop=stop)
     thread = threading.Thread(target=loop.serve)
@@ -179,7 +201,7 @@ def test_each_source_keeps_its_order_while_stages_overlap(images):
         loop.serve(until_sources_end=True)
     finally:
         model.close()
-    assert probe.overlapped > 0, "no letterbox ran during a backend call: nothing overlapped"
+    assert probe.forced, probe.NOT_FORCED
     assert loop.taken == len(sink.results) == 48
     for tier, used in probe.inputs.items():  # 24 calls per tier, on the two buffers allocated at load
         assert used == allocated[tier] and len(used) == 2, tier
@@ -213,7 +235,6 @@ def test_a_swap_with_batches_in_flight_serves_each_frame_on_one_model(images):
     sink, stop = Sink(), threading.Event()
     loop = make_loop(models, frames, sink, stop=stop, handover=handover)
     thread = threading.Thread(target=loop.serve)
-    thread.start()
 
     def swap():
         models.current = new
@@ -221,6 +242,8 @@ def test_a_swap_with_batches_in_flight_serves_each_frame_on_one_model(images):
 
     try:
         for index in range(120):
+            if index == frames.maxsize:  # the queue is full: the loop's first batch has several chunks
+                thread.start()
             image = images["square"] if index % 2 else images["wide"]
             frames.put(Frame(source="cam", frame_id=index, ts=time.time(), image=image, enqueued=time.monotonic()))
             if index == 60:
@@ -231,7 +254,7 @@ def test_a_swap_with_batches_in_flight_serves_each_frame_on_one_model(images):
         thread.join(30)
         new.close()
     assert drained, "the loop left %d frames in the queue" % frames.qsize()
-    assert probe.overlapped > 0
+    assert probe.forced, probe.NOT_FORCED
     assert loop.inference_errors == 0
     assert [r["frame_id"] for r in sink.results] == list(range(120))
     versions = [r["model"]["version"] for r in sink.results]
@@ -245,20 +268,19 @@ def test_a_swap_with_batches_in_flight_serves_each_frame_on_one_model(images):
 
 def test_shutdown_under_load_serves_every_frame_it_took(images):
     probe, model, frames, sink, stop, loop, thread = started_loop(images)
-    fed = 0
+    fed = QUEUED_AT_START
     deadline = time.monotonic() + WAIT_S
     try:
         while len(sink.results) < 40:
             assert time.monotonic() < deadline, "only %d results after feeding %d frames" % (len(sink.results), fed)
-            frames.put(Frame(source="cam", frame_id=fed, ts=time.time(), image=images["wide"],
-                             enqueued=time.monotonic()), timeout=WAIT_S)
+            frames.put(wide_frame(images, fed), timeout=WAIT_S)
             fed += 1
         stop.set()  # frames are queued and chunks are in flight right now
         thread.join(30)
     finally:
         model.close()
     assert not thread.is_alive()
-    assert probe.overlapped > 0
+    assert probe.forced, probe.NOT_FORCED
     left = frames.qsize()
     assert loop.taken + left == fed
     assert loop.taken == loop.published == len(sink.results)  # nothing taken was lost
@@ -317,14 +339,13 @@ def test_a_backend_error_in_one_batch_does_not_lose_the_next_batch(images):
 def test_pause_with_chunks_in_flight_finishes_what_was_taken_then_serves_nothing(images):
     probe, model, frames, sink, stop, loop, thread = started_loop(images)
     feeding = threading.Event()
-    fed = []
+    fed = [1] * QUEUED_AT_START
 
     def feed():
         while not stop.is_set():
             if feeding.is_set():
                 try:
-                    frames.put(Frame(source="cam", frame_id=len(fed), ts=time.time(), image=images["wide"],
-                                     enqueued=time.monotonic()), timeout=0.05)
+                    frames.put(wide_frame(images, len(fed)), timeout=0.05)
                     fed.append(1)
                 except queue.Full:
                     pass
@@ -358,7 +379,7 @@ def test_pause_with_chunks_in_flight_finishes_what_was_taken_then_serves_nothing
         feeder.join(10)
         thread.join(30)
         model.close()
-    assert probe.overlapped > 0
+    assert probe.forced, probe.NOT_FORCED
     assert loop.taken == loop.published == len(sink.results)
     assert [r["frame_id"] for r in sink.results] == sorted(r["frame_id"] for r in sink.results)
 
@@ -385,7 +406,7 @@ def test_a_rollback_decided_between_batches_serves_each_frame_on_one_model(image
     finally:
         pending.close()
         confirmed.close()
-    assert probe.overlapped > 0
+    assert probe.forced, probe.NOT_FORCED
     assert loop.inference_errors == 0 and loop.taken == len(sink.results) == 48
     versions = [r["model"]["version"] for r in sink.results]
     first_confirmed = versions.index("1.0.0")
