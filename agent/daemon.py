@@ -267,6 +267,7 @@ class Daemon:
         """The daemon's fields of its retained status (:class:`agent.protocol.status.BoxStatus`); the transport
         adds state, device id, time and broker."""
         return {"device_kind": self.device.name, "model": self.models.current.label, "backend": self.backend,
+                "precision": self.models.current.precision,
                 "groups": list(self.config.mqtt.groups), "slots": self.models.status(),
                 # the operator's clock for this box: silent for a few intervals, an "online" is not believed
                 "telemetry_interval_s": self.config.publish.telemetry_interval_s}
