@@ -63,11 +63,16 @@ def test_missing_folder_is_retried_until_it_appears(tmp_path):
 def test_missing_video_file_is_named_and_does_not_crash(tmp_path):
     missing = str(tmp_path / "nope.mp4")
     config = SourceConfig(name="cam", uri=missing, reopen_min_s=0.05, reopen_max_s=0.05)
-    reader, frames = run_reader(config, timeout=0.5)  # not found: retried every reopen_max_s
-    assert frames == [] and reader.health.open_failures >= 2
-    error = reader.health.last_error
-    assert error["cause"] == "not_found" and missing in error["message"]
-    assert reader.health.state == "failed"
+    failed = []  # the health seen while it retried: a stop that lands between two tries leaves it 'connecting'
+
+    def failed_twice(reader, out):
+        if reader.health.open_failures >= 2 and reader.health.state == "failed":
+            failed.append(dict(reader.health.last_error))
+        return bool(failed)
+
+    reader, frames = run_reader(config, until=failed_twice)  # not found: retried every reopen_max_s
+    assert failed, "the missing file was not reported failed twice: %s" % reader.health.report()
+    assert frames == [] and failed[0]["cause"] == "not_found" and missing in failed[0]["message"]
 
 
 def write_video(path, n, size=(64, 96)):
