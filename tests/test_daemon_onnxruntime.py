@@ -47,9 +47,11 @@ def test_the_daemon_serves_on_onnxruntime_and_says_so_in_results_telemetry_and_s
             {"name": received[0]["model"]["name"], "version": received[0]["model"]["version"],
              "backend": "onnxruntime", "precision": precision}, sort_keys=True)}
         assert sum(len(r["detections"]) for r in received) > 0
-        assert telemetry.wait(lambda m: any(isinstance(t.get("model"), dict) for _t, t in m), timeout=30)
-        model = [t["model"] for _t, t in telemetry.json() if isinstance(t.get("model"), dict)][-1]
-        assert (model["backend"], model["precision"]) == ("onnxruntime", precision)
+        # a telemetry message after the frames: what ran, and the backend thread's busy share (0..1]
+        assert telemetry.wait(lambda m: any(t.get("frames", 0) >= 4 for _t, t in m), timeout=30)
+        served = [t for _t, t in telemetry.json() if t.get("frames", 0) >= 4][0]  # the first: within 5 s of them
+        assert (served["model"]["backend"], served["model"]["precision"]) == ("onnxruntime", precision)
+        assert 0 < served["backend_busy_fraction"] <= 1
         assert status.wait(lambda m: any(s.get("state") == "online" for _t, s in m), timeout=30)
         online = [s for _t, s in status.json() if s.get("state") == "online"][-1]
         assert (online["backend"], online["precision"]) == ("onnxruntime", precision)
