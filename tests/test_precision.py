@@ -11,6 +11,8 @@ from agent.config.daemon_config import ModelConfig
 from agent.config.device_config import INT8_BACKENDS, load_device_config
 from agent.config.schema import ConfigError, parse
 from agent.pipeline.artifacts import precision_order, select_artifacts
+from tests import lifecycle_support as lifecycle
+from tests.lifecycle_support import Harness, assert_unchanged, deploy_request, new_version, no_progress, snapshot
 from tests.test_bundle import artifact, fields, make_bundle
 
 CPU = load_device_config("cpu-dev")
@@ -91,3 +93,26 @@ def test_normalize_on_model_means_uint8_in(tmp_path) -> None:
         write_manifest(str(root), data)
     assert fields(info.value) == ["artifacts[0].input_dtype"]
     assert "must be uint8 when normalize_on is model" in str(info.value)
+
+
+base_bundle = lifecycle.base_bundle  # fixture: a copy of the committed tiny bundle (float32 ONNX and MindIR)
+
+
+def test_a_deploy_without_the_configured_precision_is_refused_before_loading(base_bundle, tmp_path) -> None:
+    h = Harness(tmp_path, base_bundle, precision="float")
+    try:
+        assert h.manager.start().precision == "float32"
+
+        def int8_only(data, _root):
+            for art in data["artifacts"]:
+                art["precision"] = "int8"
+
+        sha = new_version(base_bundle, h.incoming("tiny-int8"), "2.0.0", int8_only)
+        before = snapshot(h)
+        with pytest.raises(BundleError) as info:
+            h.manager.deploy(deploy_request({"bundle": "incoming/tiny-int8", "sha256": sha}), no_progress)
+        assert fields(info.value) == ["model.precision"]
+        assert "float: the bundle has no float32/float16 serve artifact for backend opencv" in str(info.value)
+        assert_unchanged(h, before)
+    finally:
+        h.manager.close()
