@@ -987,3 +987,20 @@ def test_cpu_dev_prefers_onnxruntime_and_keeps_lite_off_a_mindspore_mindir() -> 
         from agent.bundle.manifest import load_manifest
 
         assert backend_for(device, load_manifest(DEMO_BUNDLE)) == "onnxruntime"
+
+
+def test_serve_formats_and_onnxruntime_settings_are_checked_naming_the_field() -> None:
+    from agent.config.device_config import DeviceConfig
+    from agent.config.schema import ConfigError, parse
+
+    base = {"name": "box", "target": "cpu", "backend": "onnxruntime", "artifact_format": "onnx",
+            "memory_budget_mb": 512}
+    for bad, field in (({"serve_formats": {"mslite": ["om"]}}, "serve_formats"),
+                       ({"serve_formats": {"tflite": ["onnx"]}}, "serve_formats"),
+                       ({"onnxruntime": {"execution_mode": "eager"}}, "onnxruntime.execution_mode"),
+                       ({"onnxruntime": {"allow_spining": True}}, "onnxruntime.allow_spining")):
+        with pytest.raises(ConfigError) as err:
+            parse(DeviceConfig, dict(base, **bad))
+        assert [e.path for e in err.value.errors] == [field], bad
+    device = parse(DeviceConfig, dict(base, serve_formats={"mslite": ["ms"]}))
+    assert device.backend_formats("mslite") == ("ms",) and device.backend_formats("opencv") == ("onnx",)
