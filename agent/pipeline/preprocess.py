@@ -5,6 +5,10 @@ module, so the pixels a model sees on the box are the pixels it was calibrated a
 follows Ultralytics' ``LetterBox`` (``data/augment.py``) and ``scale_boxes`` (``utils/ops.py``) exactly,
 including their rounding rule, because that is what the models we ship were trained with.
 
+What a network wants (letterbox options, colour order, mean and std) is the bundle manifest's
+``preprocessing`` (:class:`agent.bundle.manifest.Preprocessing`, here also named :data:`PreprocessSpec`), parsed
+and checked once with the manifest or the QAT config; this module applies it and never re-reads it from a dict.
+
 The box fills its preallocated input batches from this definition through
 :class:`agent.pipeline.input_batch.BatchPreprocessor`, which plans with :func:`plan_letterbox` and resizes with
 :func:`resize_into`.
