@@ -122,12 +122,15 @@ def write_golden(
     cases_per_tier: int,
     atol: float,
     rtol: float,
+    roles: Sequence[str] = ("serve",),
 ) -> Dict[str, Any]:
-    """Golden cases for every tier from the first ``cases_per_tier`` held-out originals."""
+    """Golden cases for every tier from the first ``cases_per_tier`` held-out originals, with the outputs of
+    each batch-1 artifact whose role is in ``roles`` (a float ONNX kept for ``convert`` gets them too, so the
+    artifacts converted from it inherit them)."""
     os.makedirs(os.path.join(out_dir, GOLDEN_DIR), exist_ok=True)
     cases: List[Dict[str, Any]] = []
     for tier in tiers:
-        runnable = [a for a in artifacts if a.tier == tier and a.batch == 1 and a.role == "serve"]
+        runnable = [a for a in artifacts if a.tier == tier and a.batch == 1 and a.role in roles]
         for original in originals_bgr[:cases_per_tier]:
             index = len(cases)
             image, _ = letterbox_for(original, tier, spec)

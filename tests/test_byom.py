@@ -137,9 +137,11 @@ def test_ultralytics_dynamic_export_is_fixed_per_tier_and_matches_at_each(tmp_pa
     assert code == 0
     bundle, model = serve(out)
     try:
-        for art in bundle.manifest.artifacts:
+        for art in bundle.manifest.artifacts:  # served: the uint8 frame (input folded in); the converters': NCHW
             shape = [d.dim_value for d in onnx.load(bundle.path(art.file)).graph.input[0].type.tensor_type.shape.dim]
-            assert shape == [1, 3] + list(art.tier)
+            assert shape == ([1] + list(art.tier) + [3] if art.input_layout == "NHWC" else [1, 3] + list(art.tier))
+        assert {(a.role, a.input_dtype, a.normalize_on) for a in bundle.manifest.artifacts} == {
+            ("serve", "uint8", "model"), ("convert", "float32", "host")}
         figures = check_detections(model, EXPECTED["yolov8"]["predictions"], EXPECTED["yolov8"]["predictor"])
         assert {r.tier for r in model.infer_frames(images())} == {(256, 256), (192, 320)}
         print("yolov8 dynamic opencv (count, max box px, max score):", figures)

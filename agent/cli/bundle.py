@@ -14,6 +14,7 @@ Exit codes: 0 valid / done, 1 the bundle (or key) was refused, 2 bad usage.
 """
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -101,6 +102,11 @@ def _add_create_arguments(sub: Any) -> None:
                         help="images for the golden and calibration sets (default: generated scenes)")
     create.add_argument("--calibration", type=int, metavar="N", help="calibration images (default: as qat's)")
     create.add_argument("--golden", type=int, metavar="N", help="golden cases per tier (default: as qat's)")
+    create.add_argument("--int8", action="store_true",
+                        help="also an int8 ONNX for onnxruntime, calibrated on --images (every op but the decode); "
+                             "refused when it keeps under 95%% of the float model's detections on held-out images")
+    create.add_argument("--force", action="store_true",
+                        help="with --int8: write the int8 ONNX even when it keeps too few detections")
     create.set_defaults(bundle_handler=_create)
 
 
@@ -117,7 +123,10 @@ def _create(args: argparse.Namespace) -> int:
             model=args.model, out=args.out, name=args.name, version=args.version, task=args.task,
             labels=args.labels, tiers=parse_tiers(args.tiers) if args.tiers else None, color=args.color,
             mean=_triple("--mean", args.mean), std=_triple("--std", args.std), conf=args.conf, iou=args.iou,
-            images=args.images, calibration=args.calibration, golden=args.golden)
+            images=args.images, calibration=args.calibration, golden=args.golden, int8=args.int8,
+            force=args.force)
+        if args.force and not args.int8:
+            raise CreateError("--force only overrides --int8's check: give --int8 too")
         manifest = create_bundle(options)
     except CreateError as exc:
         print("bundle create refused: %s" % exc, file=sys.stderr)
@@ -127,7 +136,26 @@ def _create(args: argparse.Namespace) -> int:
     print("created %s: %s %s (%s), %d label(s), tiers %s, %d golden case(s)\n  source: %s\n  images: %s" % (
         args.out, manifest["name"], manifest["version"], manifest["task"], len(manifest["labels"]), tiers,
         len(manifest["golden"]["cases"]), manifest["source"]["producer"], manifest["source"]["images"]))
+    _print_int8_checks(args.out)
     return EXIT_OK
+
+
+def _print_int8_checks(out: str) -> None:
+    """--int8: each int8 artifact's check against the float model (int8_check.json, written by create)."""
+    from converters.byom.create import INT8_CHECK_FILE
+
+    path = os.path.join(out, INT8_CHECK_FILE)
+    if not os.path.isfile(path):
+        return
+    with open(path) as handle:
+        report = json.load(handle)
+    for file, check in sorted(report["checks"].items()):
+        print("  int8: %s keeps %d of %d float detections (%.1f%%, threshold %.0f%%; %d above conf) on %d held-out "
+              "image(s), mean score diff %.4f, mean box diff %.2f px%s" % (
+                  file, check["kept"], check["float_detections"], 100 * check["kept_share"],
+                  100 * check["threshold"], check["kept_at_conf"], check["images"], check["mean_score_diff"],
+                  check["mean_box_diff_px"],
+                  "; WRITTEN WITH --force ALTHOUGH BELOW THE THRESHOLD" if check["forced"] else ""))
 
 
 def _triple(flag: str, text: Optional[str]) -> Optional[Tuple[float, float, float]]:

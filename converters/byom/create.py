@@ -18,6 +18,7 @@ Order matters:
 """
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -50,8 +51,10 @@ from converters.byom.decide import (
     metadata_task,
     read_labels_file,
 )
+from converters.byom.int8 import KEEP_THRESHOLD, check_int8, quantize_int8, split_images
 from converters.byom.model_file import CreateError, ModelInfo, Tier, inspect_model
 from converters.byom.onnx_graph import fixed_onnx
+from converters.onnx_input import MODEL_INPUT, fold_input_file
 from converters.runtimes import RUNTIME_NAMES, run_on_host
 from converters.toolrun import toolchain_versions
 
@@ -64,6 +67,8 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 GENERATED_FRAME_HW = (480, 640)
 GENERATED_SEED = 2024
 CALIBRATION_SEED = 7
+NCHW_ONNX_SUFFIX = "nchw.onnx"  # the float ONNX normalised on the host: the converters' input
+INT8_CHECK_FILE = "int8_check.json"  # --int8: the int8 model against the float one, per artifact
 
 
 # --- images -----------------------------------------------------------------------------------------------------
@@ -138,7 +143,11 @@ def create_bundle(options: CreateOptions) -> Dict[str, Any]:
     calibration_count = options.calibration or calibration_config.count
     if options.labels:
         read_labels_file(options.labels)  # a broken file fails before any work; counts are checked below
+    if options.int8 and not options.images:
+        raise CreateError("--int8 calibrates on frames like the box's: give --images DIR")
     images, images_note = load_images(options.images, max(golden_cases, calibration_count))
+    if options.int8:
+        split_images(images)  # enough images for calibration and a held-out check, before any work
 
     out = os.path.abspath(options.out)
     parent = os.path.dirname(out)
@@ -190,6 +199,8 @@ def _produce(staging: str, plan: _Plan) -> Dict[str, Any]:
         file = "model_%s.%s" % (tier_name(tier), info.format)
         path = os.path.join(staging, file)
         if info.format == "onnx":
+            file = "model_%s.%s" % (tier_name(tier), NCHW_ONNX_SUFFIX)
+            path = os.path.join(staging, file)
             fixed_onnx(info, tier, path)
         else:
             shutil.copyfile(info.path, path)
@@ -201,7 +212,10 @@ def _produce(staging: str, plan: _Plan) -> Dict[str, Any]:
                 shape, tier[0], tier[1], tier_task, task))
         task = tier_task
         output_shapes[tier] = shape
-        artifacts.append(ArtifactPlan(file, tier, 1, info.format, "float32", "serve"))
+        if info.format == "onnx":
+            artifacts += _folded_onnx(staging, path, tier, plan.preprocessing)
+        else:
+            artifacts.append(ArtifactPlan(file, tier, 1, info.format, "float32", "serve"))
     assert task is not None
     counts = {class_count(task, s) for s in output_shapes.values()}
     if len(counts) != 1:
@@ -209,16 +223,55 @@ def _produce(staging: str, plan: _Plan) -> Dict[str, Any]:
     labels = decide_labels(info, options.labels, counts.pop(), output_shapes[tiers[0]])
 
     spec = plan.preprocessing
+    if options.int8:
+        artifacts += _int8_onnx(staging, plan, task)
     boxed = np.stack([letterbox_for(image, tiers[0], spec)[0] for image in plan.images])
     calibration = write_calibration(staging, boxed, spec, plan.calibration_count, CALIBRATION_SEED)
     golden = write_golden(staging, plan.images, artifacts, spec, tiers, plan.golden_cases, plan.golden_config.atol,
-                          plan.golden_config.rtol)
+                          plan.golden_config.rtol, roles=("serve", "convert"))
     name = options.name or os.path.splitext(os.path.basename(info.path))[0]
     source = {"model": os.path.basename(info.path), "sha256": sha256_file(info.path), "producer": info.producer,
               "preprocessing": plan.preprocessing_origin, "images": plan.images_note}
     return write_manifest_for(staging, name, options.version, task, labels, tiers, plan.preprocessing,
                               plan.postprocessing, artifacts, calibration, golden, toolchain_versions(),
                               source=source, input_name=info.input_name)
+
+
+def _folded_onnx(staging: str, nchw_path: str, tier: Tier, spec: Any) -> List[ArtifactPlan]:
+    """The served float ONNX takes the letterboxed uint8 BGR NHWC frame (the input convention folded in,
+    converters/onnx_input.py); the float NCHW one it was made from stays as the converters' input (role convert:
+    converter_lite and ATC's AIPP want the plain network)."""
+    file = "model_%s.onnx" % tier_name(tier)
+    fold_input_file(nchw_path, os.path.join(staging, file), spec)
+    os.chmod(os.path.join(staging, file), 0o644)
+    return [ArtifactPlan(file, tier, 1, "onnx", "float32", "serve", model_input=dict(MODEL_INPUT)),
+            ArtifactPlan(os.path.basename(nchw_path), tier, 1, "onnx", "float32", "convert")]
+
+
+def _int8_onnx(staging: str, plan: _Plan, task: str) -> List[ArtifactPlan]:
+    """``--int8``: per tier, the calibrated int8 ONNX (converters/byom/int8.py), refused (CreateError) when it
+    keeps too few of the float model's detections on the held-out images, unless ``--force``."""
+    calibration, held_out = split_images(plan.images)
+    artifacts, checks = [], {}
+    for tier in plan.tiers:
+        nchw = os.path.join(staging, "model_%s.%s" % (tier_name(tier), NCHW_ONNX_SUFFIX))
+        file = "model_%s.int8.onnx" % tier_name(tier)
+        path = os.path.join(staging, file)
+        quantize_int8(nchw, path, plan.preprocessing, tier, calibration)
+        os.chmod(path, 0o644)
+        check = check_int8(nchw, path, plan.preprocessing, tier, task, plan.postprocessing, held_out)
+        log.info("%s: %s", file, check.summary())
+        if check.kept_share < KEEP_THRESHOLD:
+            if not plan.options.force:
+                raise CreateError("--int8: %s at %dx%d keeps too few detections: %s; calibrate on more frames "
+                                  "like the box's (--images), leave --int8 out, or --force to write it anyway" % (
+                                      file, tier[0], tier[1], check.summary()))
+            log.warning("--force: writing %s although it keeps too few detections: %s", file, check.summary())
+        checks[file] = dict(check.as_dict(), forced=check.kept_share < KEEP_THRESHOLD)
+        artifacts.append(ArtifactPlan(file, tier, 1, "onnx", "int8", "serve", model_input=dict(MODEL_INPUT)))
+    with open(os.path.join(staging, INT8_CHECK_FILE), "w") as handle:
+        json.dump({"calibration_images": len(calibration), "checks": checks}, handle, indent=2, sort_keys=True)
+    return artifacts
 
 
 def _missing_parents(directory: str) -> List[str]:

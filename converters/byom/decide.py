@@ -42,6 +42,8 @@ class CreateOptions:
     images: Optional[str] = None
     calibration: Optional[int] = None
     golden: Optional[int] = None
+    int8: bool = False  # also an int8 ONNX, calibrated on --images (converters/byom/int8.py)
+    force: bool = False  # write the int8 ONNX even when it keeps too few detections
 
 
 def parse_tiers(text: str) -> List[Tier]:
