@@ -1,5 +1,6 @@
 """`atlas-edge demo` (what `make demo` runs): it finishes after --frames and prints results it read back."""
 
+import importlib.util
 import os
 import re
 import signal
@@ -38,11 +39,14 @@ def test_demo_with_embedded_broker_finishes_after_frames():
     result = run_demo("--frames", "6")
     check_output(result, 6)
     assert "embedded broker: mosquitto on 127.0.0.1:" in result.stdout
+    if importlib.util.find_spec("onnxruntime") is not None:  # cpu-dev's first choice, in both lanes
+        assert re.search(r"served on onnxruntime at precision (float32|int8)", result.stdout), result.stdout[-2000:]
 
 
 def test_demo_against_an_external_broker_with_the_opencv_backend(mosquitto):
     result = run_demo("--frames", "4", "--broker", mosquitto.url, "--backend", "opencv", "--device-id", "demo-x")
     check_output(result, 4)
+    assert "served on opencv at precision float32" in result.stdout  # auto on cv2.dnn: float
     assert "embedded broker" not in result.stdout
 
 
