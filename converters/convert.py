@@ -242,6 +242,14 @@ def _check_calibration(request: ConvertRequest, manifest: Any, tiers: List[Tier]
     return calibration
 
 
+# Lite 2.0 has only generic C int8 kernels on x86 (issue 28: FULL_QUANT ran 21-27x slower than float there); the
+# int8 that pays on a CPU box is an ONNX on onnxruntime (docs/quant.md, docs/converters.md).
+LITE_CPU_INT8_WARNING = (
+    "--ptq for a CPU target: MindSpore Lite 2.0's int8 kernels on x86 are generic C, so this .ms runs slower than "
+    "the float one (21-27x measured); for int8 that pays on a CPU box use the bundle's int8 ONNX on onnxruntime "
+    "(qat writes model_<tier>.int8.onnx; for a brought model: atlas-edge bundle create --int8 --images DIR)")
+
+
 def _precision(device: Any, ptq: bool) -> str:
     if ptq:
         return "int8"
@@ -333,6 +341,8 @@ def plan_conversion(request: ConvertRequest, mindir_limit: Optional[MindIrLimit]
     if calibration is not None and not low <= calibration.count <= high:
         warnings.append("calibration.count %d is outside the documented %d-%d: int8 ranges may be noisy" % (
             calibration.count, low, high))
+    if request.ptq and device.target == "cpu":
+        warnings.append(LITE_CPU_INT8_WARNING)
     if os.path.exists(os.path.join(request.bundle, "manifest.sig")):
         warnings.append("the bundle is signed; converting rewrites manifest.json and removes manifest.sig "
                         "(sign it again)")

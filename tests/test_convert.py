@@ -505,3 +505,19 @@ def test_calibration_bins_are_transposed_into_the_models_layout_in_staging_only(
         Relayout("calibration", "NHWC", "NCHW", (1, 64, 64, 3), "float32").write(source, str(tmp_path / "x"))
     plan = plan_conversion(ConvertRequest(bundle=bundle, device="cpu-dev", to="ms", ptq=True, tiers=[(32, 32)]))
     assert plan.relayout is not None and any("staging copy is transposed" in w for w in plan.warnings)
+
+
+def test_ptq_for_a_cpu_target_says_lite_int8_is_slower_and_points_to_onnxruntime(bundle):
+    """Lite 2.0's int8 runs on generic C kernels on x86 (21-27x slower than float, issue 28): --ptq for a CPU
+    target says so and names the int8 that pays there; an Ascend target, where the NPU runs int8, is not told."""
+    from converters.convert import LITE_CPU_INT8_WARNING
+
+    cpu = plan_conversion(ConvertRequest(bundle=bundle, device="cpu-dev", to="ms", ptq=True, tiers=[(32, 32)]))
+    assert LITE_CPU_INT8_WARNING in cpu.warnings
+    assert "slower than the float" in LITE_CPU_INT8_WARNING and "onnxruntime" in LITE_CPU_INT8_WARNING
+    assert "# warning: " + LITE_CPU_INT8_WARNING in cpu.render()  # the line --dry-run and a real run print
+    ascend = plan_conversion(ConvertRequest(bundle=bundle, device="atlas-200i-dk-a2", to="ms", ptq=True,
+                                            tiers=[(32, 32)]))
+    assert LITE_CPU_INT8_WARNING not in ascend.warnings
+    float_cpu = plan_conversion(ConvertRequest(bundle=bundle, device="cpu-dev", to="ms", tiers=[(32, 32)]))
+    assert LITE_CPU_INT8_WARNING not in float_cpu.warnings
