@@ -462,6 +462,22 @@ class QatRun:
                 raise PipelineError("%s: no FakeQuantParam nodes after convert()" % path)
             self.checks[os.path.basename(path)] = {"FakeQuantParam": ops["FakeQuantParam"]}
             self.artifacts.append(ArtifactPlan(os.path.basename(path), tier, 1, "mindir", "int8", "convert"))
+        self._export_int8_onnx(qat_network, data)
+
+    def _export_int8_onnx(self, qat_network: Any, data: SplitData) -> None:
+        """``model_<tier>.int8.onnx`` per tier with the QAT scales, read back against the int8 simulation
+        (:func:`quant.int8_artifact.write_int8_artifacts`)."""
+        from quant.int8_artifact import write_int8_artifacts
+        from quant.int8_onnx import Int8ExportError
+
+        try:
+            checks, artifacts = write_int8_artifacts(
+                self.out, self.config, qat_network, data, self.spec,
+                lambda outputs: score_outputs(outputs, self.config, data), INFERENCE_BATCH)
+        except Int8ExportError as exc:
+            raise PipelineError(str(exc)) from None
+        self.checks.update(checks)
+        self.artifacts.extend(artifacts)
 
     def _sample_input(
         self, data: SplitData, tier: Tuple[int, int], batch: int, rng: np.random.Generator

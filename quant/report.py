@@ -2,7 +2,7 @@
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 REPORT_JSON = "report.json"
 REPORT_TEXT = "report.txt"
@@ -50,6 +50,7 @@ def summary_text(report: Dict[str, Any]) -> str:
                 "" if agreement is None else ", top-1 agreement %.2f %%" % (100 * agreement),
             )
         )
+    lines.extend(_int8_onnx_lines(report["checks"]))
     for tier, shape in report["tiers"].items():
         lines.append("tier %-9s input %s -> output0 %s" % (tier, shape["input"], shape["output0"]))
     lines.append("artifacts (%d bytes in all):" % sum(v or 0 for v in report["artifacts"].values()))
@@ -63,6 +64,26 @@ def summary_text(report: Dict[str, Any]) -> str:
         )
     lines.append("toolchain " + ", ".join("%s %s" % kv for kv in report["toolchain"].items()))
     return "\n".join(lines) + "\n"
+
+
+def _int8_onnx_lines(checks: Dict[str, Any]) -> List[str]:
+    """The int8 ONNX on onnxruntime against the int8 simulation (quant.int8_artifact), or why there is none."""
+    if "int8_onnx" in checks:
+        return ["int8 ONNX not written: %s" % checks["int8_onnx"]["skipped"]]
+    main = checks.get("int8_onnx_test_split")
+    if not main:
+        return []
+    if "best_anchor_class_agreement" in main:
+        agreement = "best-anchor class agreement %.2f %%, mean |score diff| %.2g, mean |box diff| %s px" % (
+            100 * main["best_anchor_class_agreement"], main["mean_score_diff"],
+            "-" if main["mean_box_diff_px"] is None else "%.3g" % main["mean_box_diff_px"])
+    else:
+        agreement = "top-1 agreement %.2f %%, max |diff| %.3g" % (100 * main["top1_agreement"], main["max_abs_diff"])
+    return [
+        "int8 ONNX %s on onnxruntime, held-out split: %s" % (main["file"], metric_line(main["metrics"])),
+        "          vs the int8 simulation: %s; %.3fx the float ONNX's bytes; %d negative-k channels, %d weights"
+        " clipped" % (agreement, main["bytes_ratio_to_float"], main["negative_k_channels"], main["clipped_weights"]),
+    ]
 
 
 def write_report(out_dir: str, report: Dict[str, Any]) -> str:
