@@ -417,6 +417,17 @@ def test_broker_restart_keeps_frame_order_per_source(fresh_broker, tmp_path, pro
                 sent[source] += 1
             stop.wait(0.004)
 
+    # The replay reads no backlog until live frames flow on the new connection: the case that reordered, forced
+    # (an unheld replay at 500 Hz may drain 100 rows before a loaded machine gets back to this thread).
+    replay_may_read = threading.Event()
+    replay_may_read.set()
+    peek = transport._outbox.peek
+
+    def held_peek(*args, **kwargs):
+        replay_may_read.wait(WAIT_S)
+        return peek(*args, **kwargs)
+
+    transport._outbox.peek = held_peek
     publisher = threading.Thread(target=stream)
     publisher.start()
     try:
@@ -424,13 +435,18 @@ def test_broker_restart_keeps_frame_order_per_source(fresh_broker, tmp_path, pro
         fresh_broker.stop()
         assert wait_for(lambda: not transport.connected)
         assert wait_for(lambda: transport.stats()["outboxed"] >= 100)
+        replay_may_read.clear()
         fresh_broker.start()
         assert wait_for(lambda: transport.connected)
+        mark = sent["front"]
+        assert wait_for(lambda: sent["front"] >= mark + 20)
         during = transport.stats()["outbox_messages"]
-        assert during > 0  # the replay is still going while live frames arrive: the case that reordered
+        replay_may_read.set()
+        assert during > 0  # the backlog is still there while live frames arrive
         mark = sent["front"]
         assert wait_for(lambda: sent["front"] >= mark + 100)
     finally:
+        replay_may_read.set()
         stop.set()
         publisher.join(WAIT_S)
     assert transport.flush(WAIT_S)
