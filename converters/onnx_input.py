@@ -29,6 +29,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 
 from agent.pipeline.preprocess import PreprocessSpec
+from converters.byom.model_file import import_onnx
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class InputFoldError(ValueError):
 def fold_input(model: Any, spec: PreprocessSpec) -> Any:
     """Make ``model`` (a float-input ONNX ModelProto, float or QDQ int8) take uint8 BGR NHWC; edits in place and
     returns it. ``spec`` is the network's own convention (colour order, mean and std on 0..255 pixels)."""
+    import_onnx()  # MindSpore first, whenever onnx is used in a host process (model_file.py)
     from onnx import helper
 
     graph = model.graph
@@ -75,8 +77,7 @@ def fold_input(model: Any, spec: PreprocessSpec) -> Any:
 
 def fold_input_file(src_path: str, dst_path: str, spec: PreprocessSpec) -> None:
     """:func:`fold_input` from one file to another (the ``onnx`` package loads and checks it)."""
-    import onnx
-
+    onnx = import_onnx()
     model = fold_input(onnx.load(src_path), spec)
     onnx.checker.check_model(model)
     onnx.save(model, dst_path)
