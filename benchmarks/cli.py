@@ -34,8 +34,12 @@ SECTIONS = {
     "startup": "benchmarks.startup",
     "fleet": "benchmarks.fleet",
     "sources": "benchmarks.sources",
+    "quant": "benchmarks.quant",
 }
-NEEDS_MODEL = ("pipeline", "batching", "memory", "startup", "sources")
+NEEDS_MODEL = ("pipeline", "batching", "memory", "startup", "sources", "quant")
+# Not in a --quick run unless named with --only: the quant section builds, quantizes, converts and times a
+# 640x640 YOLOv8n-shaped model besides the demo (minutes on 2 cores), more than the quick budget allows.
+NOT_QUICK = ("quant",)
 BACKENDS = tuple(BACKEND_FORMATS)  # every backend the agent has
 # the three that run on a CPU box; mslite through the Lite venv (benchmarks/lite_lane.py) when this Python
 # cannot import it, and recorded as skipped when no Lite venv exists
@@ -52,6 +56,10 @@ REQUIRED_KEYS = (
     "memory.rss_mb_per_10k_frames",
     "startup.seconds_to_ready",
     "sources.latency_p50_ratio_to_bare",
+    "quant.size_ratio",
+    "quant.infer_ratio_to_float",
+    "quant.frame_ratio_to_float",
+    "quant.map_int8",
 )
 
 
@@ -75,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="fewer repeats and frames: every section in about 3-4 minutes on 2 cores",
+        help="fewer repeats and frames: every section but quant in about 3-4 minutes on 2 cores "
+        "(--only quant --quick runs it with fewer repeats)",
     )
     parser.add_argument("--json", metavar="OUT", help="write the results here (JSON)")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots here (needs matplotlib)")
@@ -156,6 +165,11 @@ def run_suite(sections: Sequence[str], context: RunContext) -> Dict[str, Any]:
     return data
 
 
+def selected_sections(only: Sequence[str], quick: bool) -> List[str]:
+    """``--only``'s sections as given, else every section (but :data:`NOT_QUICK` in a quick run), in run order."""
+    return list(only or [s for s in SECTIONS if not (quick and s in NOT_QUICK)])
+
+
 def missing_required(data: Dict[str, Any], sections: Sequence[str]) -> List[str]:
     """Required figures of the selected sections that this run did not produce."""
     return [key for key in REQUIRED_KEYS if key.split(".")[0] in sections and get_path(data, key) is None]
@@ -179,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             print("atlas-edge bench: %s" % exc, file=sys.stderr)
             return 2
     started = time.monotonic()
-    sections = list(args.only or SECTIONS)
+    sections = selected_sections(args.only, args.quick)
     profile = QUICK if args.quick else FULL
     pinned = pin_threads(args.threads)
     env = environment(REPO_ROOT)

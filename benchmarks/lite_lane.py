@@ -53,7 +53,7 @@ def converted_bundle(bundle_dir: str, work_dir: str, python: str) -> str:
     from converters import cli as convert_cli
     from converters import toolrun
 
-    copy = copy_writable(bundle_dir, os.path.join(work_dir, LITE_BUNDLE_DIR))
+    copy = copy_writable(bundle_dir, os.path.join(work_dir, "%s-%d" % (LITE_BUNDLE_DIR, len(_CONVERTED))))
     parser = argparse.ArgumentParser()
     convert_cli.add_arguments(parser)
     env = dict(os.environ, **{toolrun.MSLITE_PYTHON_ENV: python})
@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from benchmarks.harness import FULL, QUICK, RunContext
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lite_lane")
-    parser.add_argument("section", choices=("pipeline", "memory", "startup"))
+    parser.add_argument("section", choices=("pipeline", "memory", "startup", "quant"))
     parser.add_argument("--bundle", required=True)
     parser.add_argument("--work-dir", required=True)
     parser.add_argument("--threads", type=int, required=True)

@@ -1,0 +1,278 @@
+"""``quant`` section: does quantization pay where it runs? Per model (the demo detector, a YOLOv8n-shaped
+stand-in), side by side in one run: onnxruntime float and int8 (the QAT scales, and onnxruntime's own PTQ),
+cv2.dnn float and MindSpore Lite float (the Lite lane, benchmarks/lite_lane.py), each through the agent's own
+backend and preprocessing: inference ms (a filled input) and whole-frame ms (letterbox of a 1080p frame into the
+input, inference, decode) at 1 and 2 threads, file bytes, and mAP@0.5 on the QAT run's held-out split (demo) or
+detection agreement with onnxruntime float (stand-in).
+
+The in-process lanes are timed round-robin (:func:`benchmarks.harness.compare`), so each ratio to onnxruntime
+float is a median of per-round ratios; the Lite lane runs in its own interpreter, so ratios to it are ratios of
+medians. Headline keys (demo, 1 thread): ``size_ratio`` (int8 bytes / float ONNX bytes),
+``infer_ratio_to_float`` and ``frame_ratio_to_float`` (int8 / onnxruntime float), ``frame_ratio_to_lite``,
+``frame_ratio_to_opencv``, ``map_int8`` (the int8 lane's mAP), ``map_qat_report`` (the bundle's report.json).
+The int8 lane is the QAT one when the bundle has it, else the PTQ one (``int8_lane`` says which).
+"""
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+from benchmarks.harness import compare, ratio_summary, scaled, summarize, target
+from benchmarks.quant_models import Lane, ModelUnderTest, demo_model, standin_model
+from benchmarks.report import get_path
+
+log = logging.getLogger(__name__)
+
+THREADS = (1, 2)
+FRAMES = 4  # distinct 1080p frames cycled through the whole-frame timing
+MAP_IMAGES = 300  # the QAT run's held-out split (quant/examples/shapes.yaml test_count), as its report's mAP
+DEMO_DATA_SEED = 1  # quant/examples/shapes.yaml data.seed
+STANDIN_AGREEMENT_FRAMES = {"quick": 2, "full": 6}
+# (warm-up, timed rounds) per lane for a 640x640 model: a YOLOv8n takes 0.1-0.8 s a call on 2 shared cores
+HEAVY_ROUNDS = {"quick": (1, 4), "full": (2, 15)}
+HEAVY_PIXELS = 320 * 320  # tiers above this are timed with HEAVY_ROUNDS instead of the profile's
+CALIBRATION = {"quick": 8, "full": 16}  # generated scenes for PTQ (a quarter of them held out by bundle create)
+TARGETS = {  # issue 28's acceptance, 1 thread, demo detector
+    "size_ratio": ("<=", 0.30),
+    "infer_ratio_to_float": ("<=", 0.70),
+    "frame_ratio_to_float": ("<=", 0.70),
+    "frame_ratio_to_lite": ("<=", 0.60),
+    "frame_ratio_to_opencv": ("<=", 0.40),
+    "standin_infer_ratio_to_float": ("<=", 0.55),
+}
+
+
+def run(context: Any) -> Dict[str, Any]:
+    if tuple(context.backends) == ("mslite",):  # inside the Lite lane's interpreter: the .ms only
+        return {"backends": {"mslite": lite_figures(context)}}
+    calibration = CALIBRATION[context.profile.name]
+    models = [demo_model(_demo_dir(context), context.work_dir, calibration),
+              standin_model(context.work_dir, calibration)]
+    section: Dict[str, Any] = {"threads": list(THREADS), "models": {}}
+    for model in models:
+        section["models"][model.key] = measure_model(model, context)
+    section.update(headline(section["models"]["demo"], _demo_dir(context)))
+    standin = section["models"]["yolov8n"]
+    section["standin_infer_ratio_to_float"] = get_path(standin, "lanes.ort_int8_ptq.threads.1.infer_ratio_to_float")
+    return section
+
+
+def targets(section: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    return {key: target(section.get(key), op, threshold) for key, (op, threshold) in TARGETS.items()}
+
+
+def _demo_dir(context: Any) -> str:
+    from benchmarks.workload import DEMO_BUNDLE
+
+    return context.bundle_dir if context.bundle_dir else DEMO_BUNDLE
+
+
+# --- one model -------------------------------------------------------------------------------------------------
+
+def measure_model(model: ModelUnderTest, context: Any) -> Dict[str, Any]:
+    from benchmarks.workload import camera_frames, frame_hw_for_tier
+
+    frames = camera_frames(FRAMES, frame_hw_for_tier(model.tier))
+    lanes: Dict[str, Dict[str, Any]] = {lane.name: {"backend": lane.backend, "precision": lane.precision,
+                                                    "file": os.path.basename(lane.path),
+                                                    "bytes": os.path.getsize(lane.path),
+                                                    "input": "uint8 NHWC" if lane.model_input else "float32 NCHW",
+                                                    "threads": {}} for lane in model.lanes}
+    for threads in THREADS:
+        for name, figures in time_lanes(model, frames, threads, context.profile).items():
+            lanes[name]["threads"][str(threads)] = figures
+    if model.key == "demo":
+        for lane in model.lanes:
+            lanes[lane.name]["map50"] = demo_map(model, lane)
+    else:
+        agreement_frames = camera_frames(STANDIN_AGREEMENT_FRAMES[context.profile.name], (480, 640), seed=77)
+        for lane in model.lanes:
+            lanes[lane.name]["agreement_with_ort_float"] = agreement(model, lane, agreement_frames)
+    lanes["lite_float"] = _lite_lane(model, context)
+    _lite_ratios(lanes)
+    return {"label": model.label, "tier": list(model.tier), "task": model.task, "lanes": lanes,
+            "skipped": model.skipped, "notes": model.notes}
+
+
+class _Opened:
+    """A lane's backend, loaded, and its preallocated input (the box's BatchPreprocessor for that input)."""
+
+    def __init__(self, lane: Lane, model: ModelUnderTest, threads: int) -> None:
+        from agent.pipeline.backends import create_backend
+        from agent.pipeline.backends.base import BackendOptions, TensorSpec
+        from agent.pipeline.input_batch import BatchPreprocessor
+
+        h, w = model.tier
+        if lane.model_input:
+            shape, dtype = (1, h, w, 3), "uint8"
+            self.batcher = BatchPreprocessor(model.spec, model.tier, 1, input_dtype="uint8", input_layout="NHWC",
+                                             input_color="bgr", normalize=False)
+        else:
+            shape, dtype = (1, 3, h, w), "float32"
+            self.batcher = BatchPreprocessor(model.spec, model.tier, 1)
+        self.backend = create_backend(lane.backend, lane.path, TensorSpec(model.input_name, shape, dtype),
+                                      BackendOptions(cpu_threads=threads))
+        self.backend.load()
+        self.model = model
+
+    def infer(self) -> List[np.ndarray]:
+        return self.backend.infer(self.batcher.batch)
+
+    def frame(self, image: np.ndarray) -> Any:
+        from agent.pipeline.postprocess import decode
+
+        self.batcher.fill(0, image)
+        return decode(self.model.task, self.infer()[0], self.model.post)
+
+
+def time_lanes(model: ModelUnderTest, frames: Sequence[np.ndarray], threads: int, profile: Any
+               ) -> Dict[str, Dict[str, Any]]:
+    """Inference and whole-frame ms of every in-process lane at ``threads``, timed round-robin."""
+    import cv2
+
+    previous = cv2.getNumThreads()
+    cv2.setNumThreads(threads)  # cv2.dnn's pool, and the letterbox's resize in every lane alike
+    opened = {lane.name: _Opened(lane, model, threads) for lane in model.lanes}
+    warmup, repeat = profile.warmup, profile.repeat
+    if model.tier[0] * model.tier[1] > HEAVY_PIXELS:
+        warmup, repeat = HEAVY_ROUNDS[profile.name]
+    try:
+        for one in opened.values():
+            one.batcher.fill(0, frames[0])
+        infer = compare({n: o.infer for n, o in opened.items()}, warmup, repeat)
+        cycle = {n: _cycler(o, frames) for n, o in opened.items()}
+        frame = compare(cycle, warmup, repeat)
+    finally:
+        for one in opened.values():
+            one.backend.close()
+        cv2.setNumThreads(previous)
+    figures = {}
+    for name in opened:
+        figures[name] = {"infer_ms": scaled(summarize(infer[name]), 1e3), "frame_ms": scaled(summarize(frame[name]),
+                                                                                              1e3)}
+        if name != "ort_float" and "ort_float" in opened:
+            figures[name]["infer_ratio_to_float"] = ratio_summary(infer[name], infer["ort_float"])["median"]
+            figures[name]["frame_ratio_to_float"] = ratio_summary(frame[name], frame["ort_float"])["median"]
+    for name in opened:
+        if "opencv_float" in opened:
+            figures[name]["frame_ratio_to_opencv"] = ratio_summary(frame[name], frame["opencv_float"])["median"]
+    return figures
+
+
+def _cycler(opened: _Opened, frames: Sequence[np.ndarray]) -> Any:
+    state = {"i": 0}
+
+    def call() -> Any:
+        state["i"] = (state["i"] + 1) % len(frames)
+        return opened.frame(frames[state["i"]])
+
+    return call
+
+
+# --- accuracy ---------------------------------------------------------------------------------------------------
+
+def _outputs(model: ModelUnderTest, lane: Lane, letterboxed: Sequence[np.ndarray]) -> np.ndarray:
+    opened = _Opened(lane, model, 1)
+    try:
+        outputs = []
+        for image in letterboxed:
+            opened.batcher.fill_letterboxed(0, image)
+            outputs.append(opened.infer()[0])
+        return np.concatenate(outputs)
+    finally:
+        opened.backend.close()
+
+
+def demo_map(model: ModelUnderTest, lane: Lane) -> float:
+    """mAP@0.5 on the QAT run's own held-out split (the scenes its report's mAP was measured on)."""
+    from quant.datasets import SHAPES_TEST_SEED_OFFSET, generate_shapes
+    from quant.evaluation import detections_from_outputs, mean_average_precision
+
+    test, _ = generate_shapes(MAP_IMAGES, DEMO_DATA_SEED + SHAPES_TEST_SEED_OFFSET, model.tier, model.spec)
+    detections = detections_from_outputs(_outputs(model, lane, test.images), model.post.iou)
+    return float(mean_average_precision(detections, test.boxes, test.classes, 3)["map50"])
+
+
+def agreement(model: ModelUnderTest, lane: Lane, frames: Sequence[np.ndarray]) -> Dict[str, Any]:
+    """Detections of ``lane`` against onnxruntime float's on the same frames (random weights: no accuracy)."""
+    from agent.pipeline.postprocess import decode
+    from agent.pipeline.preprocess import letterbox_for
+    from converters.byom.int8 import match_detections
+
+    boxed = [letterbox_for(frame, model.tier, model.spec)[0] for frame in frames]
+    reference = next(x for x in model.lanes if x.name == "ort_float")
+    want = decode(model.task, _outputs(model, reference, boxed), model.post)
+    got = decode(model.task, _outputs(model, lane, boxed), model.post)
+    found = sum(len(w) for w in want)
+    kept = sum(len(match_detections(w, g)) for w, g in zip(want, got))
+    return {"float_detections": found, "kept": kept, "kept_share": kept / found if found else None}
+
+
+# --- the Lite lane ----------------------------------------------------------------------------------------------
+
+def _lite_lane(model: ModelUnderTest, context: Any) -> Dict[str, Any]:
+    from benchmarks import lite_lane
+
+    if "mslite" not in context.backends:
+        return {"skipped": "mslite not among --backends"}
+    try:
+        return lite_lane.measure("quant", dataclasses.replace(context, bundle_dir=model.bundle_dir))
+    except Exception as exc:  # the other lanes' figures stand without it
+        log.exception("quant: the Lite lane of %s failed", model.key)
+        return {"skipped": "the Lite lane failed: %s" % str(exc)[-500:]}
+
+
+def _lite_ratios(lanes: Dict[str, Dict[str, Any]]) -> None:
+    for threads in THREADS:
+        lite = get_path(lanes, "lite_float.threads.%d.frame_ms.median" % threads)
+        for name, lane in lanes.items():
+            mine = get_path(lane, "threads.%d.frame_ms.median" % threads)
+            if lite and mine and name != "lite_float":
+                lane["threads"][str(threads)]["frame_ratio_to_lite"] = mine / lite
+
+
+def lite_figures(context: Any) -> Dict[str, Any]:
+    """In the Lite interpreter: the bundle's .ms (main tier, batch 1) through the mslite backend."""
+    from agent.bundle.verify import verify_bundle
+    from benchmarks.workload import camera_frames, frame_hw_for_tier
+
+    manifest = verify_bundle(context.bundle_dir).manifest
+    tier = tuple(manifest.input.tiers[0])
+    art = next(a for a in manifest.artifacts if a.format == "ms" and tuple(a.tier) == tier and a.batch == 1)
+    lane = Lane("lite_float", "mslite", os.path.join(context.bundle_dir, art.file), art.precision, False)
+    model = ModelUnderTest("lite", manifest.name, context.bundle_dir, tier, manifest.task, manifest.preprocessing,
+                           manifest.postprocessing, manifest.input.name, [lane], {}, [])
+    frames = camera_frames(FRAMES, frame_hw_for_tier(tier))
+    figures = {"file": art.file, "bytes": os.path.getsize(lane.path), "backend": "mslite",
+               "precision": art.precision, "input": "float32 NCHW", "threads": {}}
+    for threads in THREADS:
+        figures["threads"][str(threads)] = time_lanes(model, frames, threads, context.profile)["lite_float"]
+    return figures
+
+
+# --- headline -----------------------------------------------------------------------------------------------------
+
+def headline(demo: Dict[str, Any], bundle_dir: str) -> Dict[str, Any]:
+    lanes = demo["lanes"]
+    int8 = "ort_int8_qat" if "ort_int8_qat" in lanes else "ort_int8_ptq"
+    one = "threads.1."
+    report = os.path.join(bundle_dir, "report.json")
+    qat_map = None
+    if os.path.isfile(report):
+        with open(report) as handle:
+            qat_map = get_path(json.load(handle), "qat.map50")
+    return {
+        "int8_lane": int8,
+        "size_ratio": lanes[int8]["bytes"] / lanes["ort_float"]["bytes"],
+        "infer_ratio_to_float": get_path(lanes[int8], one + "infer_ratio_to_float"),
+        "frame_ratio_to_float": get_path(lanes[int8], one + "frame_ratio_to_float"),
+        "frame_ratio_to_lite": get_path(lanes[int8], one + "frame_ratio_to_lite"),
+        "frame_ratio_to_opencv": get_path(lanes[int8], one + "frame_ratio_to_opencv"),
+        "map_int8": lanes[int8].get("map50"),
+        "map_float": lanes["ort_float"].get("map50"),
+        "map_qat_report": qat_map,
+    }
