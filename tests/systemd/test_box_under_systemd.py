@@ -36,7 +36,7 @@ def test_install_put_the_units_and_root_only_credentials_in_place(box):
 
 
 def test_ready_is_reached_and_results_reach_the_broker(box):
-    cursor = box.c.cursor()
+    cursor = box.c.cursor(MAIN)
     start(box, MAIN)
     results = box.results("box-main", 3)
     assert len(results) == 3 and all("detections" in r for r in results)
@@ -64,7 +64,7 @@ def test_the_password_came_through_load_credential(box):
 def test_reload_applies_a_threshold_change(box):
     scores = [d["score"] for r in box.results("box-main", 6) for d in r["detections"]]
     assert [s for s in scores if s < 0.95], scores  # at conf 0.3 the frames give detections the change will drop
-    cursor = box.c.cursor()
+    cursor = box.c.cursor(MAIN)
     box.c.write("/etc/atlas-edge/config.yaml", daemon_config("box-main", conf=0.95))
     box.c.run("systemctl reload %s" % MAIN, timeout=60)
     box.c.wait_until("the SIGHUP reload logged", lambda: "config reloaded" in box.c.journal(MAIN, cursor))
@@ -101,7 +101,7 @@ def overridden_conf(values: dict) -> float:
 def test_a_hung_daemon_is_killed_by_the_watchdog_and_restarted(box):
     before = box.c.show(MAIN, "MainPID", "NRestarts", "WatchdogUSec")
     assert before["WatchdogUSec"] == "30s"
-    cursor = box.c.cursor()
+    cursor = box.c.cursor(MAIN)
     box.c.run("kill -STOP %s" % before["MainPID"])
     box.c.wait_until("a restart after the watchdog", lambda: int(box.c.show(MAIN, "NRestarts")["NRestarts"])
                      > int(before["NRestarts"]) and active(box, MAIN), timeout=120)
