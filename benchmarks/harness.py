@@ -265,6 +265,7 @@ def environment(root: str) -> Dict[str, Any]:
         "numpy": np.__version__,
         "opencv": cv2.__version__,
         "mindspore": _package_version("mindspore"),
+        "onnxruntime": _package_version("onnxruntime"),
         "paho_mqtt": _package_version("paho-mqtt"),
         "mosquitto": mosquitto_version(),
         "git_commit": _git_commit(root),

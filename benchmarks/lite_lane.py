@@ -82,6 +82,7 @@ def measure(section: str, context: Any) -> Dict[str, Any]:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     lane = result["backends"][BACKEND]
     lane["lane"] = {"python": result["python"], "mindspore_lite": result["mindspore_lite"],
+                    "onnxruntime": result.get("onnxruntime"),
                     "bundle": "converted from the ONNX artifacts (.ms per tier)"}
     return lane
 
@@ -110,9 +111,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          work_dir=args.work_dir, bundle_dir=args.bundle, backends=(BACKEND,), device=args.device)
     result = importlib.import_module(SECTIONS[args.section]).run(context)
-    result.update(python=platform.python_version(), mindspore_lite=mindspore_lite.__version__)
+    result.update(python=platform.python_version(), mindspore_lite=mindspore_lite.__version__,
+                  onnxruntime=_version("onnxruntime"))
     print(json.dumps(result, default=str))
     return 0
+
+
+def _version(module: str) -> Optional[str]:
+    """``module.__version__``, or None when it does not import in this interpreter."""
+    import importlib
+
+    try:
+        return str(importlib.import_module(module).__version__)
+    except ImportError:
+        return None
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from benchmarks.report import get_path
 log = logging.getLogger(__name__)
 
 THREADS = (1, 2)
+REFERENCES = {"ort_float": "float", "opencv_float": "opencv", "lite_float": "lite"}  # lane -> ratio key suffix
 FRAMES = 4  # distinct 1080p frames cycled through the whole-frame timing
 MAP_IMAGES = 300  # the QAT run's held-out split (quant/examples/shapes.yaml test_count), as its report's mAP
 DEMO_DATA_SEED = 1  # quant/examples/shapes.yaml data.seed
@@ -154,12 +155,10 @@ def time_lanes(model: ModelUnderTest, frames: Sequence[np.ndarray], threads: int
     for name in opened:
         figures[name] = {"infer_ms": scaled(summarize(infer[name]), 1e3), "frame_ms": scaled(summarize(frame[name]),
                                                                                               1e3)}
-        if name != "ort_float" and "ort_float" in opened:
-            figures[name]["infer_ratio_to_float"] = ratio_summary(infer[name], infer["ort_float"])["median"]
-            figures[name]["frame_ratio_to_float"] = ratio_summary(frame[name], frame["ort_float"])["median"]
-    for name in opened:
-        if "opencv_float" in opened:
-            figures[name]["frame_ratio_to_opencv"] = ratio_summary(frame[name], frame["opencv_float"])["median"]
+        for reference, short in REFERENCES.items():  # medians of per-round ratios: the rounds ran side by side
+            if reference in opened and name != reference:
+                figures[name]["infer_ratio_to_" + short] = ratio_summary(infer[name], infer[reference])["median"]
+                figures[name]["frame_ratio_to_" + short] = ratio_summary(frame[name], frame[reference])["median"]
     return figures
 
 
@@ -227,30 +226,49 @@ def _lite_lane(model: ModelUnderTest, context: Any) -> Dict[str, Any]:
 
 
 def _lite_ratios(lanes: Dict[str, Dict[str, Any]]) -> None:
+    """Each lane's frame time over Lite's: timed side by side in the Lite interpreter for the int8 ONNX that ran
+    there too (``side_by_side``), else a ratio of medians from two processes (``frame_ratio_to_lite_medians``)."""
     for threads in THREADS:
         lite = get_path(lanes, "lite_float.threads.%d.frame_ms.median" % threads)
+        side = get_path(lanes, "lite_float.side_by_side.%d" % threads) or {}
         for name, lane in lanes.items():
             mine = get_path(lane, "threads.%d.frame_ms.median" % threads)
-            if lite and mine and name != "lite_float":
-                lane["threads"][str(threads)]["frame_ratio_to_lite"] = mine / lite
+            if not (lite and mine) or name == "lite_float":
+                continue
+            figures = lane["threads"][str(threads)]
+            figures["frame_ratio_to_lite_medians"] = mine / lite
+            paired = side.get("ort_int8", {})
+            if lane["precision"] == "int8" and paired.get("file") == lane["file"]:
+                figures["frame_ratio_to_lite"] = paired["frame_ratio_to_lite"]
+                figures["infer_ratio_to_lite"] = paired["infer_ratio_to_lite"]
 
 
 def lite_figures(context: Any) -> Dict[str, Any]:
-    """In the Lite interpreter: the bundle's .ms (main tier, batch 1) through the mslite backend."""
+    """In the Lite interpreter: the bundle's .ms (main tier, batch 1) through the mslite backend, side by side
+    with the bundle's int8 ONNX on onnxruntime when that imports here (1.14.1 on the box's Python 3.7)."""
     from agent.bundle.verify import verify_bundle
-    from benchmarks.workload import camera_frames, frame_hw_for_tier
+    from benchmarks.workload import backend_available, camera_frames, frame_hw_for_tier
 
     manifest = verify_bundle(context.bundle_dir).manifest
     tier = tuple(manifest.input.tiers[0])
     art = next(a for a in manifest.artifacts if a.format == "ms" and tuple(a.tier) == tier and a.batch == 1)
-    lane = Lane("lite_float", "mslite", os.path.join(context.bundle_dir, art.file), art.precision, False)
+    lanes = [Lane("lite_float", "mslite", os.path.join(context.bundle_dir, art.file), art.precision, False)]
+    int8 = next((a for a in manifest.artifacts if a.format == "onnx" and a.precision == "int8"
+                 and tuple(a.tier) == tier and a.batch == 1 and a.role == "serve"), None)
+    if int8 is not None and backend_available("onnxruntime") is None:
+        lanes.append(Lane("ort_int8", "onnxruntime", os.path.join(context.bundle_dir, int8.file), "int8",
+                          int8.normalize_on == "model"))
     model = ModelUnderTest("lite", manifest.name, context.bundle_dir, tier, manifest.task, manifest.preprocessing,
-                           manifest.postprocessing, manifest.input.name, [lane], {}, [])
+                           manifest.postprocessing, manifest.input.name, lanes, {}, [])
     frames = camera_frames(FRAMES, frame_hw_for_tier(tier))
-    figures = {"file": art.file, "bytes": os.path.getsize(lane.path), "backend": "mslite",
-               "precision": art.precision, "input": "float32 NCHW", "threads": {}}
+    figures: Dict[str, Any] = {"file": art.file, "bytes": os.path.getsize(lanes[0].path), "backend": "mslite",
+                               "precision": art.precision, "input": "float32 NCHW", "threads": {},
+                               "side_by_side": {}}
     for threads in THREADS:
-        figures["threads"][str(threads)] = time_lanes(model, frames, threads, context.profile)["lite_float"]
+        timed = time_lanes(model, frames, threads, context.profile)
+        figures["threads"][str(threads)] = timed.pop("lite_float")
+        figures["side_by_side"][str(threads)] = {name: dict(f, file=os.path.basename(lane.path))
+                                                 for (name, f), lane in zip(timed.items(), lanes[1:])}
     return figures
 
 
