@@ -4,7 +4,10 @@ float model gives on the host-normalised frame, for float and QDQ int8 graphs, w
 import numpy as np
 import pytest
 
-pytest.importorskip("mindspore")  # first: MindSpore fixes protobuf's implementation before onnx may (model_file.py)
+try:  # first: MindSpore fixes protobuf's implementation before onnx may (converters/byom/model_file.py)
+    import mindspore  # noqa: F401
+except ImportError:  # the Lite lane (Python 3.7, onnxruntime 1.14.1): folded models must load there too
+    pass
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 

@@ -42,8 +42,11 @@ class ModelInfo:
 def import_onnx() -> Any:
     # MindSpore selects the pure-Python protobuf when it is imported (its generated code needs it); importing onnx
     # first would fix the C implementation for the whole process and break MindSpore ("Descriptors cannot be
-    # created directly"). So MindSpore goes first, whenever onnx is used in a host process.
-    import mindspore  # noqa: F401
+    # created directly"). So MindSpore goes first, whenever onnx is used in a host process that has it.
+    try:
+        import mindspore  # noqa: F401
+    except ImportError:  # a lane without MindSpore (the box's Python 3.7 with onnx): no conflict to avoid
+        pass
 
     try:
         import onnx
