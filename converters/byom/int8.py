@@ -8,8 +8,9 @@ the float model finds.
   class Sigmoid; for YOLOv5 the Sigmoid and grid arithmetic; for a classifier its pooling and fully connected
   tail. Quantizing that arithmetic (box coordinates in pixels next to scores in 0..1 in one tensor) is what
   loses every detection with onnxruntime's default op list (issue 28: 0 of 53 kept on a YOLOv8n).
-* **How**: onnxruntime's static quantization, QDQ format, uint8 activations and per-channel int8 weights, MinMax
-  calibration on the calibration images through the box's own letterbox and normalisation
+* **How**: onnxruntime's quantization pre-processing (BatchNorm folded into its Conv), then its static
+  quantization, QDQ format, uint8 activations and per-channel int8 weights, MinMax calibration on the
+  calibration images through the box's own letterbox and normalisation
   (:class:`agent.pipeline.input_batch.BatchPreprocessor`). A network normalised as ``x/255`` gets its input
   quantized as exactly ``x/255`` (scale 1/255, zero point 0), so that once the input is folded
   (:mod:`converters.onnx_input`) the uint8 frame *is* the quantized input and its QuantizeLinear disappears.
@@ -18,8 +19,8 @@ the float model finds.
   bundle's own postprocessing. A float detection is *kept* when an int8 detection of the same class overlaps it
   with IoU >= :data:`MATCH_IOU` and scores at least :data:`FOUND_CONF_FACTOR` of the bundle's ``conf`` (how many
   stay above ``conf`` itself, and the mean score and box differences, are reported beside it); a classification
-  is kept when its top-1 class is the same. Fewer than
-  :data:`KEEP_THRESHOLD` kept and the int8 model is refused (``--force`` writes it anyway, saying so).
+  is kept when its top-1 class is the same. Fewer than :data:`KEEP_THRESHOLD` kept and the int8 model is
+  refused (``--force`` writes it anyway, saying so).
 """
 
 import dataclasses
