@@ -19,6 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLE = os.path.join(REPO, "examples", "demo-bundle")
 MIN_FLOAT_MAP50 = 0.90
 MAX_QAT_DROP = 0.02  # mAP@0.5 points / 100
+MAX_INT8_SIZE_RATIO = 0.30  # int8 ONNX bytes / float ONNX bytes
+MAX_INT8_MAP_DROP = 0.002  # int8 ONNX on onnxruntime against the QAT report's mAP@0.5
+MIN_INT8_AGREEMENT = 0.99  # best-anchor class agreement with the MindSpore int8 simulation
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,11 @@ def spec_of(manifest):
 
 def run_artifact(bundle, artifact, image):
     """Preprocess a letterboxed golden image as the box does for this artifact, then run its runtime."""
+    if artifact.input_dtype == "uint8":  # the int8 ONNX takes the letterboxed frame and normalises itself
+        pytest.importorskip("onnxruntime")
+        from converters.runtimes import run_on_host
+
+        return run_on_host(bundle.path(artifact.file), "onnx", image[None], artifact.precision)
     batcher = BatchPreprocessor(
         spec_of(bundle.manifest),
         tuple(artifact.tier),
@@ -93,7 +101,23 @@ def test_golden_set_reproduced_by_onnx_and_mindir(bundle):
             assert got.shape == expected.shape == (1, 7, 1280 if tuple(case.tier) == (256, 256) else 1200)
             np.testing.assert_allclose(got, expected, atol=manifest.golden.atol, rtol=manifest.golden.rtol)
             runtimes.add(artifact.format + ":" + artifact.precision)
-    assert runtimes == {"onnx:float32", "mindir:float32", "mindir:int8-sim"}
+    assert runtimes == {"onnx:float32", "mindir:float32", "mindir:int8-sim", "onnx:int8"}
+
+
+def test_int8_onnx_meets_the_acceptance_thresholds(bundle, report):
+    """The QAT scales as an int8 ONNX (docs/quant.md, "The int8 ONNX"): small, as accurate as QAT, and taking
+    the same decisions as the MindSpore int8 simulation on the held-out split."""
+    check = report["checks"]["int8_onnx_test_split"]
+    assert check["file"] == "model_256x256.int8.onnx" and check["images"] == report["data"]["test_images"]
+    for tier in ("256x256", "192x320"):
+        entry = bundle.manifest.artifact("model_%s.int8.onnx" % tier)
+        assert (entry.precision, entry.input_dtype, entry.input_layout, entry.normalize_on) == (
+            "int8", "uint8", "NHWC", "model")
+        size = os.path.getsize(bundle.path(entry.file))
+        assert size <= MAX_INT8_SIZE_RATIO * os.path.getsize(bundle.path("model_%s.onnx" % tier))
+    assert check["metrics"]["map50"] >= report["qat"]["map50"] - MAX_INT8_MAP_DROP
+    assert check["best_anchor_class_agreement"] >= MIN_INT8_AGREEMENT
+    assert report["checks"]["model_192x320.int8.onnx"]["best_anchor_class_agreement"] >= MIN_INT8_AGREEMENT
 
 
 def test_onnx_finds_the_shapes_of_held_out_scenes_in_original_pixels(bundle):
@@ -157,4 +181,8 @@ def test_full_shapes_run_meets_the_acceptance_thresholds(tmp_path):
     ).run()
     assert result["float"]["map50"] >= MIN_FLOAT_MAP50
     assert result["qat"]["map50"] >= result["float"]["map50"] - MAX_QAT_DROP
+    int8 = result["checks"]["int8_onnx_test_split"]
+    assert int8["metrics"]["map50"] >= result["qat"]["map50"] - MAX_INT8_MAP_DROP
+    assert int8["best_anchor_class_agreement"] >= MIN_INT8_AGREEMENT
+    assert int8["bytes_ratio_to_float"] <= MAX_INT8_SIZE_RATIO
     verify_bundle(str(tmp_path / "bundle"))
