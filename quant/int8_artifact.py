@@ -168,6 +168,7 @@ def write_int8_artifacts(
     from quant.training import predict
 
     skipped = onnxruntime_missing() or (None if config.export.onnx else "export.onnx is false")
+    tensors = None
     try:
         tensors = None if skipped else qat_tensors(qat_network)
     except Int8ExportError as exc:
