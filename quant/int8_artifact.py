@@ -165,7 +165,6 @@ def write_int8_artifacts(
     from converters.onnx_input import MODEL_INPUT
     from converters.runtimes import run_on_host
     from quant.int8_onnx import write_int8_onnx
-    from quant.training import predict
 
     skipped = onnxruntime_missing() or (None if config.export.onnx else "export.onnx is false")
     tensors = None
@@ -176,6 +175,8 @@ def write_int8_artifacts(
     if tensors is None:
         log.warning("no int8 ONNX: %s", skipped)
         return {"int8_onnx": {"skipped": skipped}}, []
+    from quant.training import predict  # MindSpore: only once there is a network to compare with
+
     checks: Dict[str, Any] = {}
     artifacts = []
     for tier in [tuple(t) for t in config.export.tiers]:

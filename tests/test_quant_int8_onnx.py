@@ -224,3 +224,15 @@ def test_int8_onnx_read_back_against_the_simulation_is_in_the_report(run):
         assert "int8 ONNX model_96x96.int8.onnx on onnxruntime" in handle.read()
     with open(os.path.join(run["bundle"], "report.json"), encoding="utf-8") as handle:
         assert json.load(handle)["checks"]["int8_onnx_test_split"] == check
+
+
+def test_without_onnxruntime_no_int8_onnx_is_written_and_the_report_says_why(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from quant import int8_artifact
+
+    monkeypatch.setattr(int8_artifact, "onnxruntime_missing", lambda: "onnxruntime is not installed (test)")
+    config = SimpleNamespace(export=SimpleNamespace(onnx=True, tiers=((96, 96),)))
+    checks, artifacts = int8_artifact.write_int8_artifacts(str(tmp_path), config, None, None, None, None, 1)
+    assert checks == {"int8_onnx": {"skipped": "onnxruntime is not installed (test)"}} and artifacts == []
+    assert os.listdir(str(tmp_path)) == []
