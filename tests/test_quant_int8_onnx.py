@@ -236,3 +236,26 @@ def test_without_onnxruntime_no_int8_onnx_is_written_and_the_report_says_why(mon
     checks, artifacts = int8_artifact.write_int8_artifacts(str(tmp_path), config, None, None, None, None, 1)
     assert checks == {"int8_onnx": {"skipped": "onnxruntime is not installed (test)"}} and artifacts == []
     assert os.listdir(str(tmp_path)) == []
+
+
+def test_checkpoints_rebuilt_from_the_demo_bundle_resume_its_run(tmp_path):
+    """quant.checkpoints_from_bundle: the demo bundle's MindIRs give checkpoints that --resume accepts and that
+    hold the bundle's float weights (its float ONNX reads the same initializers)."""
+    pytest.importorskip("mindspore_gs")
+    import mindspore as ms
+    from onnx import numpy_helper
+
+    from quant.checkpoints_from_bundle import rebuild
+    from quant.config import load_config
+    from quant.pipeline import QatRun, RunOptions
+
+    bundle = os.path.join(REPO, "examples", "demo-bundle")
+    config_path = os.path.join(REPO, "quant", "examples", "shapes.yaml")
+    float_ckpt, qat_ckpt = rebuild(config_path, bundle, str(tmp_path))
+    run = QatRun(load_config(config_path), RunOptions(out_dir=bundle, resume=True, work_dir=str(tmp_path)))
+    assert run._resumable("float") and run._resumable("qat")
+    weights = ms.load_checkpoint(float_ckpt)
+    onnx_model = onnx.load(os.path.join(bundle, "model_256x256.onnx"))
+    initializer = next(t for t in onnx_model.graph.initializer if t.name == "backbone_fine.0.conv.weight")
+    np.testing.assert_array_equal(weights["backbone_fine.0.conv.weight"].asnumpy(), numpy_helper.to_array(initializer))
+    assert any(name.endswith("_input_quantizer._float_max") for name in ms.load_checkpoint(qat_ckpt))
