@@ -14,7 +14,6 @@ import stat
 import sys
 import tarfile
 
-import numpy as np
 import pytest
 
 from agent.bundle.manifest import MANIFEST, SIGNATURE, BundleError
@@ -24,38 +23,8 @@ from agent.cli import bundle as bundle_cli
 from agent.config.device_config import load_device_config
 from agent.lifecycle.fetch import unpack_archive
 from agent.pipeline.artifacts import pick_tier, select_artifacts
+from tests.bundle_support import artifact, fields, make_bundle
 from tests.needs import needs_cryptography
-
-
-def artifact(file, **extra):
-    entry = {"file": file, "format": "onnx", "target": "cpu", "tier": [32, 32], "sha256": "", "size": 0}
-    entry.update(extra)
-    return entry
-
-
-def make_bundle(root, artifacts=None, tiers=((32, 32),)):
-    """A small valid bundle with stand-in artifact bytes and a golden case; returns the written manifest."""
-    root = str(root)
-    os.makedirs(os.path.join(root, "golden"), exist_ok=True)
-    artifacts = artifacts or [artifact("model.onnx")]
-    for art in artifacts:
-        with open(os.path.join(root, art["file"]), "wb") as handle:
-            handle.write(b"stand-in model bytes for " + art["file"].encode())
-    np.save(os.path.join(root, "golden", "case0.npy"), np.zeros((32, 32, 3), np.uint8))
-    np.save(os.path.join(root, "golden", "case0.out.npy"), np.zeros((1, 7), np.float32))
-    manifest = {
-        "name": "unit", "version": "1.0.0", "created": "2026-01-01T00:00:00Z", "task": "classify",
-        "labels": ["a", "b"],
-        "input": {"name": "x", "tiers": [list(t) for t in tiers]},
-        "artifacts": artifacts,
-        "golden": {"cases": [{"image": "golden/case0.npy", "tier": [32, 32],
-                              "expected": {artifacts[0]["file"]: "golden/case0.out.npy"}}]},
-    }
-    return write_manifest(root, manifest)
-
-
-def fields(exc):
-    return [e.path for e in exc.errors]
 
 
 def messages(exc):

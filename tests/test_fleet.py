@@ -39,6 +39,16 @@ from agent.fleet.status import FleetView, render_table
 from agent.protocol.messages import FAILED, REQUEST_ID_RE, SUCCEEDED
 from benchmarks.fleet_sim import GOLDEN, SLOW
 from tests.conftest import REPO_ROOT, wait_for
+from tests.fleet_link_support import (
+    SIM_PREFIX,
+    SIM_SHA,
+    STEP_AT_S,
+    WALL0,
+    LostBroker,
+    SimulatedLink,
+    _ack,
+    _online,
+)
 from tests.fleet_support import (  # noqa: F401 - bundles and make_fleet are fixtures
     bundles,
     make_fleet,
@@ -102,74 +112,7 @@ def test_bad_rollout_arguments_are_refused_naming_the_option(field, value, messa
 
 # --- clocks: deadlines run on the monotonic clock, the wall clock only stamps (no broker) -------------------
 
-SIM_PREFIX = "sim-fleet"
-SIM_SHA = "b" * 64
-WALL0 = 1.8e9  # the operator's wall clock at simulated time 0
-STEP_AT_S = 2.0  # simulated time of the NTP step: after every deadline below has started
 STEPS = [-3600.0, 86400.0]  # the laptop's clock stepped back an hour / forward a day
-
-
-class LostBroker(Exception):
-    """Test-only: ends a simulated run, as a dropped broker connection ends a real one."""
-
-
-class SimulatedLink:
-    """Test-only stand-in for FleetLink: no broker; ``get`` advances simulated time instead of waiting.
-
-    ``answer(topic, payload)`` returns the messages a command brings back (acks); the wall clock the rollout
-    gets is simulated time plus ``step`` once ``STEP_AT_S`` is reached, or ``offset`` between runs.
-    """
-
-    def __init__(self, statuses, answer=lambda topic, payload: [], step=0.0, start=0.0, offset=0.0,
-                 lose_at=None):
-        self.mono = start
-        self.start = start
-        self.step = step
-        self.offset = offset
-        self.lose_at = lose_at
-        self.answer = answer
-        self.queue = [Message("%s/%s/status" % (SIM_PREFIX, d), json.dumps(b).encode(), True)
-                      for d, b in statuses.items()]
-        self.published = []  # (simulated time, topic)
-        self.later = []  # (simulated time, message): what boxes say on their own, later
-        self.marks = {}
-
-    def wall(self):
-        stepped = self.mono - self.start >= STEP_AT_S
-        return WALL0 + self.offset + self.mono + (self.step if stepped else 0.0)
-
-    def subscribe(self, topics):
-        return None
-
-    def publish(self, topic, payload):
-        self.published.append((self.mono, topic))
-        self.queue.extend(self.answer(topic, payload))
-
-    def get(self, timeout):
-        if self.queue:
-            return self.queue.pop(0)
-        self.mono += timeout
-        due = [m for at, m in self.later if at <= self.mono]
-        self.later = [(at, m) for at, m in self.later if at > self.mono]
-        self.queue.extend(due)
-        if self.lose_at is not None and self.mono - self.start >= self.lose_at:
-            raise LostBroker()
-        assert self.mono - self.start < 10 * 86400, "a deadline never came"
-        return None
-
-    def progress(self, line):
-        if line.startswith("waiting up to"):
-            self.marks["wait"] = self.mono
-
-
-def _online(device):
-    return {"state": "online", "groups": ["sim"], "slots": {"serving": "a", "slots": {"a": {
-        "name": "m", "version": "1", "manifest_sha256": "a" * 64, "state": "confirmed"}}}}
-
-
-def _ack(device, payload, state, **fields):
-    body = dict(fields, request_id=payload["request_id"], verb="deploy", state=state)
-    return Message("%s/%s/ack/%s" % (SIM_PREFIX, device, payload["request_id"]), json.dumps(body).encode(), False)
 
 
 def _rollout(link, tmp_path, **spec):

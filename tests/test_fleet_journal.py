@@ -2,7 +2,7 @@
 
 The files under ``tests/fixtures/fleet_journal/`` were written by the engine as of commit b965d60 (plain dicts,
 string states; ``make_fixture.py`` there says how), each by a run that lost its broker in the middle: a
-snapshot plus a journal. No broker here: the simulated link of ``test_fleet.py`` stands in for the boxes.
+snapshot plus a journal. No broker here: the simulated link of ``fleet_link_support.py`` stands in for the boxes.
 """
 
 import json
@@ -26,7 +26,7 @@ from agent.fleet.records import (
 from agent.fleet.report import report
 from agent.fleet.rollout import Rollout
 from tests.conftest import REPO_ROOT
-from tests.test_fleet import SIM_PREFIX, SIM_SHA, SimulatedLink, _online
+from tests.fleet_link_support import SIM_PREFIX, SIM_SHA, SimulatedLink, _online
 
 FIXTURES = os.path.join(REPO_ROOT, "tests", "fixtures", "fleet_journal")
 ROLLOUT_ID = "ro-today"

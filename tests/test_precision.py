@@ -12,8 +12,8 @@ from agent.config.device_config import INT8_BACKENDS, load_device_config
 from agent.config.schema import ConfigError, parse
 from agent.pipeline.artifacts import precision_order, select_artifacts
 from tests import lifecycle_support as lifecycle
+from tests.bundle_support import artifact, fields, make_bundle
 from tests.lifecycle_support import Harness, assert_unchanged, deploy_request, new_version, no_progress, snapshot
-from tests.test_bundle import artifact, fields, make_bundle
 
 CPU = load_device_config("cpu-dev")
 

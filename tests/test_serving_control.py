@@ -3,7 +3,7 @@ resume go through the handover queue and take effect between batches, on the ser
 replaced between batches and keep the pause; the status view says what the loop did. The command handlers use
 that interface and nothing else of the loop.
 
-The loop is the real one, on the demo bundle behind the paced stand-ins of tests/test_serving.py.
+The loop is the real one, on the demo bundle behind the paced stand-ins of tests/serving_support.py.
 """
 
 import queue
@@ -18,16 +18,9 @@ from agent.errors import CommandError
 from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.sources import Frame
 from tests.conftest import WAIT_S, wait_for
-from tests.test_serving import (
-    SQUARE_HW,
-    WIDE_HW,
-    Models,
-    Sink,
-    make_loop,
-    paced_model,
-    pytestmark,  # noqa: F401 (skipped without the demo bundle, as those tests are)
-    scene,
-)
+from tests.serving_support import SQUARE_HW, WIDE_HW, Models, Sink, make_loop, needs_demo_bundle, paced_model, scene
+
+pytestmark = needs_demo_bundle  # skipped without the demo bundle, as test_serving is
 
 QUEUED = 6  # frames queued while the loop is paused
 
