@@ -44,8 +44,9 @@ mosquitto:
 	@command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq mosquitto)
 
-# The cluster lane's broker (tests/test_cluster.py): RabbitMQ with its MQTT plugin, from Debian. The tests start
-# their own nodes from /usr/lib/rabbitmq/bin, never the system service (the package's postinst may not start it).
+# The cluster lane's broker (tests/system/cluster/test_cluster.py): RabbitMQ with its MQTT plugin, from Debian.
+# The tests start their own nodes from /usr/lib/rabbitmq/bin, never the system service (the package's postinst
+# may not start it).
 rabbitmq:
 	@[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends rabbitmq-server)
@@ -89,16 +90,16 @@ test: venv mosquitto rabbitmq camera-rig lint imports pycompat $(if $(PYTHON37),
 	@$(MAKE) --no-print-directory test-wheel
 	@$(MAKE) --no-print-directory test-systemd
 
-# The box as a user installs it (tests/installed/lane.sh): the wheel built from this tree, installed into a fresh
+# The box as a user installs it (tests/system/installed/lane.sh): the wheel built from this tree, installed into a fresh
 # venv under /tmp (from a wheelhouse cached in ~/.cache/atlas-edge), the daemon run from another directory, and
 # box tests run against site-packages, never the tree. Python 3.11, and the box's 3.7 where there is one.
 test-wheel: venv mosquitto
-	@start=$$(date +%s); tests/installed/lane.sh $(PY) || exit $$?; \
+	@start=$$(date +%s); tests/system/installed/lane.sh $(PY) || exit $$?; \
 	echo "wheel lane (Python 3.11): $$(( $$(date +%s) - start )) s"
-	@if [ -n "$(PYTHON37)" ]; then start=$$(date +%s); tests/installed/lane.sh $(PYTHON37) || exit $$?; \
+	@if [ -n "$(PYTHON37)" ]; then start=$$(date +%s); tests/system/installed/lane.sh $(PYTHON37) || exit $$?; \
 	echo "wheel lane (Python 3.7): $$(( $$(date +%s) - start )) s"; else echo "wheel lane on 3.7 skipped: no Python 3.7"; fi
 
-# The shipped units and install.sh under a real systemd 252 (tests/systemd): a Debian 12 container booted with
+# The shipped units and install.sh under a real systemd 252 (tests/system/systemd): a Debian 12 container booted with
 # systemd-nspawn, its tree cached in ~/.cache/atlas-edge. Needs root; the tools come from Debian's packages.
 SYSTEMD_LANE_TIMEOUT ?= 600
 systemd-tools:
@@ -112,7 +113,7 @@ test-systemd: venv
 	elif ! command -v systemd-nspawn >/dev/null && ! command -v apt-get >/dev/null; then \
 		echo "systemd lane skipped: no systemd-nspawn, and no apt-get to install systemd-container"; \
 	else $(MAKE) --no-print-directory systemd-tools || exit $$?; start=$$(date +%s); \
-		timeout -s INT -k 60 $(SYSTEMD_LANE_TIMEOUT) $(BIN)/pytest -q -rP -p no:cacheprovider tests/systemd; \
+		timeout -s INT -k 60 $(SYSTEMD_LANE_TIMEOUT) $(BIN)/pytest -q -rP -p no:cacheprovider tests/system/systemd; \
 		rc=$$?; echo "systemd lane: $$(( $$(date +%s) - start )) s"; \
 		if [ $$rc -eq 5 ]; then echo "systemd lane collected no tests" >&2; exit 1; fi; exit $$rc; fi
 

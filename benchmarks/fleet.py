@@ -5,7 +5,7 @@ the stand-in backend); the operator is ``atlas-edge fleet rollout`` in its own p
 its peak RSS is its own. A probe subscribed to the prefix counts every message the broker delivered during
 the rollout, by kind. Wall time is dominated by the observation window times the number of waves: it is
 reported with both, not compared to anything. ``light``: the same operator against 1,000 protocol-only boxes
-(``tests/fleet_boxes.py``), for the operator's own costs at ten times the size, state bytes written included.
+(``tests/support/fleet_boxes.py``), for the operator's own costs at ten times the size, state bytes written included.
 """
 
 import json
@@ -28,7 +28,7 @@ ROLLOUT_TIMEOUT_S = 600.0
 RSS_POLL_S = 0.1
 PREFIX = "bench-fleet"
 TARGETS = {"confirmed_fraction": (">=", 1.0)}
-LIGHT_BOXES = 1000  # protocol-only boxes (tests/fleet_boxes.py): the operator's side at ten times the size
+LIGHT_BOXES = 1000  # protocol-only boxes (tests/support/fleet_boxes.py): the operator's side at ten times the size
 LIGHT_OBSERVATION_S = 2.0
 LIGHT_CANARY = 10
 LIGHT_PREFIX = "bench-fleet-light"
@@ -111,13 +111,13 @@ def _operator(context: RunContext, command: List[str], report_path: str) -> Tupl
 
 
 def run_light(context: RunContext, broker: Any) -> Dict[str, Any]:
-    """A rollout to LIGHT_BOXES protocol-only simulated boxes (``tests/fleet_boxes.py``, one thread for all).
+    """A rollout to LIGHT_BOXES protocol-only simulated boxes (``tests/support/fleet_boxes.py``, one thread for all).
 
     The boxes answer as the protocol says (accepted, in_progress, succeeded, status pending, then confirmed
     after LIGHT_OBSERVATION_S) without serving anything, so the figures are the operator's and the broker's:
     rollout time, broker messages per box, the operator's peak RSS and what it wrote to its state files.
     """
-    from tests.fleet_boxes import BoxFleet, model
+    from tests.support.fleet_boxes import BoxFleet, model
 
     root = os.path.join(context.work_dir, "fleet-light")
     os.makedirs(root, exist_ok=True)

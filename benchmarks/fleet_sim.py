@@ -13,7 +13,7 @@ and its serving loop. What is simulated:
   computed by numpy, as version 1 (served at first start) and version 2 (served over HTTP as a .tar.gz by
   :class:`BundleServer`, the way a fleet fetches a rollout's bundle).
 
-Used by ``tests/test_fleet.py`` (about 20 boxes) and the ``fleet`` benchmark section (100 boxes).
+Used by ``tests/system/fleet/test_fleet.py`` (about 20 boxes) and the ``fleet`` benchmark section (100 boxes).
 """
 
 import functools

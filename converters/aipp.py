@@ -3,7 +3,8 @@
 With static AIPP the compiled model takes the box's letterboxed uint8 pixels as they come from OpenCV and does
 ``(x - mean) / std`` itself, so the host skips the float conversion (the seeds measured 46 ms -> 7 ms end to
 end with AIPP plus vectorised post-processing). The numbers come from the bundle's preprocessing contract, the
-same one the agent's float path uses, so both paths compute the same tensor (tests/test_aipp_numerics.py).
+same one the agent's float path uses, so both paths compute the same tensor
+(tests/unit/converters/test_aipp_numerics.py).
 
 The NPU's order of operations (CANN AIPP docs), which decides every value below:
 

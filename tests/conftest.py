@@ -29,12 +29,12 @@ WAIT_S = 20.0  # bound on every wait for a broker round trip; generous for a loa
 
 # Tests of the workstation's QAT package (quant/ trains with MindSpore): not collected where MindSpore is
 # absent (the Lite lane on Python 3.7, a box-only install); the run's header says so.
-HOST_ONLY_TESTS = ["test_quant_*.py"]
+HOST_ONLY_TESTS = ["unit/quant/test_*.py"]
 HAS_MINDSPORE = importlib.util.find_spec("mindspore") is not None
 collect_ignore_glob = [] if HAS_MINDSPORE else list(HOST_ONLY_TESTS)
 # Lanes with a make target of their own (they boot a container, or need the package installed from its wheel):
 # collected only when a path inside them is named on the command line, not by a plain `pytest`.
-OWN_LANES = ("systemd", "installed")
+OWN_LANES = ("system/systemd", "system/installed")
 
 
 def pytest_ignore_collect(collection_path: "os.PathLike[str]", config: pytest.Config) -> Optional[bool]:
@@ -50,7 +50,7 @@ def pytest_ignore_collect(collection_path: "os.PathLike[str]", config: pytest.Co
 @pytest.fixture(autouse=True)
 def _ieee_floats() -> Iterator[None]:
     """The Lite lane loads mindspore_lite, which switches on flush-to-zero; each test starts with IEEE floats."""
-    from tests.lite_support import restore_ieee_floats
+    from tests.support.lite_support import restore_ieee_floats
 
     restore_ieee_floats()
     yield

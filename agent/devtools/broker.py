@@ -98,7 +98,8 @@ class EmbeddedBroker:
         self.tls = tls
         self.persistence = persistence
         self.start_timeout_s = start_timeout_s
-        self.extra_config = tuple(extra_config)  # appended lines, e.g. a bridge section (tests/test_fleet.py)
+        # appended lines, e.g. a bridge section (tests/system/fleet/test_fleet.py)
+        self.extra_config = tuple(extra_config)
         self._workdir = tempfile.mkdtemp(prefix="atlas-edge-mosquitto-")
         self._conf_path = os.path.join(self._workdir, "mosquitto.conf")
         self._log_path = os.path.join(self._workdir, "mosquitto.log")

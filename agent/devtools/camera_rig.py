@@ -4,7 +4,7 @@
 a test kills and restarts it, stalls it (SIGSTOP) and resumes it, or changes its resolution mid-session.
 :class:`Blackhole` is a port that accepts connections and never answers. :func:`free_port` gives a port where
 nothing listens. Frames carry their capture time; :func:`frame_age_ms` reads it back from a decoded image.
-Used by the tests (``tests/camera_rig.py`` skips where :func:`rig_missing` says why) and by the ``sources``
+Used by the tests (``tests/support/camera_rig.py`` skips where :func:`rig_missing` says why) and by the ``sources``
 section of ``atlas-edge bench``; never by the daemon.
 """
 

@@ -110,7 +110,8 @@ def dfl_conv_as_matmul(model: Any) -> int:
     such a Conv on a Transpose's output. MindSpore Lite 2.0.0's converter cannot infer that Conv's shape ("Unexpected
     input format 0" -> ``InferShape failed, name: /model.22/dfl/conv/Conv``, measured): its layout pass expects a
     Conv's input in the layout it assigns itself. A MatMul has no layout, and the sum over the bins is the same
-    one (outputs equal to the Conv's within float rounding, tests/test_byom.py). Adjacent Transposes are merged.
+    one (outputs equal to the Conv's within float rounding, tests/unit/converters/test_byom.py). Adjacent
+    Transposes are merged.
     """
     from onnx import helper, numpy_helper
 

@@ -1,4 +1,5 @@
-"""Shared body of the test stand-ins for ``atc`` and ``converter_lite`` (used only by tests/test_convert*.py).
+"""Shared body of the test stand-ins for ``atc`` and ``converter_lite`` (used only by
+tests/unit/converters/test_convert*.py).
 
 A stand-in is NOT the real tool: it checks its arguments (and the files they name) against the documented
 grammar in converters/grammar.py, the same validator the generator uses, then behaves as the mode in

@@ -1,0 +1,139 @@
+"""The fleet on a clustered broker: a real 3-node RabbitMQ cluster (MQTT plugin, Debian's package) on loopback.
+
+RabbitMQ sends no retained message to a wildcard subscription and keeps retained messages per node; a node
+that stops fires no will. So here ``fleet status`` and ``rollout`` find boxes by their answers to an announce
+request, a box moves to another node through ``mqtt.hosts`` when its node stops, and the operator never shows a
+box ``online`` on a dead node. Boxes are real daemons (benchmarks/fleet_sim.py: real transport, dispatcher,
+model manager; a stand-in backend). A standalone node serves the first test and is stopped after it; the
+cluster is formed once for the rest of this module (about 20-30 s; 125-135 MiB per node) and stopped at its end
+with every process it started (agent/devtools/rabbitmq.py).
+
+Order matters: the failover test stops node 2 and is the last one here.
+"""
+
+import os
+import time
+
+import pytest
+from conftest import wait_for
+
+from agent.cli.ctl import EXIT_OK
+from agent.devtools.broker import BrokerError
+from agent.devtools.rabbitmq import RabbitCluster, describe, find_rabbitmq
+from tests.conftest import MqttProbe
+from tests.support.fleet_support import bundles, make_fleet, rollout_args, run_cli, truth  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.fleet_rig  # operator-side rig: run once, in the host lane (Makefile)
+
+FAILOVER_BOUND_S = 15.0  # the issue's bound on a box publishing again through another node
+
+
+def _rabbitmq(size):
+    try:
+        find_rabbitmq()
+    except BrokerError as exc:
+        pytest.skip("needs RabbitMQ for the cluster lane: %s" % exc)
+    formed = RabbitCluster(size)
+    with formed:
+        yield formed
+    left = [describe(pid) for pid in formed.leftovers()]
+    assert left == []  # no beam, epmd, erl_child_setup or inet_gethost of ours still runs
+
+
+@pytest.fixture
+def single():
+    """One standalone node (a cluster of one), stopped before the 3-node cluster starts."""
+    yield from _rabbitmq(1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from _rabbitmq(3)
+
+
+def status(node_urls, prefix, tmp_path, capsys, *extra):
+    argv = ["status", "--prefix", prefix, "--json", "--listen", "1", "--state-dir", str(tmp_path / "op")]
+    for url in node_urls:
+        argv += ["--broker", url]
+    code, shown = run_cli(argv + list(extra), capsys)
+    assert code == EXIT_OK, shown
+    return {b["device"]: b for b in shown["boxes"]}
+
+
+def test_one_node_status_lists_every_box_and_a_rollout_confirms_them(
+        single, make_fleet, bundles, tmp_path, capsys):  # noqa: F811 - fixtures imported from fleet_support
+    node = single.nodes[0]
+    prefix = "one-%s" % os.urandom(3).hex()
+    fleet = make_fleet(5, broker=node, prefix=prefix)
+    seen = status([node.url], prefix, tmp_path, capsys)
+    assert sorted(seen) == sorted(box.device_id for box in fleet.boxes)
+    assert all(b["state"] == "online" and b["serving"]["version"] == "1.0.0" and b["broker"] == node.address
+               for b in seen.values()), seen
+
+    code, report = run_cli(rollout_args(node, fleet, bundles, tmp_path, "--canary", "1", "--waves", "1"), capsys)
+    assert code == EXIT_OK, report
+    assert report["counts"] == {"confirmed": 5}
+    assert fleet.deploys() == {box.device_id: 1 for box in fleet.boxes}
+    assert all(s == {"version": "2.0.0", "state": "confirmed"} for s in truth(fleet).values())
+
+
+def test_boxes_on_two_nodes_an_operator_on_the_third_and_a_node_that_stops(
+        cluster, make_fleet, bundles, tmp_path, capsys):  # noqa: F811 - fixtures imported from fleet_support
+    n1, n2, n3 = cluster.nodes
+    prefix = "trio-%s" % os.urandom(3).hex()
+    probe = MqttProbe(n3, ["%s/+/results/#" % prefix, "%s/+/status" % prefix])  # a subscriber on node 3
+    try:
+        # a-000 on node 1; b-000 on node 2, moving to node 1 then 3; c-000 knows only node 2.
+        a = make_fleet(1, broker=n1, prefix=prefix, name="a", hosts=[n1.address, n2.address, n3.address],
+                       result_hz=0)
+        b = make_fleet(1, broker=n2, prefix=prefix, name="b", hosts=[n2.address, n1.address, n3.address],
+                       result_hz=0)
+        c = make_fleet(1, broker=n2, prefix=prefix, name="c", hosts=[n2.address])
+        box_a, box_b, box_c = a.boxes[0], b.boxes[0], c.boxes[0]
+        seen = status([n3.url], prefix, tmp_path, capsys)
+        assert {d: (s["state"], s["broker"], s["serving"]["version"]) for d, s in seen.items()} == {
+            box_a.device_id: ("online", n1.address, "1.0.0"), box_b.device_id: ("online", n2.address, "1.0.0"),
+            box_c.device_id: ("online", n2.address, "1.0.0")}
+
+        code, report = run_cli(rollout_args(n3, a, bundles, tmp_path, "--canary", "1", "--waves", "1"), capsys)
+        assert code == EXIT_OK, report
+        assert report["counts"] == {"confirmed": 3}
+        assert all(truth(f)[f.boxes[0].device_id] == {"version": "2.0.0", "state": "confirmed"} for f in (a, b, c))
+
+        results_b = "%s/%s/results/sim" % (prefix, box_b.device_id)
+        assert wait_for(lambda: len(probe.on(results_b)) >= 10)
+        stopped_at = time.monotonic()
+        n2.stop()
+        moved = [n1.address, n3.address]
+
+        def b_back():
+            return any(m["state"] == "online" and m.get("broker") in moved
+                       for m in probe.on("%s/%s/status" % (prefix, box_b.device_id)))
+
+        assert wait_for(b_back, timeout=FAILOVER_BOUND_S), box_b.daemon.transport.stats()
+        back_after = time.monotonic() - stopped_at
+        count = len(probe.on(results_b))
+        assert wait_for(lambda: len(probe.on(results_b)) >= count + 10)  # and it goes on publishing
+
+        # The operator: b on the node it moved to; c, whose only node is gone, not online; --broker in turn.
+        seen = status([n2.url, n3.url], prefix, tmp_path, capsys)
+        assert seen[box_b.device_id]["state"] == "online" and seen[box_b.device_id]["broker"] == n1.address
+        assert seen[box_a.device_id]["state"] == "online" and seen[box_a.device_id]["broker"] == n1.address
+        assert seen[box_c.device_id]["state"] in ("stale", "unknown"), seen[box_c.device_id]
+        assert seen[box_c.device_id]["broker"] == n2.address  # where it was last seen
+        assert all(s["broker"] != n2.address for s in seen.values() if s["state"] == "online"), seen
+
+        # No result of b lost: its sequence numbers arrive without a gap across the move.
+        box_b.stop()
+        stats = box_b.daemon.transport.stats()
+        assert wait_for(lambda: probe.on("%s/%s/status" % (prefix, box_b.device_id))[-1]["state"] == "offline")
+        seqs = [m["seq"] for m in probe.on(results_b)]
+        missing = sorted(set(range(min(seqs), max(seqs) + 1)) - set(seqs))
+        assert not missing, "b lost %s; its transport: %s" % (missing, stats)
+        assert stats["dropped"] == 0 and stats["lost"] == 0
+        print("b published again through %s %.1f s after node 2 stopped; %d results, seq %d-%d, no gap; "
+              "requeued %d, replayed %d; c: %s" % (stats["broker"], back_after, len(seqs), min(seqs), max(seqs),
+                                                   stats["requeued"], stats["replayed"],
+                                                   seen[box_c.device_id]["state"]))
+    finally:
+        probe.close()

@@ -1,0 +1,156 @@
+"""``atlas-edge bundle create --int8`` (converters/byom/int8.py): a calibrated int8 ONNX of a brought model, every op
+quantized but the decode (found from the graph), served by onnxruntime with the uint8 frame as its input, and
+refused when it keeps too few of the float model's detections.
+
+The model is the YOLOv8 Ultralytics exported for tests/fixtures/byom (make_fixture.py: trained on generated scenes),
+calibrated and checked on generated scenes like the ones it was trained on.
+"""
+
+import json
+import os
+
+import cv2
+import numpy as np
+import pytest
+
+pytest.importorskip("mindspore")  # before onnx (converters/byom/model_file.py: protobuf's implementation)
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime.quantization")
+
+from agent.bundle.verify import verify_bundle  # noqa: E402
+from agent.cli.main import main as cli_main  # noqa: E402
+from agent.config.device_config import load_device_config  # noqa: E402
+from agent.devtools.scenes import generate_scenes  # noqa: E402
+from agent.pipeline.model import load_model  # noqa: E402
+from converters.byom import create as create_module  # noqa: E402
+from converters.byom.int8 import KEEP_THRESHOLD, decode_nodes, match_detections  # noqa: E402
+from converters.byom.model_file import inspect_model  # noqa: E402
+from converters.byom.onnx_graph import fixed_onnx  # noqa: E402
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "fixtures", "byom")
+SCENES = 40  # 30 calibrate, 10 held out
+SCENE_HW = (256, 256)  # the fixture model was trained on 256x256 scenes
+
+
+@pytest.fixture(scope="module")
+def scenes_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("scenes")
+    for i, (image, _boxes, _classes) in enumerate(generate_scenes(31, SCENES, SCENE_HW)):
+        cv2.imwrite(str(directory / ("scene%02d.png" % i)), image)
+    return str(directory)
+
+
+def create(out, *args):
+    return cli_main(["bundle", "create", "--out", str(out), "--model", os.path.join(FIXTURES, "yolov8t.onnx")]
+                    + list(args))
+
+
+@pytest.fixture(scope="module")
+def int8_bundle(tmp_path_factory, scenes_dir):
+    out = tmp_path_factory.mktemp("int8") / "bundle"
+    assert create(out, "--images", scenes_dir, "--int8") == 0
+    return str(out)
+
+
+def test_int8_artifact_keeps_the_float_detections(int8_bundle):
+    manifest = verify_bundle(int8_bundle).manifest
+    arts = {a.file: a for a in manifest.artifacts}
+    int8 = arts["model_256x256.int8.onnx"]
+    assert (int8.precision, int8.format, int8.role) == ("int8", "onnx", "serve")
+    assert (int8.input_dtype, int8.input_layout, int8.input_color, int8.normalize_on) == ("uint8", "NHWC", "bgr",
+                                                                                          "model")
+    with open(os.path.join(int8_bundle, "int8_check.json")) as handle:
+        check = json.load(handle)["checks"]["model_256x256.int8.onnx"]
+    print("int8 check:", check)
+    assert check["float_detections"] >= 5, "the float model found too little for the check to mean anything"
+    assert check["kept_share"] >= KEEP_THRESHOLD and not check["forced"]
+    assert check["mean_box_diff_px"] < 2.0
+
+
+def test_the_decode_stays_float_and_the_rest_is_int8(int8_bundle):
+    model = onnx.load(os.path.join(int8_bundle, "model_256x256.int8.onnx"))
+    producers = {o: n for n in model.graph.node for o in n.output}
+    dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    assert convs and all(n.input[0] in dequantized and n.input[1] in dequantized for n in convs)
+    decode_ops = [n for n in model.graph.node if n.op_type in ("Softmax", "Sigmoid", "MatMul", "Div")
+                  and n.name.startswith("/model.22/") and "cv" not in n.name]
+    assert {n.op_type for n in decode_ops} >= {"Softmax", "Sigmoid", "MatMul", "Div"}
+    assert not any(name in dequantized for n in decode_ops for name in n.input)  # float in, float out
+    assert producers[model.graph.output[0].name].op_type == "Concat"
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    assert model.graph.node[0].op_type == "Transpose"  # x/255 input: the uint8 frame is the quantized input
+    assert model.ir_version <= 8 and all(o.version <= 18 for o in model.opset_import)  # onnxruntime 1.14.1
+    assert os.path.getsize(os.path.join(int8_bundle, "model_256x256.int8.onnx")) < 0.5 * os.path.getsize(
+        os.path.join(int8_bundle, "model_256x256.onnx"))
+
+
+def test_onnxruntime_serves_the_int8_artifact_as_it_was_checked(int8_bundle, scenes_dir):
+    """The box's path (load, golden self-test, uint8 one-copy letterbox, onnxruntime, decode) gives the detections
+    the check measured: the int8 model run on the check's own inputs."""
+    from agent.pipeline.postprocess import decode
+    from converters.byom.int8 import _outputs, host_inputs
+
+    bundle = verify_bundle(int8_bundle)
+    manifest = bundle.manifest
+    frames = [cv2.imread(os.path.join(scenes_dir, n)) for n in sorted(os.listdir(scenes_dir))]
+    model = load_model(bundle, load_device_config("cpu-dev"), "onnxruntime", precision="int8")  # + golden set
+    try:
+        assert model.precision == "int8"
+        served = [r.detections for r in model.infer_frames(frames)]
+    finally:
+        model.close()
+    checked = _outputs(os.path.join(int8_bundle, "model_256x256.int8.onnx"),
+                       host_inputs(frames, manifest.preprocessing, (256, 256), model_input=True))
+    for got, output in zip(served, checked):
+        want = decode(manifest.task, output, manifest.postprocessing)[0]
+        assert len(got) == len(want) and len(match_detections(want, got)) == len(want)
+    assert sum(len(d) for d in served) >= 5
+
+
+def test_too_few_kept_is_refused_and_force_writes_it_saying_so(tmp_path, scenes_dir, monkeypatch, capsys):
+    monkeypatch.setattr(create_module, "KEEP_THRESHOLD", 1.01)  # no model can keep more than all
+    out = tmp_path / "bundle"
+    assert create(out, "--images", scenes_dir, "--int8") == 1
+    err = capsys.readouterr().err
+    assert "keeps too few detections" in err and "--force" in err
+    assert not out.exists() and os.listdir(str(tmp_path)) == []
+    assert create(out, "--images", scenes_dir, "--int8", "--force") == 0
+    printed = capsys.readouterr().out
+    assert "WRITTEN WITH --force" in printed
+    with open(str(out / "int8_check.json")) as handle:
+        assert json.load(handle)["checks"]["model_256x256.int8.onnx"]["forced"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--int8"], "--int8 calibrates on frames like the box's: give --images DIR"),
+    (["--force"], "--force only overrides --int8's check"),
+    (["--int8", "--images", os.path.join(FIXTURES, "images")], "--int8 needs at least 4 images"),
+])
+def test_int8_usage_is_refused_by_name(tmp_path, capsys, args, message):
+    assert create(tmp_path / "bundle", *args) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_decode_is_found_from_the_graph_for_both_yolo_heads(tmp_path):
+    for name, head in (("yolov8t.onnx", "/model.22/"), ("yolov5t.onnx", None)):
+        info = inspect_model(os.path.join(FIXTURES, name))
+        fixed_onnx(info, (256, 256), str(tmp_path / name))
+        model = onnx.load(str(tmp_path / name))
+        decode = decode_nodes(model)
+        ops = {n.op_type for n in decode}
+        assert "Conv" not in ops and "Sigmoid" in ops, (name, ops)
+        output = model.graph.output[0].name
+        assert any(output in n.output for n in decode)  # the decode ends the graph
+        if head:
+            assert all(n.name.startswith(head) for n in decode) and "Softmax" in ops
+        last_convs = [n for n in model.graph.node if n.op_type == "Conv"][-1:]
+        assert last_convs and last_convs[0] not in decode
+
+
+def test_match_detections_pairs_same_class_overlaps_only():
+    want = np.array([[0, 0, 10, 10, 0.9, 1], [20, 20, 30, 30, 0.8, 2]], np.float32)
+    got = np.array([[1, 1, 10, 10, 0.85, 1], [20, 20, 30, 30, 0.8, 0]], np.float32)
+    assert match_detections(want, got) == [(0, 0)]  # the second overlaps exactly but is another class
