@@ -39,6 +39,7 @@ def test_the_daemon_serves_on_onnxruntime_and_says_so_in_results_telemetry_and_s
     status = MqttProbe(mosquitto, ["atlas-edge/e2e/status"])
     proc = start_daemon(write_config(tmp_path, mosquitto, frames_dir))  # no model.backend: the device's order
     precision = expected_precision()
+    assert precision == "int8", "the demo bundle carries qat's int8 ONNX for every tier: auto serves it here"
     try:
         assert results.wait(lambda m: len(m) >= 4, timeout=120), proc.stdout.read() if proc.poll() else ""
         received = [payload for _topic, payload in results.json()]
