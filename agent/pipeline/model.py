@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from agent._util.npy import load_npy
 from agent.bundle.manifest import Artifact, BundleError, Tier
 from agent.bundle.verify import Bundle
 from agent.config.device_config import DeviceConfig
@@ -258,8 +259,8 @@ class LoadedModel:
             runner = self._runners.get(case.tier)
             if runner is None or runner.artifact.file not in case.expected:
                 continue
-            image = np.load(self.bundle.path(case.image))
-            expected = np.load(self.bundle.path(case.expected[runner.artifact.file]))
+            image = load_npy(self.bundle.path(case.image))
+            expected = load_npy(self.bundle.path(case.expected[runner.artifact.file]))
             runner.preprocessor.fill_letterboxed(0, image)
             got = runner.backend.infer(runner.preprocessor.batch)[0][:1]
             checked += 1
