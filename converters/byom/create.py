@@ -51,7 +51,7 @@ from converters.byom.decide import (
     metadata_task,
     read_labels_file,
 )
-from converters.byom.int8 import KEEP_THRESHOLD, check_int8, quantize_int8, split_images
+from converters.byom.int8 import check_int8, quantize_int8, split_images
 from converters.byom.model_file import CreateError, ModelInfo, Tier, inspect_model
 from converters.byom.onnx_graph import fixed_onnx
 from converters.onnx_input import MODEL_INPUT, fold_input_file
@@ -261,13 +261,13 @@ def _int8_onnx(staging: str, plan: _Plan, task: str) -> List[ArtifactPlan]:
         os.chmod(path, 0o644)
         check = check_int8(nchw, path, plan.preprocessing, tier, task, plan.postprocessing, held_out)
         log.info("%s: %s", file, check.summary())
-        if check.kept_share < KEEP_THRESHOLD:
+        refusal = check.refusal()
+        if refusal is not None:
             if not plan.options.force:
-                raise CreateError("--int8: %s at %dx%d keeps too few detections: %s; calibrate on more frames "
-                                  "like the box's (--images), leave --int8 out, or --force to write it anyway" % (
-                                      file, tier[0], tier[1], check.summary()))
-            log.warning("--force: writing %s although it keeps too few detections: %s", file, check.summary())
-        checks[file] = dict(check.as_dict(), forced=check.kept_share < KEEP_THRESHOLD)
+                raise CreateError("--int8: %s at %dx%d: %s; calibrate on more frames like the box's (--images), "
+                                  "leave --int8 out, or --force to write it anyway" % (file, tier[0], tier[1], refusal))
+            log.warning("--force: writing %s although %s", file, refusal)
+        checks[file] = dict(check.as_dict(), forced=refusal is not None)
         artifacts.append(ArtifactPlan(file, tier, 1, "onnx", "int8", "serve", model_input=dict(MODEL_INPUT)))
     with open(os.path.join(staging, INT8_CHECK_FILE), "w") as handle:
         json.dump({"calibration_images": len(calibration), "checks": checks}, handle, indent=2, sort_keys=True)

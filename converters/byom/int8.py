@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import os
 import tempfile
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -66,6 +66,15 @@ class Int8Check:
     @property
     def kept_share(self) -> float:
         return self.kept / self.float_found if self.float_found else 1.0
+
+    def refusal(self) -> Optional[str]:
+        """Why this int8 model must not be written unchecked, or None. Held-out images on which the float model
+        finds nothing check nothing: that is a refusal too, not a pass."""
+        if self.float_found == 0:
+            return "the float model found nothing on the %d held-out image(s), so nothing was checked" % self.images
+        if self.kept_share < KEEP_THRESHOLD:
+            return "it keeps too few detections: %s" % self.summary()
+        return None
 
     def as_dict(self) -> Dict[str, Any]:
         return {"images": self.images, "float_detections": self.float_found, "kept": self.kept,

@@ -22,7 +22,7 @@ from agent.cli.main import main as cli_main  # noqa: E402
 from agent.config.device_config import load_device_config  # noqa: E402
 from agent.devtools.scenes import generate_scenes  # noqa: E402
 from agent.pipeline.model import load_model  # noqa: E402
-from converters.byom import create as create_module  # noqa: E402
+from converters.byom import int8 as int8_module  # noqa: E402
 from converters.byom.int8 import KEEP_THRESHOLD, decode_nodes, match_detections  # noqa: E402
 from converters.byom.model_file import inspect_model  # noqa: E402
 from converters.byom.onnx_graph import fixed_onnx  # noqa: E402
@@ -110,7 +110,7 @@ def test_onnxruntime_serves_the_int8_artifact_as_it_was_checked(int8_bundle, sce
 
 
 def test_too_few_kept_is_refused_and_force_writes_it_saying_so(tmp_path, scenes_dir, monkeypatch, capsys):
-    monkeypatch.setattr(create_module, "KEEP_THRESHOLD", 1.01)  # no model can keep more than all
+    monkeypatch.setattr(int8_module, "KEEP_THRESHOLD", 1.01)  # no model can keep more than all
     out = tmp_path / "bundle"
     assert create(out, "--images", scenes_dir, "--int8") == 1
     err = capsys.readouterr().err
@@ -121,6 +121,19 @@ def test_too_few_kept_is_refused_and_force_writes_it_saying_so(tmp_path, scenes_
     assert "WRITTEN WITH --force" in printed
     with open(str(out / "int8_check.json")) as handle:
         assert json.load(handle)["checks"]["model_256x256.int8.onnx"]["forced"] is True
+
+
+def test_held_out_images_with_nothing_on_them_check_nothing_and_are_refused(tmp_path, capsys):
+    """Blank frames: the float model finds nothing, so 'every detection kept' would be vacuous; it is a refusal."""
+    blank = tmp_path / "blank"
+    blank.mkdir()
+    for i in range(8):
+        cv2.imwrite(str(blank / ("grey%d.png" % i)), np.full((480, 640, 3), 114, np.uint8))
+    out = tmp_path / "bundle"
+    assert create(out, "--images", str(blank), "--int8") == 1
+    err = capsys.readouterr().err
+    assert "the float model found nothing on the 2 held-out image(s), so nothing was checked" in err, err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("args, message", [
