@@ -104,9 +104,11 @@ def _add_create_arguments(sub: Any) -> None:
     create.add_argument("--golden", type=int, metavar="N", help="golden cases per tier (default: as qat's)")
     create.add_argument("--int8", action="store_true",
                         help="also an int8 ONNX for onnxruntime, calibrated on --images (every op but the decode); "
-                             "refused when it keeps under 95%% of the float model's detections on held-out images")
+                             "refused when it keeps under 95%% of the float model's detections on held-out images, or "
+                             "finds none there to check")
     create.add_argument("--force", action="store_true",
-                        help="with --int8: write the int8 ONNX even when it keeps too few detections")
+                        help="with --int8: write the int8 ONNX even when its check fails (too few detections "
+                             "kept, or none on the held-out images to check)")
     create.set_defaults(bundle_handler=_create)
 
 

@@ -43,7 +43,7 @@ class CreateOptions:
     calibration: Optional[int] = None
     golden: Optional[int] = None
     int8: bool = False  # also an int8 ONNX, calibrated on --images (converters/byom/int8.py)
-    force: bool = False  # write the int8 ONNX even when it keeps too few detections
+    force: bool = False  # write the int8 ONNX even when its check fails (too few kept, or nothing to check)
 
 
 def parse_tiers(text: str) -> List[Tier]:
