@@ -18,7 +18,7 @@ from agent.fleet.plan import RolloutSpec, request_id
 from agent.fleet.records import BoxRecord, Outcome, Phase, RevertWish, RolloutStatus
 from agent.fleet.status import FleetView
 from agent.protocol.messages import FINAL_STATES, Ack, ProtocolError, parse_ack
-from agent.protocol.topics import ACK, device_topic, split_device_topic
+from agent.protocol.topics import ACK, STATUS, device_topic, split_device_topic
 
 POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
 ANOMALIES_KEPT = 5
@@ -47,6 +47,9 @@ class Intake:
         self.retry_at: Dict[str, float] = {}  # device -> monotonic time its retry is due
         self.online: Dict[str, bool] = {}
         self.resend: Set[str] = set()  # sent while offline, back now: the deploy goes out again
+        self.heard: Dict[str, float] = {}  # device -> monotonic time of its latest live message (delivery.py)
+        self.status_heard: Dict[str, float] = {}  # device -> monotonic time of its latest live status
+        self.acked_at: Dict[Tuple[str, str], float] = {}  # (device, request id) -> when its final ack arrived
         self._subscribed: Set[str] = set()
 
     def finish(self, state: RolloutState, device: str, outcome: Outcome, error: Optional[str],
@@ -84,6 +87,10 @@ class Intake:
             self._on_ack(state, parts[0], parts[1][1], message)
             return
         device = self.view.apply(message)
+        if device is not None and not message.retain:  # a retained copy says nothing about the box now
+            self.heard[device] = self.monotonic()
+            if parts is not None and len(parts[1]) == 1 and parts[1][0] == STATUS:
+                self.status_heard[device] = self.heard[device]
         if device is None or state is None:
             return
         view = self.view.boxes.get(device)
@@ -142,6 +149,8 @@ class Intake:
                                 "answer as %s" % (topic_rid, previous.state, ack.state, device))
             return  # a replayed 'in_progress' must not hide a final ack already seen
         self.acks[key] = ack
+        if ack.state in FINAL_STATES:
+            self.acked_at[key] = self.monotonic()
         if device in self.anchor and ack.state not in FINAL_STATES and box.phase == Phase.SENT:
             self.anchor[device] = self.monotonic()  # progress restarts the step timeout
 
