@@ -1,11 +1,12 @@
 """How the box answers commands: each outcome an ack, recorded before it is published; what gets no ack, counted.
 
 A final ack is saved in the request record (:mod:`agent.commands.record`) before it is published, so a retry
-after a crash is answered from the record; a message without a request id to answer is dropped, counted by
-reason and logged without flooding. Separate from the dispatcher (:mod:`agent.commands.dispatcher`), which
-decides what happens to a message (intake checks, queues, workers): the intake and both workers answer through
-this one object, so a refusal, a retry and a handler's outcome are recorded, published and counted alike.
-"""
+after a crash is answered from the record; a refusal that must not bind its request id (rate limited, busy,
+not signed by the command key) is published unrecorded (:meth:`Answers.refuse`); a message without a request
+id to answer is dropped, counted by reason and logged without flooding. Separate from the dispatcher
+(:mod:`agent.commands.dispatcher`), which decides what happens to a message (intake checks, queues, workers):
+the intake and both workers answer through this one object, so a refusal, a retry and a handler's outcome are
+recorded, published and counted alike."""
 
 import logging
 import threading
@@ -61,6 +62,15 @@ class Answers:
         ack = self.ack(job, state, result=result, error=error)
         self.record.save(ack)
         self.publish(ack)
+
+    def refuse(self, job: Job, error: Dict[str, Any]) -> None:
+        """Fail a command WITHOUT recording it: the same request id may still run later (a retry once there is
+        room or tokens; the operator's signed command after an unsigned one took its id). Logged without
+        flooding: a hostile stream of these must not bury the journal."""
+        self.count_failed(error["code"])
+        self._drop_log.log(logging.WARNING, "refused:" + error["code"], "commands: %s %s refused (not recorded): "
+                           "%s: %s", job.verb, job.request_id, error["code"], error["message"])
+        self.publish(self.ack(job, FAILED, error=error))
 
     def publish(self, ack: Dict[str, Any]) -> None:
         self.transport.publish_ack(ack["request_id"], ack)

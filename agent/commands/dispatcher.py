@@ -17,6 +17,12 @@ on their ``issued_at``/``ttl_s``, ids kept while valid, signatures when a comman
 retained message (a retained command would run again at every reconnect), and on a group topic must be one of
 the ``group_verbs`` (one publish reaches every box of the group).
 
+With a command key, the signature is checked as soon as the request id is read, before the record is looked up
+or written; a failure is answered unrecorded, so a sender without the key can neither take an operator's id
+first nor push the record's entries out. Then the rate limit per sender class (verified commands have their
+own bucket: junk cannot use up the operator's tokens), the record (a signed retry is answered from it), the
+queue's room, group verbs and the date (dated ids live in the record's file: no replay after a restart).
+
 Threads: :meth:`CommandDispatcher.submit` runs on paho's thread and only enqueues. The intake thread checks
 and parses each message and sends ``accepted`` at once. Two workers run handlers: the control worker runs the
 verb table's control verbs (status, pause, resume, rollback, cancel), the other everything else one at a time,
@@ -34,7 +40,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from agent._util.compat import Protocol
 from agent.commands.answers import AckSink, Answers, Job
 from agent.commands.freshness import Freshness
-from agent.commands.ratelimit import TokenBucket
+from agent.commands.ratelimit import OTHER, SIGNED, ClassBuckets
 from agent.commands.record import RequestRecord
 from agent.config.schema import ConfigError
 from agent.errors import CommandError
@@ -128,12 +134,13 @@ class CommandDispatcher:
         self.handlers = dict(handlers)
         self.max_payload_bytes = max_payload_bytes
         self._groups = frozenset(transport.groups)
-        self._bucket = TokenBucket(rate_per_s, burst)
+        self._buckets = ClassBuckets(rate_per_s, burst)
         self._record = RequestRecord(record_path, record_size)
         self._inbox: "queue.Queue[Tuple[str, bytes, float, bool]]" = queue.Queue(INBOX_SIZE)
         self._jobs: "queue.Queue[Job]" = queue.Queue(queue_size)
         self._control: "queue.Queue[Job]" = queue.Queue(queue_size)
         self._freshness = freshness or Freshness()
+        self._freshness.keep_ids_in(self._record)  # dated ids outlive a restart
         self._group_verbs = frozenset(check_group_verbs(group_verbs))
         self._control_verbs = frozenset(control_verbs())
         self._stop = threading.Event()
@@ -230,10 +237,10 @@ class CommandDispatcher:
         if verb is None:
             answers.drop("bad_topic", topic)
             return
-        if not self._bucket.take(arrived):
-            answers.reject_unparsed(payload, verb, "rate_limited", "more than the allowed commands per second")
-            return
         if verb == ANNOUNCE:
+            if not self._buckets.take(OTHER, arrived):
+                answers.drop("rate_limited", topic)
+                return
             self._announce(topic)
             return
         if len(payload) > self.max_payload_bytes:
@@ -259,6 +266,15 @@ class CommandDispatcher:
         if not is_request_id(request_id):
             answers.drop("bad_request_id", topic)
             return
+        try:  # before anything is looked up or written under this id
+            signed = self._freshness.authenticate(self._target(topic), verb, message)
+        except CommandError as exc:  # not recorded: the id stays free for the operator's signed command
+            answers.refuse(Job(request_id, verb, None), error_body(exc.code, exc.message, exc.field))
+            return
+        if not self._buckets.take(SIGNED if signed else OTHER, arrived):
+            answers.refuse(Job(request_id, verb, None), error_body(
+                "rate_limited", "more than the allowed commands per second"))
+            return
         self._admit(topic, verb, request_id, message)
 
     def _admit(self, topic: str, verb: str, request_id: str, message: Dict[str, Any]) -> None:
@@ -273,6 +289,13 @@ class CommandDispatcher:
             answers.finish(Job(request_id, verb, None), FAILED, error=error_body(
                 "unknown_verb", "unknown verb %r (this device handles: %s)" % (verb, known), "verb"))
             return
+        jobs = self._control if verb in self._control_verbs else self._jobs
+        if jobs.full():
+            # Not recorded, and before the date check keeps a dated id: it never ran, so a retry (the same
+            # signed message) once the queue has room may run it.
+            answers.refuse(Job(request_id, verb, None), error_body(
+                "busy", "%d commands already waiting; retry later" % jobs.maxsize))
+            return
         refusal = self._refusal(topic, verb, message)
         if refusal is not None:  # nothing ran: recorded as failed, so a retry gets the same answer
             answers.finish(Job(request_id, verb, None), FAILED, error=refusal)
@@ -283,13 +306,6 @@ class CommandDispatcher:
             answers.finish(Job(request_id, verb, None), FAILED, error=invalid_body(exc))
             return
         job = Job(request_id, verb, request)
-        jobs = self._control if verb in self._control_verbs else self._jobs
-        if jobs.full():
-            # Not recorded: it never ran, so a retry once the queue has room may run it.
-            answers.count_failed("busy")
-            answers.publish(answers.ack(job, FAILED, error=error_body(
-                "busy", "%d commands already waiting; retry later" % jobs.maxsize)))
-            return
         answers.count("accepted")
         ack = answers.ack(job, ACCEPTED)
         self._record.save(ack)
@@ -309,16 +325,20 @@ class CommandDispatcher:
         self._answers.count("announced")
         self._on_announce()
 
+    def _target(self, topic: str) -> str:
+        """What a signature names: this device, or ``group/<name>`` for a group topic."""
+        group_level = "%s/%s/" % (self.transport.prefix, GROUP)
+        if topic.startswith(group_level):
+            return topic[len(self.transport.prefix) + 1:topic.rindex("/cmd/")]
+        return self.transport.device_id
+
     def _refusal(self, topic: str, verb: str, message: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         """Why a well-formed command must not run here (a group verb not allowed, not fresh), else None."""
-        group_level = "%s/%s/" % (self.transport.prefix, GROUP)
-        target = topic[len(self.transport.prefix) + 1:topic.rindex("/cmd/")] if topic.startswith(
-            group_level) else self.transport.device_id
-        if topic.startswith(group_level) and verb not in self._group_verbs:
+        if topic.startswith("%s/%s/" % (self.transport.prefix, GROUP)) and verb not in self._group_verbs:
             return error_body("not_for_group", "%s is not allowed on a group topic (commands.group_verbs: %s); "
                               "send it to each box" % (verb, ", ".join(sorted(self._group_verbs))), "verb")
         try:
-            self._freshness.check(target, verb, message)
+            self._freshness.check_date(message)
         except CommandError as exc:
             return error_body(exc.code, exc.message, exc.field)
         return None

@@ -2,9 +2,16 @@
 its command expires, and (with a command key) an Ed25519 signature over what the command means.
 
 A captured command must not run again later: the request record remembers only its newest entries, so an id
-is also kept here for as long as its command is valid (bounded in count by the dispatcher's rate limit, not by
-a fixed size). A wall-clock step backwards must not make an expired command fresh again, so "now" is the wall
+is also kept for as long as its command is valid (bounded in count by the dispatcher's rate limit, not by a
+fixed size), in an :class:`IdStore`: in memory by default, in the request record's SQLite file once the
+dispatcher hands it over (:meth:`Freshness.keep_ids_in`), so a replay within the validity is refused after a
+restart too. A wall-clock step backwards must not make an expired command fresh again, so "now" is the wall
 clock, but never less than the last "now" plus the monotonic time since (:class:`ForwardClock`).
+
+The two halves are separate because the dispatcher runs them at different points: :meth:`Freshness.authenticate`
+(the signature) before anything is looked up or written under the request id, so an unsigned sender can neither
+pre-empt nor read the operator's ids; :meth:`Freshness.check_date` (date, validity, replay) after the request
+record has answered a retry of a signed command it already knows.
 
 The envelope fields (``issued_at``, ``ttl_s``, ``signature``) sit beside ``request_id`` in the payload; the
 operator builds them with :mod:`agent.protocol.envelope`. A signature is the hex Ed25519 signature of
@@ -17,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Mapping, Optional
 
+from agent._util.compat import Protocol
 from agent.config.daemon_config import CommandsConfig
 from agent.config.schema import ConfigError, FieldError
 from agent.errors import CommandError
@@ -43,6 +51,31 @@ class ForwardClock:
             return now
 
 
+class IdStore(Protocol):
+    """Where dated request ids are kept until their command expires (:class:`agent.commands.record.RequestRecord`)."""
+
+    def claim_dated(self, request_id: str, expires: float, now: float) -> bool:
+        """Keep ``request_id`` until ``expires``; False when it is already kept (forgetting what expired by ``now``)."""
+        ...
+
+
+class MemoryIds:
+    """The in-memory :class:`IdStore` (a judge on its own, the tests): forgotten at a restart."""
+
+    def __init__(self) -> None:
+        self._seen: Dict[str, float] = {}  # request id -> when (forward clock) it may be forgotten
+        self._lock = threading.Lock()
+
+    def claim_dated(self, request_id: str, expires: float, now: float) -> bool:
+        with self._lock:
+            for old in [k for k, until in self._seen.items() if until < now]:
+                del self._seen[old]
+            if request_id in self._seen:
+                return False
+            self._seen[request_id] = expires
+            return True
+
+
 class Freshness:
     """Judges one command's date, signature and id; raises :class:`CommandError` naming what is wrong."""
 
@@ -53,13 +86,31 @@ class Freshness:
         self.require_dated = require_dated or public_key is not None
         self.max_skew_s, self.max_ttl_s = max_skew_s, max_ttl_s
         self.clock = clock or ForwardClock()
-        self._seen: Dict[str, float] = {}  # request id -> when (forward clock) it may be forgotten
-        self._lock = threading.Lock()
+        self._ids: IdStore = MemoryIds()
+
+    def keep_ids_in(self, store: IdStore) -> None:
+        """Keep dated ids in ``store`` from now on (the dispatcher's persistent request record)."""
+        self._ids = store
 
     def check(self, target: str, verb: str, message: Mapping[str, Any]) -> None:
+        """The whole judgement: :meth:`authenticate`, then :meth:`check_date`."""
+        self.authenticate(target, verb, message)
+        self.check_date(message)
+
+    def authenticate(self, target: str, verb: str, message: Mapping[str, Any]) -> bool:
+        """True: signed with the command key; False: no key is set (nothing to check).
+
+        With a key, raises ``unsigned`` or ``bad_signature``. One Ed25519 verification (tens of microseconds):
+        cheap enough to run on every message before any rate limit or lookup.
+        """
+        if self.public_key is None:
+            return False
+        self._check_signature(target, verb, message)
+        return True
+
+    def check_date(self, message: Mapping[str, Any]) -> None:
+        """``issued_at``/``ttl_s`` valid now, and the request id not used within its validity."""
         issued, ttl = message.get("issued_at"), message.get("ttl_s")
-        if self.public_key is not None:
-            self._check_signature(target, verb, message)
         if issued is None and ttl is None:
             if self.require_dated:
                 raise CommandError("stale", "this box requires issued_at and ttl_s on every command",
@@ -79,16 +130,10 @@ class Freshness:
         if now > expires:
             raise CommandError("stale", "the command expired %.0f s ago (issued_at + ttl_s, with %.0f s of skew)"
                                % (now - expires, self.max_skew_s), field="issued_at")
-        self._remember(str(message.get("request_id")), expires, now)
-
-    def _remember(self, request_id: str, expires: float, now: float) -> None:
-        with self._lock:
-            for old in [k for k, until in self._seen.items() if until < now]:
-                del self._seen[old]
-            if request_id in self._seen:
-                raise CommandError("replayed", "request_id %s was already used within its validity" % request_id,
-                                   field="request_id")
-            self._seen[request_id] = expires
+        request_id = str(message.get("request_id"))
+        if not self._ids.claim_dated(request_id, expires, now):
+            raise CommandError("replayed", "request_id %s was already used within its validity" % request_id,
+                               field="request_id")
 
     def _check_signature(self, target: str, verb: str, message: Mapping[str, Any]) -> None:
         signature = message.get("signature")

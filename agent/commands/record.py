@@ -1,4 +1,5 @@
-"""The request record: request_id -> latest ack, so a retry is answered and never runs twice, across restarts."""
+"""The request record: request_id -> latest ack, so a retry is answered and never runs twice, across restarts;
+and the dated ids still within their validity, so a captured command is not replayed after a restart either."""
 
 import json
 import logging
@@ -14,9 +15,12 @@ logger = logging.getLogger(__name__)
 
 RECORD_ACK_MAX_BYTES = 16384  # a recorded outcome larger than this keeps its state and error, not its result
 
-_RECORD_TABLES = {"requests": ("seq", "request_id", "verb", "state", "ack")}
+_RECORD_TABLES = {"requests": ("seq", "request_id", "verb", "state", "ack"), "dated": ("request_id", "expires")}
 _RECORD_SCHEMA = ("CREATE TABLE IF NOT EXISTS requests (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
-                  " request_id TEXT UNIQUE NOT NULL, verb TEXT NOT NULL, state TEXT NOT NULL, ack TEXT NOT NULL)")
+                  " request_id TEXT UNIQUE NOT NULL, verb TEXT NOT NULL, state TEXT NOT NULL, ack TEXT NOT NULL)",
+                  # expires: the forward clock's time (agent.commands.freshness) after which the id may be reused
+                  "CREATE TABLE IF NOT EXISTS dated (request_id TEXT PRIMARY KEY, expires REAL NOT NULL)",
+                  "CREATE INDEX IF NOT EXISTS dated_expires ON dated (expires)")
 
 
 class RequestRecord:
@@ -24,6 +28,11 @@ class RequestRecord:
 
     Written when a command is accepted and when it ends; an entry still open when the process stopped is
     closed as failed ``interrupted`` on the next start, so a retry is answered and never runs it again.
+    With a command key, only commands whose signature checked out are written here (the dispatcher refuses the
+    rest without recording them), so junk can neither pre-empt an operator's id nor push its entries out.
+
+    Beside it, the dated ids (:meth:`claim_dated`, the :class:`agent.commands.freshness.IdStore`): kept until
+    their command expires, not bounded by ``size`` (the rate limit bounds them: rate x the longest ttl).
 
     A damaged file (not SQLite, truncated, another schema) is moved aside and the record starts empty; if it
     cannot be moved, the record lives in memory. Either way :attr:`alerts` says what was lost, and the box
@@ -49,7 +58,8 @@ class RequestRecord:
     @staticmethod
     def _prepare(conn: sqlite3.Connection) -> None:
         try:
-            conn.execute(_RECORD_SCHEMA)
+            for statement in _RECORD_SCHEMA:
+                conn.execute(statement)
         except BaseException:
             conn.close()
             raise
@@ -97,6 +107,16 @@ class RequestRecord:
                         "INSERT INTO requests (request_id, verb, state, ack) VALUES (?,?,?,?)",
                         (ack["request_id"], ack["verb"], ack["state"], text))
                     conn.execute("DELETE FROM requests WHERE seq <= ?", (int(cursor.lastrowid) - self.size,))
+
+    def claim_dated(self, request_id: str, expires: float, now: float) -> bool:
+        """Keep ``request_id`` until ``expires``; False when it is kept already. Ids expired by ``now`` go first."""
+        with self._lock:
+            conn = self._conn
+            with transaction(conn):
+                conn.execute("DELETE FROM dated WHERE expires < ?", (now,))
+                claimed = conn.execute("INSERT OR IGNORE INTO dated (request_id, expires) VALUES (?, ?)",
+                                       (request_id, expires)).rowcount
+        return bool(claimed)
 
     def __len__(self) -> int:
         with self._lock:
