@@ -93,6 +93,16 @@ def _stop_marked(process: "Optional[subprocess.Popen[bytes]]", marker: str, time
         time.sleep(POLL_S)
 
 
+def _is_vm(pid: int) -> bool:
+    """Whether ``pid`` is an Erlang VM (``beam.smp``; ``beam`` on non-SMP builds)."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as handle:
+            program = handle.read().split(b"\0", 1)[0]
+    except OSError:
+        return False
+    return os.path.basename(program).startswith(b"beam")
+
+
 def describe(pid: int) -> str:
     """``pid (command line)`` for messages about a process."""
     try:
@@ -175,6 +185,18 @@ class RabbitNode:
 
     def stop(self) -> None:
         """A clean stop (SIGTERM to the node's script, which stops the VM); MQTT clients see their TCP close."""
+        process, self._process = self._process, None
+        _stop_marked(process, self.marker, STOP_TIMEOUT_S, self.name)
+
+    def kill(self) -> None:
+        """A crash: SIGKILL to the node's Erlang VM (``beam.smp``), so nothing is flushed and no connection is
+        closed by the node (its peers see the distribution link drop; its MQTT clients see their TCP reset).
+        Then the script and the VM's helpers, which end with it, are waited for like a stop's."""
+        vms = [pid for pid in _marked(self.marker) if _is_vm(pid)]
+        if not vms:
+            raise BrokerError("RabbitMQ node %s: no running VM to kill" % self.name)
+        for pid in vms:
+            os.kill(pid, signal.SIGKILL)
         process, self._process = self._process, None
         _stop_marked(process, self.marker, STOP_TIMEOUT_S, self.name)
 

@@ -11,6 +11,10 @@ the same broker first, then each next one at once, every attempt bounded by ``co
 the CONNACK). Only when a whole round failed does the supervisor wait, ``reconnect_min_s`` doubling up to
 ``reconnect_max_s``: a stopped node costs a box one refused connect, not a backoff.
 
+Sessions are clean and commands are subscribed at QoS 0 (:data:`SUBSCRIPTION_QOS`): the broker keeps nothing for
+the box between connections, so no broker node, alive or crashed, holds state that could refuse it elsewhere. The
+box's durable state is its own: the outbox (what it publishes) and the request record (what it ran).
+
 paho callbacks only record and enqueue, inside a catch-and-log wrapper: an exception on paho's thread is
 logged with its traceback and never kills the network loop.
 """
@@ -39,6 +43,12 @@ logger = logging.getLogger(__name__)
 MAX_INFLIGHT = 20  # paho's (and mosquitto's) default in-flight window for QoS>0
 SESSION_POLL_S = 0.25  # how often the supervisor looks at the stop flag while a connection is up
 CLOSE_TIMEOUT_S = 3.0  # wait for paho to confirm a disconnect before abandoning its (daemon) thread
+# Commands are subscribed at QoS 0. In a clean session the subscription's QoS only matters within one connection,
+# which TCP already delivers in order: what QoS 1 adds (redelivery on the session's next connection) a clean session
+# throws away. On RabbitMQ a QoS 1 subscription is a durable classic queue homed on the node the box is on (quorum
+# queues serve only non-clean sessions), which the surviving nodes refuse to redeclare once that node crashed; a
+# QoS 0 one is a transient queue they drop with the node. See docs/architecture.md, "Broker sessions".
+SUBSCRIPTION_QOS = 0
 
 Payload = Union[Dict[str, Any], bytes]
 MessageHandler = Callable[..., None]  # (topic, payload[, retained])
@@ -176,7 +186,9 @@ class ConnectionSupervisor:
             logger.error("MQTT broker %s refused the connection: %s", self._address, reason_code)
             self._events.put(("refused", generation, str(reason_code)))
             return
-        client.subscribe([(topic, 1) for topic in self._subscriptions()])
+        # Sent before the status that announces the box (the supervisor publishes it after this event): a broker
+        # handles one connection's packets in order, so an operator that sees the status can command the box.
+        client.subscribe([(topic, SUBSCRIPTION_QOS) for topic in self._subscriptions()])
         self._events.put(("connected", generation, ""))
 
     def _on_disconnect(self, client: mqtt.Client, generation: int, flags: Any, reason_code: Any,
