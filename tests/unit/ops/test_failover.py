@@ -113,3 +113,41 @@ def test_a_stopped_broker_moves_the_box_to_the_next_one_and_no_result_is_lost(tm
         assert on_second and on_second[-1]["broker"] == addresses[1]
         transport.stop(5.0)
 
+
+
+def test_the_status_after_a_move_means_commands_reach_the_box_and_none_from_its_absence_runs_later(
+        tmp_path, probe_factory):
+    """Clean sessions (docs/architecture.md, "Broker sessions"): the box re-subscribes on every connect, before it
+    publishes the status that says it is back, so a command sent the moment an operator sees that status is
+    delivered; a command published while it was away is not kept for it (the operator re-sends it)."""
+    commands: List[bytes] = []
+    with EmbeddedBroker() as first, EmbeddedBroker() as second:
+        addresses = ["%s:%d" % (b.host, b.port) for b in (first, second)]
+        operators = [probe_factory(broker, ["atlas-edge/cam-fo/status"]) for broker in (first, second)]
+        outbox = Outbox(str(tmp_path / "cam-fo.sqlite"), max_bytes=10 * 1024 * 1024)
+        transport = MqttTransport(MqttConfig(hosts=addresses, **FAST), "cam-fo", outbox,
+                                  on_message=lambda topic, payload: commands.append(payload))
+        transport.start()
+        try:
+            assert wait_for(lambda: transport.connected and transport.stats()["broker"] == addresses[0])
+            first.stop()
+            second_status = lambda: operators[1].on("atlas-edge/cam-fo/status")  # noqa: E731 - read twice
+            assert wait_for(lambda: any(s["state"] == "online" for s in second_status()))
+            operators[1].publish("atlas-edge/cam-fo/cmd/status", b"at-once")  # no wait after seeing the status
+            assert wait_for(lambda: commands == [b"at-once"]), commands
+        finally:
+            transport.stop(5.0)
+        assert second_status()[-1]["state"] == "offline"  # a clean stop says so (retained), no will needed
+
+        operators[1].publish("atlas-edge/cam-fo/cmd/status", b"while-away")
+        onlines = len([s for s in second_status() if s["state"] == "online"])
+        again = MqttTransport(MqttConfig(hosts=[addresses[1]], **FAST), "cam-fo", outbox,
+                              on_message=lambda topic, payload: commands.append(payload))
+        again.start()
+        try:
+            assert wait_for(lambda: len([s for s in second_status() if s["state"] == "online"]) > onlines)
+            operators[1].publish("atlas-edge/cam-fo/cmd/status", b"after")
+            assert wait_for(lambda: b"after" in commands)
+            assert commands == [b"at-once", b"after"]  # nothing kept for it while it was away
+        finally:
+            again.stop(5.0)
