@@ -6,7 +6,6 @@ one passes them all. Secrets (MQTT password, TLS key) may come from the environm
 credentials (``$CREDENTIALS_DIRECTORY``) instead of the file: see :mod:`agent.config.secrets`.
 """
 
-import fnmatch
 import ipaddress
 import os
 from dataclasses import dataclass, replace
@@ -14,6 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent.config.device_config import BACKEND_FORMATS, MODEL_PRECISIONS, device_config_path, unknown_device
 from agent.config.names import name_problem
+from agent.config.remote_policy import pattern_problems, remote_sources
 from agent.config.schema import ConfigError, FieldError, parse, setting, to_dict
 
 DEFAULT_PREFIX = "atlas-edge"
@@ -222,22 +222,38 @@ class FetchConfig:
     hosts: List[str] = setting(factory=list, doc="hosts deploys may download from: a name, '*.domain', an IP "
                                "or a CIDR network; empty: any public host. Loopback, private and link-local "
                                "addresses are refused unless their name, address or network is listed here")
+    ports: List[int] = setting(factory=list, doc="ports deploys may download from, on every allowed host and "
+                               "through redirects; empty: only the scheme's own (443 for https, 80 for http)")
     max_bytes: int = setting(1 << 30, ge=1 << 20, le=16 << 30, doc="largest bundle download and unpack")
-    timeout_s: float = setting(30.0, ge=1, le=600, doc="per-read socket timeout of a download")
-    deadline_s: float = setting(600.0, ge=1, le=7200, doc="a whole download must finish within this")
+    timeout_s: float = setting(30.0, ge=1, le=600, doc="socket timeout of a download's connect and of each read; "
+                               "the response headers must also arrive within it")
+    deadline_s: float = setting(600.0, ge=1, le=7200, doc="a whole download must finish within this (enforced "
+                                "on the socket, however slowly the server sends)")
+    unpack_deadline_s: float = setting(120.0, ge=1, le=3600, doc="each unpack (both passes over the archive, "
+                                       "gunzip included) must finish within this")
 
     def check(self) -> List[Tuple[str, str]]:
         bad = [s for s in self.schemes if s not in ("http", "https")]
-        return [("schemes", "only http and https can be allowed (got %s)" % bad)] if bad else []
+        problems = [("schemes", "only http and https can be allowed (got %s)" % bad)] if bad else []
+        ports = [p for p in self.ports if not 0 < p < 65536]
+        return problems + ([("ports", "ports are 1-65535 (got %s)" % ports)] if ports else [])
 
 
 @dataclass(frozen=True)
 class RemoteConfigPolicy:
-    """What a remote set-config may do beyond the live fields: local policy, never changed over MQTT."""
+    """What a remote set-config may do beyond the live fields: local policy, never changed over MQTT
+    (:mod:`agent.config.remote_policy` applies it)."""
 
-    source_uris: List[str] = setting(factory=list, doc="shell patterns (fnmatch) a remote set-config may point a "
-                                     "source at, e.g. 'rtsp://10.1.2.*/stream1'; empty: sources' URIs and the "
-                                     "set of sources change only in this file")
+    source_uris: List[str] = setting(factory=list, doc="patterns a remote set-config may point a source at, "
+                                     "matched per part (scheme, host, port, path, query), e.g. "
+                                     "'rtsp://10.1.2.*/stream1'; such a URI may carry no user or password, "
+                                     "and never reaches loopback or the box; empty: sources' URIs and the set "
+                                     "of sources change only in this file")
+    credentials: Dict[str, str] = setting(factory=dict, doc="pattern of source_uris -> 'USER:cred:NAME' or "
+                                          "'USER:env:VAR': the only credentials a remotely set source gets")
+
+    def check(self) -> List[Tuple[str, str]]:
+        return pattern_problems(self.source_uris, self.credentials)
 
 
 @dataclass(frozen=True)
@@ -257,6 +273,11 @@ class CommandsConfig:
                                                "box of a group); default: status, pause, resume, cancel")
 
 
+# A camera worker measured 56 MiB RSS decoding 640x360 H.264 (issue 31): a worker several times that is leaking
+# or holding a backlog, and is recycled before it costs the box its MemoryMax.
+DEFAULT_WORKER_MAX_RSS_MB = 256.0
+
+
 @dataclass(frozen=True)
 class WatchdogConfig:
     interval_s: float = setting(5.0, ge=0.05, le=3600, doc="memory sampling period")
@@ -269,6 +290,8 @@ class WatchdogConfig:
     leak_min_samples: int = setting(DEFAULT_LEAK_MIN_SAMPLES, ge=MIN_LEAK_SAMPLES, le=100000,
                                     doc="samples in the window before a leak trend is trusted")
     restart_on_leak: bool = setting(True, doc="a host RSS leak restarts the daemon (false: alert only)")
+    worker_max_rss_mb: float = setting(DEFAULT_WORKER_MAX_RSS_MB, gt=0, le=1 << 24,
+                                       doc="a camera worker above this RSS is recycled alone (cause memory)")
 
 
 @dataclass(frozen=True)
@@ -348,34 +371,18 @@ def merge_config(config: DaemonConfig, changes: Mapping[str, Any]) -> DaemonConf
 
     Only :data:`LIVE_SECTIONS` may change at run time; the whole merged config is re-parsed so cross-field
     rules hold for the result, and a failure leaves ``config`` untouched (it is immutable). Every change here
-    comes from the broker (set-config, validate, the overrides file they wrote), so a source's URI may change,
-    or a source be added, only to a URI that ``remote_config.source_uris`` in the local file allows.
+    comes from the broker (set-config, validate, the overrides file they wrote), so its sources pass the local
+    ``remote_config`` policy (:func:`agent.config.remote_policy.remote_sources`: URIs, credentials, options).
     """
     errors = [FieldError(k, "cannot change while running (allowed: %s)" % ", ".join(LIVE_SECTIONS))
               for k in changes if k not in LIVE_SECTIONS]
     if errors:
         raise ConfigError(errors)
     merged = parse_daemon_config(merge_sections(to_dict(config), changes))
-    _check_source_uris(config, merged)
-    return merged
-
-
-def _check_source_uris(before: DaemonConfig, after: DaemonConfig) -> None:
-    """A remote change may not point a source anywhere the local file did not already allow.
-
-    Otherwise whoever can publish set-config reads the box's files (a folder source, then ``snapshot``) or
-    makes it a client of the internal network (hundreds of ``http://`` sources).
-    """
-    known = {s.name: s.uri for s in before.sources}
-    patterns = before.remote_config.source_uris
-    errors = [FieldError("sources[%d].uri" % i, "a remote change may not point a source at a new URI unless "
-                         "remote_config.source_uris in the local config allows it (allowed: %s)" % (
-                             ", ".join(patterns) or "none"))
-              for i, source in enumerate(after.sources)
-              if known.get(source.name) != source.uri
-              and not any(fnmatch.fnmatchcase(source.uri, p) for p in patterns)]
+    sources, errors = remote_sources(config.sources, merged.sources, config.remote_config)
     if errors:
         raise ConfigError(errors)
+    return replace(merged, sources=sources)
 
 
 def merge_sections(base: Mapping[str, Any], changes: Mapping[str, Any]) -> Dict[str, Any]:

@@ -11,9 +11,9 @@ directories in ustar, GNU (``L`` long names) and PAX (``x``: ``path``, ``size``;
 Everything else (links, devices, FIFOs, sparse files, long link names) is refused by name.
 """
 
-import gzip
 import hashlib
 import time
+import zlib
 from dataclasses import dataclass
 from typing import IO, Callable, Dict, Iterator, Optional, Tuple
 
@@ -29,6 +29,17 @@ MAX_MEMBERS = 10000
 MAX_NAME_BYTES = 256
 # PAX records and GNU long names are read into memory: a bundle's are a few hundred bytes.
 MAX_META_BYTES = 64 << 10
+# Digits of a PAX number (a record's length, a size): 20 digits hold any 64-bit size. Longer is hostile, and past
+# 4,300 digits Python 3.11's int() itself refuses with a ValueError of its own.
+MAX_PAX_DIGITS = 20
+# Compressed bytes taken from the file per step of the gunzip, between two deadline and cancel checks: however
+# the stream is built (padding, thousands of tiny members), one step is a bounded amount of work.
+RAW_PIECE = 1 << 16
+# gzip members that decompress to nothing: a writer emits at most one (an empty input); back-to-back empty
+# members are the trick that kept Python's gzip reader inside one read() for minutes.
+MAX_EMPTY_GZIP_MEMBERS = 16
+# NUL padding between or after gzip members (tape-block padding), in bytes.
+MAX_GZIP_PADDING = 1 << 20
 
 FILE, DIRECTORY = "file", "directory"
 _REFUSED_TYPES = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device",
@@ -50,39 +61,105 @@ class Member:
 
 
 class Reader:
-    """Forward reads of a (possibly gzip-compressed) archive file, each checked against a deadline."""
+    """Forward reads of a (possibly gzip-compressed) archive file, each checked against a deadline and cancel.
+
+    A gzip stream is decompressed here, in steps of at most :data:`RAW_PIECE` compressed bytes and
+    :data:`CHUNK` output bytes, with the deadline and cancel checked before every step: padding and empty or
+    tiny members cannot keep one read busy (Python's :class:`gzip.GzipFile` loops over them inside one
+    ``read()``). Members, empty members and padding are counted; empty members and padding are bounded.
+    """
 
     def __init__(self, path: str, deadline: float, clock: Callable[[], float] = time.monotonic,
                  cancelled: Optional[Callable[[], bool]] = None) -> None:
         raw = open(path, "rb")
-        gz = raw.read(2) == b"\x1f\x8b"
+        self._raw: IO[bytes] = raw
+        self._gzip = raw.read(2) == b"\x1f\x8b"
         raw.seek(0)
-        self._file: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw  # type: ignore[assignment]
-        self._raw = raw
         self.deadline = deadline
         self.clock = clock
         self.cancelled = cancelled or (lambda: False)
+        self._out = bytearray()  # decompressed, not yet read
+        self._input = b""  # compressed, not yet given to a decompressor
+        self._member: Optional["zlib._Decompress"] = None  # the member being decompressed, None between members
+        self._member_bytes = 0
+        self._end = False
+        self.gzip_members = self.empty_members = self.padding = 0
 
     def __enter__(self) -> "Reader":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._file.close()
         self._raw.close()
 
-    def read(self, n: int, allow_eof: bool = False) -> bytes:
-        """Exactly ``n`` bytes (n ≤ CHUNK-ish callers), or b"" at a clean end when ``allow_eof``."""
+    def check(self) -> None:
+        """The deadline and cancel: raised here, between two bounded steps."""
         if self.clock() > self.deadline:
             raise TarError("unpacking took longer than its deadline")
         if self.cancelled():
             raise CommandError("cancelled", "the deploy was cancelled while unpacking; nothing changed")
-        try:
-            data = self._file.read(n)
-        except (OSError, EOFError, ValueError) as exc:  # gzip: bad CRC, truncated stream, not gzip
-            raise TarError("the archive's compression is damaged: %s" % exc) from None
+
+    def read(self, n: int, allow_eof: bool = False) -> bytes:
+        """Exactly ``n`` bytes (n ≤ CHUNK-ish callers), or b"" at a clean end when ``allow_eof``."""
+        if not self._gzip:
+            self.check()
+            data = self._raw.read(n)
+        else:
+            while len(self._out) < n and not self._end:
+                self.check()
+                self._step(n)
+            data = bytes(self._out[:n])
+            del self._out[:n]
         if len(data) != n and not (allow_eof and not data):
             raise TarError("the archive ends in the middle of a member (truncated, or a header lies)")
         return data
+
+    def _step(self, want: int) -> None:
+        """Decompress at most one raw piece, stopping once ``want`` bytes are out."""
+        if not self._input:
+            self._input = self._raw.read(RAW_PIECE)
+            if not self._input:
+                if self._member is not None:
+                    raise TarError("the archive's compression is damaged: the gzip stream ends inside a member")
+                self._end = True
+                return
+        try:
+            while self._input and len(self._out) < want:
+                if self._member is None and not self._start_member():
+                    continue
+                assert self._member is not None
+                data = self._member.decompress(self._input, max(want - len(self._out), 1))
+                self._out += data
+                self._member_bytes += len(data)
+                if self._member.eof:
+                    self._end_member()
+                else:
+                    self._input = self._member.unconsumed_tail
+        except zlib.error as exc:  # bad CRC or length, not gzip, damaged deflate data
+            raise TarError("the archive's compression is damaged: %s" % exc) from None
+
+    def _start_member(self) -> bool:
+        """Skip NUL padding (counted, bounded); False when the piece was all padding, else a member begins."""
+        stripped = self._input.lstrip(b"\0")
+        self.padding += len(self._input) - len(stripped)
+        if self.padding > MAX_GZIP_PADDING:
+            raise TarError("the gzip stream holds more than %d bytes of padding" % MAX_GZIP_PADDING)
+        self._input = stripped
+        if not stripped:
+            return False
+        self._member = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip header and trailer checked by zlib
+        self._member_bytes = 0
+        self.gzip_members += 1
+        return True
+
+    def _end_member(self) -> None:
+        assert self._member is not None
+        self._input = self._member.unused_data
+        if self._member_bytes == 0:
+            self.empty_members += 1
+            if self.empty_members > MAX_EMPTY_GZIP_MEMBERS:
+                raise TarError("the gzip stream holds more than %d empty members (a writer emits at most one)"
+                               % MAX_EMPTY_GZIP_MEMBERS)
+        self._member = None
 
     def chunks(self, size: int) -> Iterator[bytes]:
         """``size`` bytes of member data in chunks, then the padding to the next block (read and dropped)."""
@@ -180,8 +257,8 @@ def _parse_pax(data: bytes) -> Dict[str, object]:
     while pos < len(data):
         space = data.find(b" ", pos)
         length_text = data[pos:space] if space > pos else b""
-        if not length_text.isdigit():
-            raise TarError("a PAX record has no length")
+        if not length_text.isdigit() or len(length_text) > MAX_PAX_DIGITS:
+            raise TarError("a PAX record has no length, or one of more than %d digits" % MAX_PAX_DIGITS)
         length = int(length_text)
         record = data[space + 1:pos + length]
         if length <= 0 or pos + length > len(data) or not record.endswith(b"\n") or b"=" not in record:
@@ -191,8 +268,9 @@ def _parse_pax(data: bytes) -> Dict[str, object]:
         if keyname == "path":
             out["path"] = value.decode("utf-8", "replace")
         elif keyname == "size":
-            if not value.isdigit():  # "-512" is how the CVE-2025-8194 archives loop tarfile
-                raise TarError("a PAX size is not a non-negative integer: %r" % value[:40])
+            if not value.isdigit() or len(value) > MAX_PAX_DIGITS:  # "-512": how CVE-2025-8194 archives loop tarfile
+                raise TarError("a PAX size is not a non-negative integer of at most %d digits: %r" % (
+                    MAX_PAX_DIGITS, value[:40]))
             out["size"] = int(value)
         elif keyname.startswith("GNU.sparse"):
             raise TarError("archive member is a sparse file (PAX %s)" % keyname)

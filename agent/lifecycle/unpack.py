@@ -8,7 +8,11 @@ refuses any member that differs from what the first saw.
 
 The budget counts what the files cost on disk, not their bytes: each member is charged its size rounded up to
 the file system's block, plus one block for its inode and directory entry, so 50,000 one-byte files cost what
-they really take. The whole unpack (both passes) has a deadline.
+they really take. Directories count too: each directory the unpack would create, parents included, is charged
+a block and an inode; inodes are budgeted beside bytes (the free inodes less a reserve), a path is at most
+:data:`MAX_DEPTH` levels deep and an archive creates at most :data:`MAX_DIRECTORIES` directories. With a
+:class:`Pin`, every path must be one the manifest names (or a parent of one), so what the archive writes is
+what the manifest, hash-pinned and perhaps signed, vouches for. The whole unpack (both passes) has a deadline.
 """
 
 import hashlib
@@ -16,7 +20,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from agent._util.disk import RESERVE_BYTES, free_bytes
 from agent.bundle.manifest import MANIFEST, SIGNATURE, BundleError, parse_manifest
@@ -32,6 +36,12 @@ DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_UNPACK_DEADLINE_S = 120.0
 MAX_MANIFEST_BYTES = 4 << 20  # read into memory to authenticate; a real manifest is a few KB
 MAX_ERRORS = 10  # errors listed in one refusal; the rest are counted
+# A bundle is flat (artifacts, golden/, calibration/ under one top directory): 16 levels is far more than any
+# writer makes, and a 125-deep chain of directories (25,000 inodes for 200 members) is refused at its header.
+MAX_DEPTH = 16
+MAX_DIRECTORIES = 1000  # directories one archive may create, parents included
+# Inodes left free on the staging file system for everything else on it (the outbox, the slot table, logs).
+INODE_RESERVE = 4096
 FIELD = "bundle"
 
 
@@ -45,7 +55,10 @@ class Budget:
         free = free_bytes(path)
         spare = max(0, free - reserve)
         self.limit = min(cap, spare)
-        self.block = max(512, os.statvfs(path).f_frsize or 4096)
+        stat = os.statvfs(path)
+        self.block = max(512, stat.f_frsize or 4096)
+        # Inodes: a file system that reports none (btrfs, some overlays) allocates them as it goes.
+        self.inodes = max(0, stat.f_favail - INODE_RESERVE) if stat.f_files else None
         if cap <= spare:
             self.reason = "the limit of %d bytes" % cap
         else:
@@ -65,6 +78,27 @@ class Scan:
     kept: Dict[str, bytes] = field(default_factory=dict)  # manifest.json / manifest.sig at depth 0 or 1
     prefix: str = ""  # "" or "<top>/": where the bundle root is inside the archive
     cost: int = 0
+    directories: Set[str] = field(default_factory=set)  # every directory the archive creates, parents included
+    inodes: int = 0
+
+    def charge(self, member: Member, budget: Budget) -> None:
+        """Charge ``member`` and each directory it creates, parents included; refuse past a bound."""
+        parts = member.name.split("/")
+        if len(parts) > MAX_DEPTH:
+            raise TarError("archive member %s... is %d levels deep, more than %d" % (
+                member.name[:60], len(parts), MAX_DEPTH))
+        dirs = parts if member.kind == DIRECTORY else parts[:-1]
+        new = {"/".join(dirs[:i]) for i in range(1, len(dirs) + 1)} - self.directories
+        self.directories |= new
+        if len(self.directories) > MAX_DIRECTORIES:
+            raise TarError("the archive creates more than %d directories" % MAX_DIRECTORIES)
+        self.cost += budget.block * len(new) + (budget.cost(member.size) if member.kind == FILE else 0)
+        if self.cost > budget.limit:
+            raise TarError("archive unpacks to at least %d bytes, more than %s" % (self.cost, budget.reason))
+        self.inodes += len(new) + (member.kind == FILE)
+        if budget.inodes is not None and self.inodes > budget.inodes:
+            raise TarError("archive creates at least %d files and directories, more than the %d inodes the disk "
+                           "can spare" % (self.inodes, budget.inodes))
 
     @property
     def manifest(self) -> bytes:
@@ -110,9 +144,7 @@ def scan(archive: str, budget: Budget, deadline: float, cancelled: Optional[Call
         for member, data in members(reader):
             if member.name in seen.members:
                 raise TarError("archive member appears twice: %s" % member.name)
-            seen.cost += budget.cost(member.size)
-            if seen.cost > budget.limit:
-                raise TarError("archive unpacks to at least %d bytes, more than %s" % (seen.cost, budget.reason))
+            seen.charge(member, budget)
             seen.members[member.name] = member
             if member.kind != FILE:
                 continue
@@ -208,8 +240,17 @@ class Pin:
             elif listed[rel] != (member.size, seen.hashes[seen.prefix + rel]):
                 errors.append(FieldError("files", "%s does not match the manifest's size and sha256" % rel))
         errors += [FieldError("files", "file missing: %s" % name) for name in sorted(set(listed) - set(seen.files()))]
+        errors += _unlisted_directories(seen, set(listed) | {MANIFEST, SIGNATURE})
         if errors:
             raise BundleError(bounded(errors))
+
+
+def _unlisted_directories(seen: Scan, paths: Set[str]) -> List[FieldError]:
+    """Directories the archive would create that are no parent of a path the manifest names."""
+    allowed = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
+    top = seen.prefix.rstrip("/")
+    return [FieldError("files", "unlisted directory in bundle: %s" % name[len(seen.prefix):])
+            for name in sorted(seen.directories) if name != top and name[len(seen.prefix):] not in allowed]
 
 
 def check_manifest_pin(actual: Optional[str], pinned: str) -> None:
