@@ -9,8 +9,11 @@ When a new message does not fit, the oldest messages are dropped to make room, c
 is refused (``rejected_too_large``). The counters are lifetime totals kept in the same file.
 
 **Disk pressure is a state.** The first ``disk_full`` drop starts it (one alert, one WARNING); further drops are
-logged rate-limited with the real cause; it ends (one alert) once the stored bytes are back under half the disk
-budget or the disk no longer limits the budget.
+logged rate-limited with the real cause; it ends (one alert) once the disk no longer limits the budget, or the
+stored bytes are back under half a disk budget of at least :data:`PRESSURE_EXIT_MIN_BYTES` (a budget of nothing,
+with nothing stored, is a full disk, not the end of one: it used to end and start again every second). The
+start and end lines go through a rate limiter of their own (:data:`PRESSURE_LINES_FIRST` per
+:data:`PRESSURE_LINES_WINDOW_S`), so a disk at the edge cannot flood the log even if it does turn often.
 
 This is apart from :mod:`agent.ops.outbox` because it is arithmetic about the file system and a small state
 machine, not the queue: it reads no row and writes none. The outbox calls it under its own lock and hands it the
@@ -41,6 +44,14 @@ DISK_OVERHEAD = 1.5
 # Disk pressure ends when the stored bytes are down to this share of the disk budget (hysteresis: a box at
 # the edge of its disk raises one alert pair, not one per message).
 PRESSURE_EXIT_SHARE = 0.5
+# ... and the disk budget must be at least this (room for a few hundred results) for pressure to end at all.
+PRESSURE_EXIT_MIN_BYTES = 64 * 1024
+# Start and end lines: this many per window (two episodes an hour), then one line per PRESSURE_LINES_EVERY with
+# the count; the alerts still mark every start and end.
+PRESSURE_LINES_FIRST = 4
+PRESSURE_LINES_EVERY = 100
+PRESSURE_LINES_WINDOW_S = 3600.0
+PRESSURE = "disk_pressure"
 # After SQLite itself reported a full disk, the budget is cut to this share of what was stored then.
 FULL_SHRINK = 0.9
 DISK_FULL = "disk_full"
@@ -68,6 +79,7 @@ class DiskPressure:
         self.since: Optional[float] = None  # monotonic
         self.drops = 0
         self.cause = ""
+        self._turns = LogLimiter(logger, PRESSURE_LINES_FIRST, PRESSURE_LINES_EVERY, PRESSURE_LINES_WINDOW_S)
 
     @property
     def active(self) -> bool:
@@ -105,8 +117,8 @@ class DiskPressure:
         self.since = time.monotonic()
         self.drops = 0
         self.cause = cause
-        logger.warning("outbox %s: disk pressure (%s): keeping at most %d bytes of messages, dropping the "
-                       "oldest (counted as disk_full)", self.path, cause, budget)
+        self._turns.log(logging.WARNING, PRESSURE, "outbox %s: disk pressure (%s): keeping at most %d bytes of "
+                        "messages, dropping the oldest (counted as disk_full)", self.path, cause, budget)
         self._alert(DISK_FULL, "outbox %s: the disk is nearly full (%s); the oldest unsent messages are "
                     "dropped to keep %d bytes" % (self.path, cause, budget), state="started", file=self.path,
                     budget_bytes=budget, reserve_bytes=self.reserve_bytes, cause=cause)
@@ -120,12 +132,12 @@ class DiskPressure:
         if self.since is None:
             return
         disk = self._disk_budget_uncapped(max_bytes)
-        if disk < max_bytes and stored_bytes > disk * PRESSURE_EXIT_SHARE:
+        if disk < max_bytes and (disk < PRESSURE_EXIT_MIN_BYTES or stored_bytes > disk * PRESSURE_EXIT_SHARE):
             return
         duration = time.monotonic() - self.since
-        logger.warning("outbox %s: disk pressure ended after %.1f s; %d message(s) were dropped as disk_full "
-                       "(%d log line(s) stood for them)", self.path, duration, self.drops,
-                       self._log.count(DISK_FULL))
+        self._turns.log(logging.WARNING, PRESSURE, "outbox %s: disk pressure ended after %.1f s; %d message(s) "
+                        "were dropped as disk_full (%d log line(s) stood for them)", self.path, duration,
+                        self.drops, self._log.count(DISK_FULL))
         self._alert(DISK_FULL, "outbox %s: disk pressure ended after %.0f s; %d message(s) were dropped"
                     % (self.path, duration, self.drops), state="ended", file=self.path,
                     dropped=self.drops, duration_s=round(duration, 3), cause=self.cause)
