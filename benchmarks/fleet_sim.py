@@ -119,11 +119,18 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 class BundleServer:
-    """Serves a directory over HTTP on 127.0.0.1 (a stand-in for the fleet's artifact server)."""
+    """Serves a directory over HTTP on 127.0.0.1 (a stand-in for the fleet's artifact server).
+
+    ``PORTS``: the ports of every bundle server this process started; a simulated box's fetch policy allows
+    exactly those (``fetch.ports``), so start the server before the fleet.
+    """
+
+    PORTS: List[int] = []
 
     def __init__(self, directory: str) -> None:
         handler = functools.partial(_QuietHandler, directory=directory)
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        BundleServer.PORTS.append(self.server.server_address[1])
         self.thread = threading.Thread(target=self.server.serve_forever, name="bundle-server", daemon=True)
         self.thread.start()
 
@@ -178,7 +185,8 @@ class SimBox:
             "device_id": device_id, "state_dir": self.state_dir, "device": "cpu-dev",
             "model": {"bundle": bundle, "backend": "opencv", "observation_s": observation_s,
                       "latency_regression": LATENCY_FACTOR},
-            "fetch": {"schemes": ["http"], "hosts": ["127.0.0.1"]},  # the BundleServer on loopback
+            # the BundleServers on loopback
+            "fetch": {"schemes": ["http"], "hosts": ["127.0.0.1"], "ports": sorted(set(BundleServer.PORTS)) or [80]},
             "mqtt": {"host": host, "port": port, "hosts": list(hosts), "prefix": prefix, "groups": list(groups),
                      "reconnect_min_s": 0.2, "reconnect_max_s": 2.0},
             "batching": {"max_batch": 1, "max_wait_ms": 0, "queue_size": QUEUE_SIZE},

@@ -76,8 +76,10 @@ def box(tmp_path_factory, mosquitto):
     write_sample_frames(str(frames), sizes_hw=SIZES[:2], seed=5)
     www = tmp_path / "www"
     www.mkdir()
+    server = LoopbackHttpServer(str(www))
+    url = server.__enter__()  # first: the box's fetch.ports names its port
     config = write_config(tmp_path, mosquitto, frames, loop=True,
-                          fetch={"schemes": ["http"], "hosts": ["127.0.0.1"]},
+                          fetch={"schemes": ["http"], "hosts": ["127.0.0.1"], "ports": [int(url.rsplit(":", 1)[1])]},
                           commands={"rate_per_s": 1000, "burst": 5000})  # the fuzz sends 2,000 at once
     probe = MqttProbe(mosquitto, ["atlas-edge/e2e/#"])
     proc = start_daemon(config)
@@ -85,13 +87,13 @@ def box(tmp_path_factory, mosquitto):
     drain = threading.Thread(target=lambda: log_tail.extend(proc.stdout), daemon=True)
     drain.start()
     try:
-        with LoopbackHttpServer(str(www)) as url:
-            made = Box(proc, probe, url, str(tmp_path / "state"))
-            made.www = str(www)
-            assert wait_for(lambda: proc.poll() is None and made.probe.count("atlas-edge/e2e/results") >= 2,
-                            timeout=120), "the daemon never served"
-            yield made
+        made = Box(proc, probe, url, str(tmp_path / "state"))
+        made.www = str(www)
+        assert wait_for(lambda: proc.poll() is None and made.probe.count("atlas-edge/e2e/results") >= 2,
+                        timeout=120), "the daemon never served"
+        yield made
     finally:
+        server.__exit__(None, None, None)
         probe.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
