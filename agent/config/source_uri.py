@@ -8,17 +8,29 @@ kind (:mod:`agent.pipeline.sources`).
 A stream's password may be a reference instead of the secret, ``rtsp://admin:env:CAM1_PASSWORD@host/s`` or
 ``rtsp://admin:cred:cam1@host/s``, resolved by :func:`agent.config.secrets.resolve_secret` when the source
 opens, so the config file, the overrides file and every report hold only the reference.
+
+A password written raw may hold ``@``, ``/``, ``?``, ``#`` or a space: the userinfo runs to the last ``@``
+after which the rest reads as ``host[:port]`` (:func:`agent._util.redact.split_userinfo`, the redaction's own
+rule), and the password is percent-encoded before FFmpeg sees it. A URI that reads two ways with a password in
+one of them (``rtsp://u:p@host/a@b``) is refused by ``validate``: percent-encode the password (``%40``,
+``%2F``, ``%20``) or give it as ``cred:NAME`` / ``env:VAR``.
 """
 
 import os
-from typing import Optional, Tuple
+import re
 from urllib.parse import quote
 
+from agent._util.redact import split_userinfo
 from agent.config.secrets import CRED_PREFIX, ENV_PREFIX, resolve_secret
 
 SCHEMES = {"rtsp": "stream", "rtsps": "stream", "http": "stream", "https": "stream", "camera": "camera"}
 KINDS = ("folder", "file", "stream", "camera")
 LIVE_KINDS = ("stream", "camera")
+AMBIGUOUS = ("the URL reads two ways (an '@', '/', '?', '#' or space in the password or path): percent-encode "
+             "the password (@ as %40, / as %2F, space as %20) or give it as cred:NAME or env:VAR")
+# Characters a userinfo may carry raw (RFC 3986 unreserved, sub-delims, ':' and percent-escapes).
+_USERINFO_SAFE = "!$&'()*+,;=:~"
+_ESCAPE = re.compile(r"%[0-9A-Fa-f]{2}")
 
 
 def is_local_path(uri: str) -> bool:
@@ -36,6 +48,8 @@ def source_kind(uri: str) -> str:
                 scheme, ", ".join(s + ("://" if k == "stream" else ":N") for s, k in SCHEMES.items())))
         if kind == "camera":
             camera_index(uri)
+        elif split_userinfo(uri).ambiguous:
+            raise ValueError(AMBIGUOUS)  # never the URI itself: it holds the password
         return kind
     if not uri:
         raise ValueError("must not be empty")
@@ -50,35 +64,33 @@ def camera_index(uri: str) -> int:
     return int(text)
 
 
-def _split_userinfo(uri: str) -> Tuple[str, Optional[str], Optional[str], str]:
-    """(scheme://, user, password, rest) of a stream URI; user and password None when absent."""
-    head, _, tail = uri.partition("://")
-    authority_end = len(tail)
-    for stop in "/?#":
-        index = tail.find(stop)
-        if index >= 0:
-            authority_end = min(authority_end, index)
-    authority, rest = tail[:authority_end], tail[authority_end:]
-    if "@" not in authority:
-        return head + "://", None, None, tail
-    userinfo, _, host = authority.rpartition("@")
-    user, colon, password = userinfo.partition(":")
-    return head + "://", user, password if colon else None, host + rest
-
-
 def has_secret_reference(uri: str) -> bool:
     """Whether the URI's password is an ``env:``/``cred:`` reference rather than the secret itself."""
-    _, _, password, _ = _split_userinfo(uri) if "://" in uri else ("", None, None, "")
+    password = split_userinfo(uri).password
     return password is not None and password.startswith((ENV_PREFIX, CRED_PREFIX))
 
 
 def resolve_source_uri(uri: str, field: str = "sources.uri") -> str:
-    """``uri`` with an ``env:``/``cred:`` password replaced by the secret (percent-encoded); others unchanged.
+    """``uri`` as FFmpeg must get it: an ``env:``/``cred:`` password replaced by the secret, percent-encoded;
+    a raw password with characters a URL cannot carry (``@ / ? #``, spaces) percent-encoded; others unchanged.
 
     Raises ConfigError naming ``field`` when the reference cannot be resolved.
     """
-    if not has_secret_reference(uri):
+    parts = split_userinfo(uri)
+    password = parts.password
+    if password is None:
         return uri
-    head, user, password, rest = _split_userinfo(uri)
-    secret = resolve_secret(password, field) or ""
-    return "%s%s:%s@%s" % (head, user, quote(secret, safe=""), rest)
+    if password.startswith((ENV_PREFIX, CRED_PREFIX)):
+        encoded = quote(resolve_secret(password, field) or "", safe="")
+    else:
+        encoded = _encode_raw(password)
+    return "%s%s:%s@%s" % (parts.head, parts.user, encoded, parts.rest)
+
+
+def _encode_raw(password: str) -> str:
+    """A raw password percent-encoded where a URL cannot carry it; its own ``%XX`` escapes kept."""
+    out, done = [], 0
+    for escape in _ESCAPE.finditer(password):
+        out += [quote(password[done:escape.start()], safe=_USERINFO_SAFE), escape.group(0)]
+        done = escape.end()
+    return "".join(out) + quote(password[done:], safe=_USERINFO_SAFE)

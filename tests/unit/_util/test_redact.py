@@ -2,9 +2,11 @@
 that repeat them (sources), and a deploy's bundle URLs, pre-signed or with credentials (lifecycle/fetch.py and
 model_manager.py's acks and progress lines)."""
 
+import re
+
 import pytest
 
-from agent._util.redact import MASK, redact, redact_all
+from agent._util.redact import MASK, redact, redact_all, split_userinfo
 
 
 def test_camera_passwords_are_masked_in_every_uri_of_a_text_and_user_names_stay():
@@ -54,3 +56,33 @@ def test_the_box_has_one_redact():
     import agent.lifecycle.model_manager as model_manager
 
     assert fetch.redact is redact and model_manager.redact is redact
+
+
+@pytest.mark.parametrize("uri, password", [
+    ("rtsp://viewer:Pa/ss@w0rd@10.0.0.5/cam", "Pa/ss@w0rd"),  # raw '/' and '@' (issue 31)
+    ("rtsp://viewer:Pa ss@10.0.0.5:554/cam", "Pa ss"),  # raw space
+    ("rtsp://viewer:a@b:c/d?e#f g@cam-1.site:8554/live?x=1", "a@b:c/d?e#f g"),
+    ("rtsp://viewer:cred:cam1@10.0.0.5/cam", "cred:cam1"),
+])
+def test_a_raw_password_is_masked_whole_wherever_the_uri_stands(uri, password):
+    """The userinfo runs to the last '@' after which the rest reads as host[:port]: in the URI alone, in prose,
+    in JSON text, before other URIs on the same line, and after a second redact."""
+    user_host = "rtsp://viewer:***@" + uri.rsplit("@", 1)[1]
+    assert redact(uri) == user_host
+    for text in ("cannot open %s: Connection refused" % uri, '{"uri": "%s", "n": 1}' % uri,
+                 "[%s] then http://u:pw@h/x" % uri, "a\n%s\nb" % uri):
+        shown = redact(text)
+        assert not [piece for piece in re.split(r"[@/ ]", password) if len(piece) > 2 and piece in shown]
+        assert "viewer:***@" in shown and redact(shown) == shown
+    assert split_userinfo(uri).password == password and not split_userinfo(uri).ambiguous
+
+
+def test_a_uri_that_reads_two_ways_is_flagged_and_masked_the_longer_way():
+    """``u:p@h/a@b`` is user u at h, or password ``p@h/a`` at b: configs refuse it, the mask covers both."""
+    for uri in ("rtsp://u:p@h/a@b", "http://host:80/a@b.example"):
+        assert split_userinfo(uri).ambiguous, uri
+    assert redact("rtsp://u:p@h/a@b") == "rtsp://u:***@b"
+    for uri in ("http://host/a@b", "rtsp://u@h/x", "rtsp://h:554/x", "rtsp://u:p@ss@h/x"):
+        assert not split_userinfo(uri).ambiguous, uri
+    assert redact("http://host/a@b") == "http://host/a@b"  # no password anywhere: nothing masked
+    assert split_userinfo("rtsp://u:p@ss@h/x").rest == "h/x"
