@@ -5,9 +5,15 @@ States: ``connecting`` (opening), ``up`` (frames arrive), ``stalled`` (no new pi
 ``auth``, ``not_found``, a bad reference; retried only every ``reopen_max_s``). One alert when a source stops
 delivering (``source_down``, whatever the state), one when it delivers again (``source_up``); the error is
 cleared on recovery. Every text here has passed :func:`agent._util.redact.redact`.
+
+``last_error`` and the alerts say what failed in the project's words (:data:`CAUSE_WORDS`: "connection
+refused", "timed out", ...), never FFmpeg's text: that names hosts and ports ("Successfully connected to
+127.0.0.1 port 18902"), an oracle for whoever can point a source somewhere. The detail goes to the local log
+only, redacted.
 """
 
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -21,6 +27,22 @@ log = logging.getLogger(__name__)
 RATE_WINDOW_S = 5.0  # fps in and out are counted over this trailing window
 AGE_SAMPLES = 256  # frame ages kept for p50/max (a minute at 4 results/s)
 Alert = Callable[[Dict[str, Any]], None]
+# What status and alerts say for each cause; a cause not listed is said by its name.
+CAUSE_WORDS = {"auth": "authentication failed", "not_found": "not found", "refused": "connection refused",
+               "timeout": "timed out", "unavailable": "unreachable", "stalled": "no new picture (stalled)",
+               "frozen": "the picture froze", "resized": "the stream changed resolution", "ended": "the source ended",
+               "decode": "the decoder crashed", "killed": "the reader process was killed",
+               "memory": "the reader process used too much memory", "config": "a credential reference cannot be "
+               "resolved (see the log)"}
+_SIGNAL = re.compile(r"\bkilled by (SIG[A-Z0-9]+)")
+
+
+def public_message(cause: str, detail: str) -> str:
+    """What ``last_error`` and alerts say of a failure: the cause's words (and the signal that ended a reader
+    process), never ``detail``'s hosts, ports or server text."""
+    words = CAUSE_WORDS.get(cause, cause.replace("_", " "))
+    signal = _SIGNAL.search(detail)
+    return "%s (%s)" % (words, signal.group(1)) if signal else words
 
 
 class SourceHealth:
@@ -76,13 +98,14 @@ class SourceHealth:
 
     def failure(self, cause: str, message: str, retry_in_s: float) -> None:
         """An open failed or a session ended: ``stalled`` / ``down`` / ``failed`` by its cause."""
-        message = redact(message)
+        detail, message = redact(message), public_message(cause, message)
         state = "stalled" if cause in ("stalled", "frozen") else "failed" if cause in PERMANENT_CAUSES else "down"
-        same = self.last_error is not None and self.last_error["message"] == message
+        same = self.last_error is not None and self.last_error["detail"] == detail
         if not same:
-            self.last_error = {"cause": cause, "message": message, "since": round(time.time(), 3)}
+            self.last_error = {"cause": cause, "message": message, "since": round(time.time(), 3),
+                               "detail": detail}  # the log's, never reported
             hint = " (a retry cannot fix this: retrying every %.0f s)" % retry_in_s if state == "failed" else ""
-            log.error("source %s %s: %s [%s]; retrying in %.1f s%s", self.name, state, message, cause,
+            log.error("source %s %s: %s [%s]; retrying in %.1f s%s", self.name, state, detail, cause,
                       retry_in_s, hint)
         self.retry_in_s = round(retry_in_s, 3)
         self._set(state)
@@ -112,7 +135,8 @@ class SourceHealth:
             "decode_errors": self.decode_errors, "open_failures": self.open_failures, "reopens": self.reopens,
             "dropped_queue_full": self.dropped_queue_full,
             "frame_age_ms": {"p50": round(ages[len(ages) // 2], 1), "max": round(ages[-1], 1)} if ages else None,
-            "last_error": None if self.last_error is None else dict(self.last_error),
+            "last_error": None if self.last_error is None else {
+                k: v for k, v in self.last_error.items() if k != "detail"},
             "retry_in_s": self.retry_in_s,
         }
 

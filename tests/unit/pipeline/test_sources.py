@@ -72,7 +72,8 @@ def test_missing_video_file_is_named_and_does_not_crash(tmp_path):
 
     reader, frames = run_reader(config, until=failed_twice)  # not found: retried every reopen_max_s
     assert failed, "the missing file was not reported failed twice: %s" % reader.health.report()
-    assert frames == [] and failed[0]["cause"] == "not_found" and missing in failed[0]["message"]
+    assert frames == [] and failed[0]["cause"] == "not_found" and failed[0]["message"] == "not found"
+    assert missing in failed[0]["detail"]  # the log's detail; status and alerts say the cause in words
 
 
 def write_video(path, n, size=(64, 96)):
