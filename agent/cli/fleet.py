@@ -23,6 +23,7 @@ from agent.cli.ctl import (
     make_client,
 )
 from agent.cli.fleet_options import add_cancel, add_forget, add_resume, add_rollout, add_status, rollout_spec
+from agent.cli.fleet_preflight import Check
 from agent.config.schema import ConfigError
 from agent.config.secrets import resolve_secret
 from agent.fleet.inventory import Inventory, record_path
@@ -32,7 +33,7 @@ from agent.fleet.plan import RolloutError, RolloutSpec, check_rollout_id, prefix
 from agent.fleet.records import FINISHED, RevertWish, RolloutStatus
 from agent.fleet.report import exit_code, report
 from agent.fleet.rollout import Rollout, default_state_dir
-from agent.fleet.status import FleetView, collect, render_table
+from agent.fleet.status import BoxView, FleetView, collect, render_table
 from agent.protocol.envelope import CommandEnvelope
 from agent.protocol.topics import name_problem, status_topic
 
@@ -146,7 +147,7 @@ def _status(args: argparse.Namespace, link: FleetLink, out: TextIO) -> int:
     record.fold(view)
     record.fill(view)  # boxes seen before and not heard now: listed as unknown, with their last sighting
     record.save()
-    boxes = view.in_group(args.group)
+    boxes = view.rows(args.group)  # a device id two boxes answer as: one row each
     if args.json:
         print(json.dumps({"group": args.group, "boxes": [b.as_dict() for b in boxes]}, indent=1, sort_keys=True),
               file=out)
@@ -207,7 +208,11 @@ def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, envelope: Any
     engine = Rollout(spec, rollout_id, state_dir, link, progress=progress, listen_s=args.listen,
                      settle_s=args.settle, expect=getattr(args, "expect", None),
                      inventory=sorted(set(listed or []) | set(recorded)) if listed or recorded else None,
-                     resume=resume, preflight=check, envelope=envelope)
+                     resume=resume, envelope=envelope)
+    # A box the record or --inventory lists in the group whose status is too malformed to name its groups is
+    # still the group's: reported malformed (counted in the exit code), never not_targeted.
+    engine.view.known_groups.update({device: [spec.group] for device in set(listed or []) | set(recorded)})
+    engine.preflight = _gate(engine.view, spec.group, getattr(args, "allow_duplicate_ids", False), check)
     state = engine.run()
     record.fold(engine.view)
     record.save()
@@ -220,6 +225,18 @@ def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, envelope: Any
     else:
         print(_summary(result, path), file=out)
     return exit_code(result["status"])
+
+
+def _gate(view: FleetView, group: str, allow_duplicates: bool, check: Optional[Check]) -> Check:
+    """What a new rollout checks once its boxes are gathered, before anything is sent: duplicate device ids
+    (refused unless ``--allow-duplicate-ids``), then the pre-flight's artifact check; RolloutError refuses."""
+    def gate(boxes: List[BoxView]) -> None:
+        problem = view.duplicate_problem(group)
+        if problem is not None and not allow_duplicates:
+            raise RolloutError(problem)
+        if check is not None:
+            check(boxes)
+    return gate
 
 
 def _summary(result: Dict[str, Any], path: str) -> str:

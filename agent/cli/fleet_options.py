@@ -121,6 +121,9 @@ def add_rollout(sub: Any) -> None:
                               "boxes' store")
     rollout.add_argument("--no-preflight", action="store_true",
                          help="skip fetching and checking the bundle (digest, device kinds) before sending")
+    rollout.add_argument("--allow-duplicate-ids", action="store_true",
+                         help="go on although two boxes answer as one device id (in different groups or of "
+                              "different kinds); default: refused, naming them (exit 2)")
     rollout.add_argument("--inventory", default=None, metavar="FILE",
                          help="device ids that must be reached, one per line; those never heard are 'unseen'")
     _state_args(rollout, False)

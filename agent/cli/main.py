@@ -135,7 +135,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _probe_sources(config: "DaemonConfig") -> int:
-    """``validate --probe``: each source opened once; 0 only when every one gave a picture."""
+    """``validate --probe``: each source opened once; 0 only when every one gave a picture. The cause's detail
+    is printed (the operator's own terminal), redacted."""
+    from agent._util.redact import redact
     from agent.pipeline.sources import probe
 
     failed = 0
@@ -146,7 +148,7 @@ def _probe_sources(config: "DaemonConfig") -> int:
                 source.name, found["image_hw"][1], found["image_hw"][0], found["seconds"], found["ts_source"]))
         else:
             failed += 1
-            print("probe %s: FAILED [%s] %s" % (source.name, found["cause"], found["message"]))
+            print("probe %s: FAILED [%s] %s" % (source.name, found["cause"], redact(found["message"])))
     return 1 if failed else 0
 
 

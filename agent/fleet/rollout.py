@@ -36,9 +36,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 from agent.fleet.intake import POLL_S, Intake
 from agent.fleet.journal import STATE_SCHEMA, RolloutLock, RolloutState
-from agent.fleet.judge import Judge
+from agent.fleet.judge import Judge, abort_reason
 from agent.fleet.link import FleetLink
-from agent.fleet.plan import RolloutError, RolloutSpec, abort_reason, check_rollout_id, plan_waves, request_id
+from agent.fleet.plan import RolloutError, RolloutSpec, check_rollout_id, plan_waves, request_id
 from agent.fleet.records import (
     FAILURES,
     FINISHED,
@@ -138,8 +138,9 @@ class Rollout:
     def _gather(self) -> None:
         """Every status (announced or retained), until the set settles; longer (up to --listen) while fewer than
         expected."""
-        collect(self.link, self.view, self.listen_s, status_only=True, settle_s=self.settle_s,
-                monotonic=self.monotonic, group=self.spec.group)
+        # Every box is asked (not only the group's): a box of another group answering as a device id of this
+        # one is a duplicate the gate refuses. Telemetry is liveness, as for 'fleet status'.
+        collect(self.link, self.view, self.listen_s, settle_s=self.settle_s, monotonic=self.monotonic)
         deadline = self.monotonic() + EXPECT_WAIT_S
         while self.expect is not None and len(self.view.in_group(self.spec.group)) < self.expect and \
                 self.monotonic() < deadline:
@@ -285,7 +286,7 @@ class Rollout:
                 if self.judge.judge(state, device):
                     in_flight.remove(device)
                     self._report_box(state, device, len(in_flight))
-                    reason = abort_reason(self.spec, state.outcomes())
+                    reason = abort_reason(self.spec, state.outcomes(), len(in_flight))
                     if reason is not None and state.status == RolloutStatus.RUNNING:
                         self._abort(state, index, reason)
                 elif device in self.intake.resend and state.status == RolloutStatus.RUNNING:

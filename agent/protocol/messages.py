@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from agent._util.redact import redact
 from agent.config.schema import ConfigError, parse, setting
 
 ACCEPTED = "accepted"
@@ -80,9 +81,11 @@ def error_body(code: str, message: str, field: Optional[str] = None,
     a refusal's size must not grow with the input (an archive of 200,000 unlisted files made a 3.45 MB ack,
     stored whole in the request record).
     """
-    body: Dict[str, Any] = {"code": code, "field": field, "message": message[:MESSAGE_MAX_CHARS]}
+    # Redacted here, the one way into acks, the request record and the log line of a failure: a refused value
+    # (a URI in a number's place) is repeated by the schema's message.
+    body: Dict[str, Any] = {"code": code, "field": field, "message": redact(message)[:MESSAGE_MAX_CHARS]}
     if errors is not None:
-        kept = [{"field": str(e.get("field"))[:MESSAGE_MAX_CHARS], "message": str(e.get("message"))[
+        kept = [{"field": str(e.get("field"))[:MESSAGE_MAX_CHARS], "message": redact(str(e.get("message")))[
             :MESSAGE_MAX_CHARS]} for e in errors[:ERRORS_MAX]]
         if len(errors) > ERRORS_MAX:
             kept.append({"field": kept[-1]["field"], "message": "and %d more" % (len(errors) - ERRORS_MAX)})

@@ -1,6 +1,7 @@
-"""A camera's password sent over MQTT (``validate`` and ``set-config``) to a real daemon process and a real
-Mosquitto: it appears in no ack, status, telemetry, log line or state file, except the overrides file that
-keeps a set-config across restarts, which is not readable by others."""
+"""A camera's password, in the local config file or sent over MQTT (``validate`` and ``set-config``), with a real
+daemon process and a real Mosquitto: a remote change carrying one is refused whole (remote config is data: a
+remotely set source gets credentials only from the local ``remote_config.credentials``), and the password of the
+local file's source appears in no ack, status, telemetry, log line or state file."""
 
 import json
 import os
@@ -34,13 +35,15 @@ def command(probe, verb, request_id, **fields):
     return [a for a in probe.on(topic) if a["state"] in ("succeeded", "failed")][-1]
 
 
-def test_a_camera_password_sent_over_mqtt_is_in_no_ack_status_telemetry_log_or_state_file(tmp_path, mosquitto):
+def test_a_camera_password_sent_over_mqtt_is_refused_and_the_files_is_in_no_ack_status_telemetry_log_or_state(
+        tmp_path, mosquitto):
     frames = tmp_path / "frames"
     write_sample_frames(str(frames), sizes_hw=((240, 320),), seed=3)
-    gate = "rtsp://viewer:%s@127.0.0.1:%d/gate" % (SECRET, free_port())  # nothing listens: refused, retried
-    config = write_config(tmp_path, mosquitto, frames, loop=True,
-                          remote_config={"source_uris": ["rtsp://viewer:*@127.0.0.1:*/gate"]})
+    gate_uri = "rtsp://viewer:%s@127.0.0.1:%d/gate" % (SECRET, free_port())  # nothing listens: refused, retried
     cam = {"name": "cam", "uri": str(frames), "loop": True}
+    gate = {"name": "gate", "uri": gate_uri}
+    config = write_config(tmp_path, mosquitto, frames, loop=True, sources=[cam, gate],
+                          remote_config={"source_uris": ["rtsp://10.1.2.*/gate"]})
     log_path = tmp_path / "daemon.log"
     probe = MqttProbe(mosquitto, [PREFIX + "/#"])
     with open(log_path, "w") as log:
@@ -48,18 +51,19 @@ def test_a_camera_password_sent_over_mqtt_is_in_no_ack_status_telemetry_log_or_s
                                 stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         assert wait_for(lambda: any(s.get("state") == "online" for s in probe.on(PREFIX + "/status")), timeout=60)
-        checked = command(probe, "validate", "v1", config={"sources": [cam, {"name": "gate", "uri": gate}]})
+        checked = command(probe, "validate", "v1", config={"sources": [cam, gate]})  # the file's own: unchanged
         assert checked["state"] == "succeeded", checked
         assert "viewer:***@" in json.dumps(checked)
-        # A refused one names the field; its message must not carry the URI it refuses.
-        misspelt = {"name": "gate", "uri": "rtps" + gate[4:]}  # rtps://viewer:<password>@...
-        refused = command(probe, "validate", "v2", config={"sources": [cam, misspelt]})
-        assert refused["state"] == "failed" and refused["error"]["code"] == "invalid", refused
-        assert refused["error"]["field"] == "sources[1].uri", refused
-        assert not os.path.exists(os.path.join(tmp_path, "state", OVERRIDES_FILE))  # validate changes nothing
-
-        applied = command(probe, "set-config", "s1", config={"sources": [cam, {"name": "gate", "uri": gate}]})
-        assert applied["state"] == "succeeded", applied
+        # A password sent over MQTT, even for an allowed host: refused, naming the field, never repeating it.
+        sent = {"name": "remote", "uri": "rtsp://viewer:%s@10.1.2.9/gate" % SECRET}
+        for verb, request_id in (("validate", "v2"), ("set-config", "s1")):
+            refused = command(probe, verb, request_id, config={"sources": [cam, gate, sent]})
+            assert refused["state"] == "failed" and refused["error"]["code"] == "invalid", refused
+            assert refused["error"]["field"] == "sources[2].uri", refused
+        misspelt = {"name": "remote", "uri": "rtps://viewer:%s@10.1.2.9/gate" % SECRET}
+        refused = command(probe, "validate", "v3", config={"sources": [cam, misspelt]})
+        assert refused["state"] == "failed" and refused["error"]["field"] == "sources[1].uri", refused
+        assert not os.path.exists(os.path.join(tmp_path, "state", OVERRIDES_FILE))  # nothing recorded
 
         def gate_failed_in_telemetry():
             for t in probe.on(PREFIX + "/telemetry"):
@@ -88,16 +92,10 @@ def test_a_camera_password_sent_over_mqtt_is_in_no_ack_status_telemetry_log_or_s
     daemon_log = log_path.read_text()
     assert "gate down: cannot open rtsp://viewer:***@" in daemon_log  # logged, redacted
     assert SECRET not in daemon_log, "password in the daemon's log"
-    state = tmp_path / "state"
-    overrides = state / OVERRIDES_FILE
-    assert SECRET in overrides.read_text()  # how a set-config survives a restart: the one place it is kept
-    assert stat.S_IMODE(os.stat(overrides).st_mode) & 0o007 == 0, "overrides.json readable by others"
-    for directory, _dirs, files in os.walk(state):
+    for directory, _dirs, files in os.walk(tmp_path / "state"):
         for name in files:
-            path = os.path.join(directory, name)
-            if path != str(overrides):
-                with open(path, "rb") as handle:
-                    assert SECRET.encode() not in handle.read(), "password in %s" % path
+            with open(os.path.join(directory, name), "rb") as handle:
+                assert SECRET.encode() not in handle.read(), "password in %s" % os.path.join(directory, name)
 
 
 def test_the_overrides_file_is_never_readable_by_others(tmp_path):

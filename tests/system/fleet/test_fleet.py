@@ -23,12 +23,12 @@ from agent.devtools.broker import EmbeddedBroker
 from agent.errors import CommandError
 from agent.fleet.intake import POLL_S
 from agent.fleet.journal import RolloutState
+from agent.fleet.judge import abort_reason
 from agent.fleet.link import Message
 from agent.fleet.plan import (
     DEFAULT_REVERT_TIMEOUT_S,
     RolloutError,
     RolloutSpec,
-    abort_reason,
     plan_waves,
     request_id,
 )
