@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 
 from agent.config.device_config import known_devices, load_device_config
 from agent.config.schema import ConfigError
+from agent.errors import CommandError
 from agent.fleet.plan import RolloutError
 from agent.fleet.status import BoxView
 
@@ -51,7 +52,7 @@ def preflight(bundle: str, sha256: str, local: Optional[str], progress: Callable
         if actual != sha256:
             raise RolloutError("pre-flight: %s has manifest sha256 %s, not --sha256 %s" % (source, actual, sha256))
         manifest = load_manifest(root)
-    except (BundleError, ConfigError, OSError, Refused) as exc:
+    except (BundleError, CommandError, ConfigError, OSError, Refused) as exc:  # CommandError: --archive-sha256
         raise RolloutError("pre-flight: %s: %s" % (source, " ".join(str(exc).split()))) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)

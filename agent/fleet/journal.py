@@ -18,12 +18,24 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from agent._util.atomic import atomic_write
-from agent.fleet.plan import RolloutError
+from agent.config.schema import ConfigError, parse
+from agent.fleet.plan import RolloutError, RolloutSpec
 from agent.fleet.records import EXECUTED, FAILURES, BoxRecord, Outcome, RevertWish, RolloutStatus
 
 STATE_SCHEMA = 2
 BOX_KEYS = ("wave", "phase", "outcome", "error", "request_id", "sent_at", "finished_at", "revert")
 TOP_KEYS = ("rollout_id", "spec", "status", "waves", "boxes")
+ENUM_BOX_KEYS = ("phase", "outcome", "revert")  # states: members of their enums (BoxRecord.from_dict)
+NUMBER = (int, float)
+TOP_TYPES = {"rollout_id": (str,), "runs": (int,), "started": NUMBER + (type(None),),
+             "finished": NUMBER + (type(None),), "updated": NUMBER + (type(None),), "approved": (bool,),
+             "shortfall": (str, type(None)), "abort": (dict, type(None)), "cancel": (dict, type(None))}
+
+
+class _StoredSpec(RolloutSpec):
+    """A spec as the state file keeps it, for its types only: its rules (``check``) run when it is driven."""
+
+    check = None  # type: ignore[assignment]
 
 
 def _damaged(path: str, why: str) -> RolloutError:
@@ -74,6 +86,7 @@ class RolloutState:
                 RevertWish(state.data["revert"])
         except ValueError as exc:
             raise _damaged(path, str(exc)) from None
+        state._check_types(raw)
         return state
 
     def _replay(self, boxes: Any) -> None:
@@ -113,6 +126,22 @@ class RolloutState:
             if not isinstance(box, dict) or any(k not in box for k in BOX_KEYS):
                 raise _damaged(self.path, "box %r lacks %s" % (device, [k for k in BOX_KEYS if not (
                     isinstance(box, dict) and k in box)]))
+
+    def _check_types(self, boxes: Dict[str, Any]) -> None:
+        """Every field of the right type (a hand-edited or damaged file is refused here, never a traceback
+        later): the spec and each box by their dataclasses (states are checked as members of their enums by
+        :meth:`BoxRecord.from_dict`), the rollout's own fields by :data:`TOP_TYPES`."""
+        problems = ["%s has the wrong type (%s)" % (k, type(self.data[k]).__name__) for k, t in TOP_TYPES.items()
+                    if k in self.data and (not isinstance(self.data[k], t) or isinstance(self.data[k], bool)
+                                           and bool not in t)]
+        try:
+            parse(_StoredSpec, self.data.get("spec"), "spec")
+            for device, box in boxes.items():
+                parse(BoxRecord, {k: v for k, v in box.items() if k not in ENUM_BOX_KEYS}, "box %r" % device)
+        except ConfigError as exc:
+            problems.append(" ".join(str(exc).split()))
+        if problems:
+            raise _damaged(self.path, "; ".join(problems))
 
     # --- changes -----------------------------------------------------------------------------------------
 

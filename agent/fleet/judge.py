@@ -4,18 +4,50 @@ Outcomes are read from the box's own word only (the intake keeps acks by device 
 naming another manifest fails at once (``wrong_bundle``), as does a status serving one after the deploy;
 ``busy`` and ``interrupted`` are retried with backoff under a new request id; silence for the step timeout
 (progress restarts it) or no confirmation within ``--confirm-timeout`` of the deploy is ``timed_out``.
+
+The abort rules (:func:`abort_reason`) judge the outcomes so far. The failure rate is not judged on the outcomes
+alone: failures come first (a refused download answers in seconds, a confirmation waits out the observation
+window), so the first outcomes of a wave are mostly failures whatever the fleet's real share. The rate is
+failures over every box sent a deploy (boxes in flight included): the lowest rate the boxes sent so far can
+end with, so it fires only when the limit is certainly exceeded. And it is judged only on a minimum sample of
+outcomes: ``--min-executed``, and never fewer than the canary's size.
 """
 
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from agent.fleet.intake import Intake, one_line
 from agent.fleet.journal import RolloutState
-from agent.fleet.plan import RETRY_BASE_S, RETRYABLE, deploy_verb, request_id
-from agent.fleet.records import Outcome, Phase, identity
+from agent.fleet.plan import RETRY_BASE_S, RETRYABLE, RolloutSpec, deploy_verb, request_id
+from agent.fleet.records import EXECUTED, FAILURES, Outcome, Phase, identity
 from agent.protocol.messages import FINAL_STATES, SUCCEEDED, Ack, ProtocolError, parse_deploy_result
 
 ALREADY_SERVING = "already_serving"  # the box's error code for a deploy of what it serves
+
+
+def abort_reason(spec: RolloutSpec, outcomes: Dict[Outcome, int], in_flight: int = 0) -> Optional[str]:
+    """Why the rollout must stop now, or None: which rule fired, on how many outcomes (see the module doc).
+
+    AWS IoT Jobs' abort criteria, per failure type and overall; ``in_flight``: boxes sent a deploy and not
+    judged yet.
+    """
+    executed = sum(n for o, n in outcomes.items() if o in EXECUTED)
+    failures = sum(n for o, n in outcomes.items() if o in FAILURES)
+    for outcome, limit in sorted(spec.max_per_type.items()):
+        if outcomes.get(outcome, 0) > limit:
+            return "--max-per-type rule: %d box(es) %s of %d outcome(s), more than %s=%d" % (
+                outcomes[outcome], outcome, executed, outcome, limit)
+    if spec.max_failures is not None and failures > spec.max_failures:
+        return "--max-failures rule: %d failure(s) of %d outcome(s), more than --max-failures %d" % (
+            failures, executed, spec.max_failures)
+    sample = max(spec.min_executed, spec.canary, 1)
+    if spec.max_failure_rate is not None and executed >= sample:
+        rate = failures / (executed + in_flight)
+        if rate > spec.max_failure_rate:
+            return "failure rate %.3f above --max-failure-rate %.3f: %d failed of %d box(es) sent a deploy " \
+                   "(%d outcome(s), at least %d needed; %d in flight counted as not failed)" % (
+                       rate, spec.max_failure_rate, failures, executed + in_flight, executed, sample, in_flight)
+    return None
 
 
 class Judge:

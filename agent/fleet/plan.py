@@ -1,4 +1,4 @@
-"""What a rollout was asked to do and the rules it decides by: the spec, the waves, request ids, abort rules.
+"""What a rollout was asked to do: the spec, the waves, request ids (its abort rules are in ``judge.py``).
 
 Pure functions and a frozen spec, no I/O: the engine (``rollout.py``) applies them, the state file
 (``journal.py``) keeps the spec so that a re-run must ask the same.
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from agent.config.names import name_problem
-from agent.fleet.records import EXECUTED, FAILURES, Outcome
+from agent.fleet.records import FAILURES
 from agent.protocol.messages import REQUEST_ID_MAX, REQUEST_ID_RE
 
 ROLLOUT_ID_MAX = 24  # leaves room in a 64-character request id for the device and the verb
@@ -149,19 +149,3 @@ def plan_waves(devices: List[str], canary: int, waves: int, wave_size: Optional[
         planned += [rest[i:i + wave_size] for i in range(0, len(rest), wave_size)]
     return planned
 
-
-def abort_reason(spec: RolloutSpec, outcomes: Dict[Outcome, int]) -> Optional[str]:
-    """Why the rollout must stop now, or None (AWS IoT Jobs' abort criteria, per failure type and overall)."""
-    executed = sum(n for o, n in outcomes.items() if o in EXECUTED)
-    failures = sum(n for o, n in outcomes.items() if o in FAILURES)
-    for outcome, limit in sorted(spec.max_per_type.items()):
-        if outcomes.get(outcome, 0) > limit:
-            return "%d box(es) %s, more than --max-per-type %s=%d" % (outcomes[outcome], outcome, outcome, limit)
-    if spec.max_failures is not None and failures > spec.max_failures:
-        return "%d failure(s), more than --max-failures %d" % (failures, spec.max_failures)
-    if spec.max_failure_rate is not None and executed >= spec.min_executed and executed:
-        rate = failures / executed
-        if rate > spec.max_failure_rate:
-            return "failure rate %.3f (%d of %d executed) above --max-failure-rate %.3f" % (
-                rate, failures, executed, spec.max_failure_rate)
-    return None

@@ -4,16 +4,24 @@ A box publishes ``<prefix>/<device>/status`` retained: ``online`` with its model
 starts and after every switch, confirm and rollback; ``offline`` (with its groups) when it stops or its
 connection dies (the broker's last will). So one subscription tells an operator every box that has announced
 itself, without asking any of them. Telemetry (fps) and alerts are not retained: they show up only for boxes
-heard while listening.
+heard while listening; a box heard live (an announce answer, a status or its telemetry) is alive, whatever the
+age of its retained status.
+
+**One device id, two boxes.** Every box has one retained status topic, ``<prefix>/<device id>/status``. Two boxes
+configured with the same id (a cloned SD card, a copied config) share it: each one's status overwrites the
+other's, so the retained store shows one box. Both answer an announce, though, live and on that one topic: the
+view keeps each distinct identity (groups and device kind) heard live per id, and an id with more than one is a
+duplicate (:meth:`FleetView.duplicates`), shown as one row per identity. Two clones with the same groups and
+kind cannot be told apart by their statuses; their answers to one request id can (``duplicate`` outcome).
 """
 
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.fleet.link import FleetLink, Message
-from agent.protocol.messages import ProtocolError
+from agent.protocol.messages import JSON_DEPTH_MAX, ProtocolError
 from agent.protocol.status import parse_status
 from agent.protocol.topics import ALERT, STATUS, TELEMETRY, announce_topic, fleet_subscriptions, split_device_topic
 
@@ -28,6 +36,11 @@ DEFAULT_LISTEN_S = 2.0  # long enough for the retained burst of a few thousand b
 # stalls (a congested uplink, a bridge catching up) pauses the burst for a moment: a window of a fraction of
 # a second took the pause for the end and left every box behind it out of the rollout.
 SETTLE_S = 2.0
+# An "online" status too old to believe, from a box that did not answer the announce (one that predates it):
+# its telemetry is awaited for this many of its intervals (one, and room for jitter), at most
+# LIVENESS_WAIT_MAX_S, before it is judged stale.
+LIVENESS_INTERVALS = 1.5
+LIVENESS_WAIT_MAX_S = 15.0
 ALERTS_KEPT = 5  # most recent alerts shown per box
 
 
@@ -51,6 +64,7 @@ class BoxView:
     telemetry_interval_s: Optional[float] = None
     heard_live: bool = False  # a message from it arrived live during this run (not a retained copy)
     kind: Optional[str] = None  # its device kind (the status's ``device_kind``: a device_configs/ name)
+    duplicate: bool = False  # another box answers as this device id (a row per identity: FleetView.rows)
 
     @property
     def online(self) -> bool:
@@ -84,7 +98,8 @@ class BoxView:
         return {"device": self.device, "state": self.state, "groups": self.groups, "model": self.model,
                 "backend": self.backend, "serving": serving or None, "slots": self.slots,
                 "last_seen": self.last_seen, "fps": self.fps, "alerts": self.alerts, "reason": self.reason,
-                "broker": self.broker, "heard_live": self.heard_live}
+                "broker": self.broker, "heard_live": self.heard_live, "kind": self.kind,
+                "duplicate": self.duplicate}
 
 
 class FleetView:
@@ -95,6 +110,11 @@ class FleetView:
         self.boxes: Dict[str, BoxView] = {}
         self.updates = 0  # status messages applied; the rollout engine re-judges boxes when it moves
         self.cleared: Set[str] = set()  # boxes whose retained status was cleared (decommissioned)
+        # device -> (groups, kind) -> that box as its own live statuses show it: more than one is a duplicate id
+        self.identities: Dict[str, Dict[Tuple[Tuple[str, ...], Optional[str]], BoxView]] = {}
+        # device -> the groups the operator's record last saw it in: a status too malformed to name its groups
+        # keeps the box listed there (reported malformed in a rollout, never left out as not targeted)
+        self.known_groups: Dict[str, List[str]] = {}
 
     def apply(self, message: Message) -> Optional[str]:
         """Fold one message in; returns the device it was about (None: not a fleet topic)."""
@@ -111,7 +131,7 @@ class FleetView:
                 self.cleared.add(device)
                 return device
             self.cleared.discard(device)
-            self._status(device, body)
+            self._status(device, body, live=not message.retain)
             return device
         elif kind == (TELEMETRY,) and isinstance(body, dict):
             box = self.boxes.setdefault(device, BoxView(device))
@@ -126,35 +146,64 @@ class FleetView:
             return device
         return None
 
-    def _status(self, device: str, body: Any) -> None:
+    def _status(self, device: str, body: Any, live: bool = False) -> None:
         box = self.boxes.setdefault(device, BoxView(device))
         self.updates += 1
         try:
             status = parse_status(body)
         except ProtocolError as exc:
-            box.state, box.malformed, box.reason = MALFORMED, str(exc), str(exc)
+            # body None: the payload is not UTF-8 JSON or nests deeper than JSON_DEPTH_MAX (Message.json)
+            why = str(exc) if body is not None else "status: not JSON, or nested deeper than %d levels" % (
+                JSON_DEPTH_MAX)
+            box.state, box.malformed, box.reason = MALFORMED, why, why
             groups = body.get("groups") if isinstance(body, dict) else None
             if isinstance(groups, list) and all(isinstance(g, str) for g in groups):
                 box.groups = list(groups)  # still listed in its group: reported there, never sent anything
+            elif not box.groups:
+                box.groups = list(self.known_groups.get(device, []))
             return
-        box.malformed = None
-        box.state = str(body.get("state", "unknown"))
-        groups = body.get("groups")
-        if isinstance(groups, list):
-            box.groups = [str(g) for g in groups]
-        if box.online or body.get("slots"):  # an offline will carries no slots: keep the last ones known
-            box.model = body.get("model", box.model)
-            box.backend = body.get("backend", box.backend)
-            box.kind = status.device_kind or box.kind
-            if isinstance(body.get("slots"), dict):
-                box.slots = body["slots"]
-        box.reason = body.get("reason")
-        box.broker = body.get("broker", box.broker)
-        interval = body.get("telemetry_interval_s")
-        if isinstance(interval, (int, float)) and interval > 0:
-            box.telemetry_interval_s = float(interval)
-        box.status_ts = body.get("ts") if isinstance(body.get("ts"), (int, float)) else None
-        box.last_seen = _latest(box.last_seen, box.status_ts)
+        _fill(box, body, status)
+        if live and not box.online:  # that box stopped (or its will fired): a later start is not a second box
+            for key in [k for k in self.identities.get(device, {}) if k[0] == tuple(sorted(box.groups))]:
+                del self.identities[device][key]
+        if live and box.online:
+            key = (tuple(sorted(box.groups)), box.kind)
+            twin = self.identities.setdefault(device, {}).setdefault(key, BoxView(device))
+            _fill(twin, body, status)
+            twin.heard_live = True
+            if len(self.identities[device]) > 1:
+                for each in [box] + list(self.identities[device].values()):
+                    each.duplicate = True
+
+    def duplicates(self) -> Dict[str, List[BoxView]]:
+        """Device ids heard live from more than one box (groups or kind differ): each identity's view."""
+        return {d: [ids[k] for k in sorted(ids, key=repr)] for d, ids in sorted(self.identities.items())
+                if len(ids) > 1}
+
+    def duplicate_problem(self, group: Optional[str]) -> Optional[str]:
+        """The duplicate ids among ``group``'s boxes, each box named by its groups and kind; None when none."""
+        found = ["%s answered by %d boxes (%s)" % (device, len(twins), "; ".join(
+            "groups %s, kind %s, on %s" % (",".join(t.groups) or "-", t.kind or "?", t.broker or "?") for t in twins))
+            for device, twins in self.duplicates().items() if group is None or any(group in t.groups for t in twins)]
+        if not found:
+            return None
+        return "duplicate device ids: %s. A command to such an id reaches every box answering as it: give each box " \
+               "its own device_id (--allow-duplicate-ids goes on regardless)" % " | ".join(found[:10])
+
+    def rows(self, group: Optional[str] = None) -> List[BoxView]:
+        """What ``fleet status`` lists: :meth:`in_group`, with a duplicate id shown once per identity."""
+        twins = self.duplicates()
+        rows: List[BoxView] = []
+        for box in self.in_group(group):
+            rows += [t for t in twins[box.device] if group is None or group in t.groups] \
+                if box.device in twins else [box]
+        return rows
+
+    def unconfirmed(self, now: float) -> List[BoxView]:
+        """Online boxes not heard live whose status is old enough that :meth:`judge_stale` would mark them."""
+        return [box for box in self.boxes.values() if box.state == ONLINE and not box.heard_live and
+                box.last_seen is not None and now - box.last_seen > STALE_INTERVALS * (
+                    box.telemetry_interval_s or DEFAULT_TELEMETRY_INTERVAL_S)]
 
     def judge_stale(self, now: Optional[float] = None) -> int:
         """Mark ``stale`` each online box not heard live whose newest word is too old; returns how many.
@@ -163,21 +212,40 @@ class FleetView:
         fires no will, and the retained ``online`` it left can be read from another node for a long time).
         """
         now = time.time() if now is None else now
-        marked = 0
-        for box in self.boxes.values():
-            if box.state != ONLINE or box.heard_live or box.last_seen is None:  # None: a status without "ts"
-                continue
+        stale = self.unconfirmed(now)  # a status without "ts" (no last_seen) is never judged stale
+        for box in stale:
             interval = box.telemetry_interval_s or DEFAULT_TELEMETRY_INTERVAL_S
-            if now - box.last_seen > STALE_INTERVALS * interval:
-                box.state = STALE
-                box.reason = "online %.0f s ago and not heard since (%.0f x its %.0f s telemetry interval)" % (
-                    now - box.last_seen, STALE_INTERVALS, interval)
-                marked += 1
-        return marked
+            box.state = STALE
+            box.reason = "online %.0f s ago and not heard since (%.0f x its %.0f s telemetry interval)" % (
+                now - (box.last_seen or now), STALE_INTERVALS, interval)
+        return len(stale)
 
     def in_group(self, group: Optional[str]) -> List[BoxView]:
-        """Boxes of ``group`` (all boxes when None), sorted by device id."""
-        return [self.boxes[d] for d in sorted(self.boxes) if group is None or group in self.boxes[d].groups]
+        """Boxes of ``group`` (all boxes when None; a duplicate id when any of its boxes is), sorted by id."""
+        return [self.boxes[d] for d in sorted(self.boxes) if group is None or group in self.boxes[d].groups or
+                any(group in twin.groups for twin in self.identities.get(d, {}).values())]
+
+
+def _fill(box: BoxView, body: Dict[str, Any], status: Any) -> None:
+    """Fold a status that parsed (``status``: its :class:`BoxStatus`; ``body``: its JSON) into ``box``."""
+    box.malformed = None
+    box.state = str(body.get("state", "unknown"))
+    groups = body.get("groups")
+    if isinstance(groups, list):
+        box.groups = [str(g) for g in groups]
+    if box.online or body.get("slots"):  # an offline will carries no slots: keep the last ones known
+        box.model = body.get("model", box.model)
+        box.backend = body.get("backend", box.backend)
+        box.kind = status.device_kind or box.kind
+        if isinstance(body.get("slots"), dict):
+            box.slots = body["slots"]
+    box.reason = body.get("reason")
+    box.broker = body.get("broker", box.broker)
+    interval = body.get("telemetry_interval_s")
+    if isinstance(interval, (int, float)) and interval > 0:
+        box.telemetry_interval_s = float(interval)
+    box.status_ts = body.get("ts") if isinstance(body.get("ts"), (int, float)) else None
+    box.last_seen = _latest(box.last_seen, box.status_ts)
 
 
 def _latest(current: Optional[float], new: Any) -> Optional[float]:
@@ -198,8 +266,10 @@ def collect(link: FleetLink, view: FleetView, listen_s: float, status_only: bool
 
     The set of boxes has settled once no new box has appeared for ``settle_s`` (:data:`SETTLE_S`): a small
     fleet does not wait for the whole ``listen_s``, and a link that pauses in the middle of the retained burst
-    does not cut it short. ``status_only`` leaves telemetry and alerts out (a rollout needs only the retained
-    status, and a large fleet's telemetry is most of its traffic).
+    does not cut it short. ``status_only`` leaves telemetry and alerts out (a large fleet's telemetry is most
+    of its traffic); with them, a box whose ``online`` status is too old to believe and that did not answer the
+    announce (a box from before the announce) is given about one telemetry interval (at most
+    :data:`LIVENESS_WAIT_MAX_S`) to be heard: its telemetry is liveness, as a status is.
     """
     link.subscribe(fleet_subscriptions(view.prefix, status_only=status_only))
     link.publish(announce_topic(view.prefix, group), {"ts": time.time()})  # after the SUBACK: no answer missed
@@ -211,10 +281,18 @@ def collect(link: FleetLink, view: FleetView, listen_s: float, status_only: bool
             grew, known = now, len(view.boxes)
         wait = max(start + listen_s, grew + settle_s) - now
         if wait <= 0:
-            return view
+            break
         message = link.get(wait)
         if message is not None:
             view.apply(message)
+    silent = [] if status_only else view.unconfirmed(time.time())
+    deadline = monotonic() + min(LIVENESS_WAIT_MAX_S, LIVENESS_INTERVALS * max([0.0] + [
+        b.telemetry_interval_s or DEFAULT_TELEMETRY_INTERVAL_S for b in silent]))
+    while any(not box.heard_live for box in silent) and monotonic() < deadline:
+        message = link.get(max(0.0, deadline - monotonic()))
+        if message is not None:
+            view.apply(message)
+    return view
 
 
 def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
@@ -235,6 +313,9 @@ def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
         note = ", ".join(str(a.get("kind", "alert")) for a in box.alerts)
         if not box.online and box.reason:
             note = (note + "; " if note else "") + str(box.reason)
+        if box.duplicate:
+            note = "DUPLICATE id: this one in groups %s, kind %s%s" % (",".join(box.groups) or "-", box.kind or "?",
+                                                                     "; " + note if note else "")
         if box.last_rollback:
             note = (note + "; " if note else "") + "rolled back %s %s" % (
                 box.last_rollback.get("version"), box.last_rollback.get("at"))
