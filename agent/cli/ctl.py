@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
     failures = []
     for host, port, use_tls in addresses:  # in turn: the first broker that takes the connection
         try:
-            client = make_client(args, "atlas-edge-ctl", use_tls, password)
+            client = make_client(args, "ctl", use_tls, password)
         except ValueError as exc:
             print("atlas-edge ctl: %s" % exc, file=err)
             return EXIT_USAGE
@@ -163,8 +163,16 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
         client.loop_stop()
 
 
+def run_client_id(username: Optional[str], tool: str) -> str:
+    """This run's own client id, ``<username>-<tool>-<random>``, never the bare account name: a broker drops the
+    older of two connections with one client id, so a ``fleet status`` must not share one with a running
+    ``fleet rollout`` (the operators' listener in systemd/mosquitto.conf.example keeps the ids clients choose)."""
+    return "%s-%s-%s" % (username or "atlas-edge", tool, uuid.uuid4().hex[:12])
+
+
 def make_client(args: argparse.Namespace, name: str, use_tls: bool, password: Optional[str]) -> Any:
-    """A clean-session paho client (no own reconnecting) with the credentials and TLS options of ``args``.
+    """A clean-session paho client (no own reconnecting) with the credentials and TLS options of ``args``, and a
+    client id of this run's own (:func:`run_client_id`; ``name`` is the tool: ``ctl``, ``fleet``).
 
     ``password`` is already resolved (:func:`resolve_secret`); ValueError names a CA file that cannot be loaded.
     """
@@ -172,7 +180,7 @@ def make_client(args: argparse.Namespace, name: str, use_tls: bool, password: Op
     from paho.mqtt.enums import CallbackAPIVersion
 
     client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2,
-                         client_id="%s-%s" % (name, uuid.uuid4().hex[:8]), clean_session=True,
+                         client_id=run_client_id(args.username, name), clean_session=True,
                          reconnect_on_failure=False)
     client.connect_timeout = CONNECT_ATTEMPT_S
     if args.username is not None:

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[Te
             rollout_id = check_rollout_id(args.rollout_id or spec.default_id())
             if command == "rollout" and args.expect is not None and args.expect < 1:
                 raise RolloutError("--expect must be >= 1")
-        link = _link(args, "atlas-edge-fleet")
+        link = _link(args, "fleet")
         if command == "status":
             return _status(args, link, out)
         if command == "forget":

@@ -83,10 +83,13 @@ def acl_broker(tmp_path_factory):
     out = tmp_path_factory.mktemp("acl")
     subprocess.run([PASSWD_SCRIPT, str(out)] + ACL_BOXES, check=True, capture_output=True, timeout=120)
     passwords = {}
-    for user in ACL_BOXES + ["operator"]:
+    for user in ACL_BOXES + ["operator-admin"]:  # the script's default operator
         with open(str(out / "credentials" / (user + ".password")), encoding="utf-8") as handle:
             passwords[user] = handle.read()
-    with EmbeddedBroker(password_file=str(out / "mosquitto.passwd"), acl_file=ACL_FILE) as broker:
+    # one listener here: the boxes' and the operators' password files together
+    (out / "all.passwd").write_text((out / "mosquitto.passwd").read_text().rstrip("\n") + "\n"
+                                    + (out / "operators.passwd").read_text())
+    with EmbeddedBroker(password_file=str(out / "all.passwd"), acl_file=ACL_FILE) as broker:
         yield broker, passwords
 
 
@@ -98,7 +101,7 @@ def test_under_the_acl_malformed_boxes_are_marked_and_a_forged_ack_changes_nothi
     faults = {1: ("bad_slots", None), 2: ("bad_rollback", None), 3: ("bad_result", None),
               4: ("forge", {"victim_rid": request_id(rollout_id, victim, "deploy")})}
     fleet = boxes(6, faults=faults, broker=broker, prefix="atlas-edge", passwords=passwords).start()
-    operator = ["--username", "operator", "--password", passwords["operator"]]
+    operator = ["--username", "operator-admin", "--password", passwords["operator-admin"]]
 
     code, status, _ = run_cli(["status", "--broker", broker.url, "--json", "--listen", "0"] + operator, capsys)
     assert code == EXIT_OK
@@ -394,7 +397,7 @@ def test_forget_clears_a_decommissioned_box_under_the_shipped_acl(acl_broker, bo
     fleet = boxes(8, broker=broker, prefix="atlas-edge", passwords=passwords).start()
     gone = fleet.box("box-07")
     fleet.call(gone.stop)
-    operator = ["--broker", broker.url, "--username", "operator", "--password", passwords["operator"]]
+    operator = ["--broker", broker.url, "--username", "operator-admin", "--password", passwords["operator-admin"]]
     code, _, err = run_cli(["forget", "box-07"] + operator, capsys)
     assert code == EXIT_OK, err
     code, status, _ = run_cli(["status", "--json", "--listen", "0"] + operator, capsys)

@@ -1,5 +1,7 @@
-"""Broker security as shipped: systemd/mosquitto-acl.example and the password file made by
-systemd/make-mosquitto-passwd.sh, loaded into a real Mosquitto; and MQTT over TLS with a CA made here."""
+"""Broker security as shipped: systemd/mosquitto-acl.example and the password files made by
+systemd/make-mosquitto-passwd.sh, loaded into a real Mosquitto with one listener for boxes and operators (the
+ACL's rules; the shipped two-listener config itself is tests/unit/ops/test_broker_example.py's); and MQTT over
+TLS with a CA made here."""
 
 import argparse
 import io
@@ -19,12 +21,9 @@ from agent.config.daemon_config import MqttConfig, TlsConfig
 from agent.devtools.broker import BrokerTls, EmbeddedBroker, find_mosquitto
 from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport
+from tests.support.tls_support import make_test_pki
 
 ACL_FILE = os.path.join(REPO_ROOT, "systemd", "mosquitto-acl.example")
-BROKER_CONF = os.path.join(REPO_ROOT, "systemd", "mosquitto.conf.example")
-# Lines of the shipped broker config that name this host's files and ports: the test broker has its own.
-LOCAL_KEYS = ("listener", "cafile", "certfile", "keyfile", "password_file", "acl_file", "allow_anonymous")
-TAKEOVERS = 10
 PASSWD_SCRIPT = os.path.join(REPO_ROOT, "systemd", "make-mosquitto-passwd.sh")
 
 
@@ -36,17 +35,13 @@ def fleet(tmp_path_factory):
         pytest.skip("needs mosquitto_passwd (package mosquitto) to make the password file")
     out = tmp_path_factory.mktemp("fleet")
     subprocess.run([PASSWD_SCRIPT, str(out), "cam-01", "cam-02"], check=True, capture_output=True,
-                   timeout=WAIT_S)
+                   timeout=WAIT_S)  # and the default operator, operator-admin
     credentials = str(out / "credentials")
-    with EmbeddedBroker(password_file=str(out / "mosquitto.passwd"), acl_file=ACL_FILE) as broker:
+    # one listener here: the boxes' and the operators' password files together
+    (out / "all.passwd").write_text((out / "mosquitto.passwd").read_text().rstrip("\n") + "\n"
+                                    + (out / "operators.passwd").read_text())
+    with EmbeddedBroker(password_file=str(out / "all.passwd"), acl_file=ACL_FILE) as broker:
         yield broker, credentials
-
-
-def shipped_settings():
-    """The shipped mosquitto.conf.example's settings, less those naming files and ports of the broker host."""
-    with open(BROKER_CONF, encoding="utf-8") as handle:
-        lines = [line.strip() for line in handle if line.strip() and not line.lstrip().startswith("#")]
-    return [line for line in lines if line.split()[0] not in LOCAL_KEYS]
 
 
 def find_mosquitto_or_skip() -> None:
@@ -102,7 +97,7 @@ def client_as(fleet, user: str, topics) -> MqttProbe:
 
 
 def test_another_devices_credentials_cannot_command_this_box(fleet, box):
-    operator = client_as(fleet, "operator", ["atlas-edge/#"])
+    operator = client_as(fleet, "operator-admin", ["atlas-edge/#"])
     intruder = client_as(fleet, "cam-02", [])
     try:
         intruder.publish("atlas-edge/cam-01/cmd/status", json.dumps({"request_id": "evil-1"}).encode())
@@ -121,7 +116,7 @@ def test_another_devices_credentials_cannot_command_this_box(fleet, box):
 
 
 def test_a_box_cannot_publish_outside_its_own_topics(fleet, box):
-    operator = client_as(fleet, "operator", ["atlas-edge/#"])
+    operator = client_as(fleet, "operator-admin", ["atlas-edge/#"])
     try:
         assert wait_for(lambda: operator.count("atlas-edge/cam-01/status") >= 1)  # the retained one first
         before = operator.count()
@@ -146,7 +141,7 @@ def test_a_box_cannot_publish_outside_its_own_topics(fleet, box):
 
 def test_a_box_cannot_read_another_boxs_results(fleet, box):
     intruder = client_as(fleet, "cam-02", ["atlas-edge/cam-01/#"])
-    operator = client_as(fleet, "operator", ["atlas-edge/cam-01/results/#"])
+    operator = client_as(fleet, "operator-admin", ["atlas-edge/cam-01/results/#"])
     try:
         box.transport.publish_result("front", {"secret": 1})
         assert wait_for(lambda: operator.count() == 1)
@@ -191,75 +186,16 @@ def test_anonymous_clients_are_refused(fleet):
         client.loop_stop()
 
 
-# -- one box cannot knock another offline --------------------------------------------------------------------
-
-def _takeover_count(fleet_dir, settings):
-    """How often cam-01 is disconnected while cam-02 logs in 10 times with cam-01's client id."""
-    import paho.mqtt.client as mqtt
-
-    credentials = os.path.join(fleet_dir, "credentials")
-    with EmbeddedBroker(password_file=os.path.join(fleet_dir, "mosquitto.passwd"), acl_file=ACL_FILE,
-                        extra_config=settings) as broker:
-        drops: "queue.Queue[Any]" = queue.Queue()
-        connected: "queue.Queue[Any]" = queue.Queue()
-        victim = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="atlas-edge-cam-01",
-                             reconnect_on_failure=False)
-        victim.username_pw_set("cam-01", password(credentials, "cam-01"))
-        victim.will_set("atlas-edge/cam-01/status", b'{"state": "offline"}', qos=1, retain=True)
-        victim.on_connect = lambda c, u, f, reason, p: connected.put(reason)
-        victim.on_disconnect = lambda c, u, f, reason, p: drops.put(reason)
-        victim.connect(broker.host, broker.port, keepalive=10)
-        victim.loop_start()
-        assert not connected.get(timeout=WAIT_S).is_failure
-        operator = MqttProbe(broker, ["atlas-edge/cam-01/status"], username="operator",
-                             password=password(credentials, "operator"))
-        try:
-            for _ in range(TAKEOVERS):
-                answers: "queue.Queue[Any]" = queue.Queue()
-                thief = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="atlas-edge-cam-01",
-                                    reconnect_on_failure=False)
-                thief.username_pw_set("cam-02", password(credentials, "cam-02"))
-                thief.on_connect = lambda c, u, f, reason, p, answers=answers: answers.put(reason)
-                thief.connect(broker.host, broker.port, keepalive=10)
-                thief.loop_start()
-                assert not answers.get(timeout=WAIT_S).is_failure  # cam-02 is let in, as itself
-                thief.disconnect()
-                thief.loop_stop()
-            if drops.empty():
-                # a marker through the victim's own connection: anything the takeovers caused arrived before it
-                victim.publish("atlas-edge/cam-01/status", b'{"state": "marker"}', qos=1).wait_for_publish(WAIT_S)
-                assert wait_for(lambda: {"state": "marker"} in operator.on("atlas-edge/cam-01/status"))
-            else:  # kicked: its will follows
-                assert wait_for(lambda: {"state": "offline"} in operator.on("atlas-edge/cam-01/status"))
-            offline = sum(1 for m in operator.on("atlas-edge/cam-01/status") if m == {"state": "offline"})
-            return drops.qsize(), offline
-        finally:
-            operator.close()
-            victim.disconnect()
-            victim.loop_stop()
-
-
-def test_with_the_shipped_broker_config_a_box_cannot_disconnect_another(tmp_path):
-    find_mosquitto_or_skip()
-    if shutil.which("mosquitto_passwd") is None:
-        pytest.skip("needs mosquitto_passwd (package mosquitto) to make the password file")
-    subprocess.run([PASSWD_SCRIPT, str(tmp_path), "cam-01", "cam-02"], check=True, capture_output=True,
-                   timeout=WAIT_S)
-    settings = shipped_settings()
-    assert "use_username_as_clientid true" in settings and any(s.startswith("max_packet_size") for s in settings)
-    assert _takeover_count(str(tmp_path), settings) == (0, 0)
-    # the same broker without the shipped settings: the first takeover kicks cam-01 and fires its will
-    drops, offline = _takeover_count(str(tmp_path), [])
-    assert drops >= 1 and offline >= 1
-
+# -- the password script -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, reason", [
     (["cam-01", "operator"], "device name 'operator' is reserved"),
     (["cam-01", "group"], "device name 'group' is reserved"),
     (["$SYS"], "bad user name '$SYS'"),
     (["cam/01"], "bad user name 'cam/01'"),
-    (["--operator", "group", "cam-01"], "operator name 'group' is reserved"),
-    (["--operator", "cam-01", "cam-01"], "'cam-01' is named both as an operator and as a device"),
+    (["cam-01", "operator-x"], "device name 'operator-x' is reserved"),
+    (["--operator", "group", "cam-01"], "operator name 'group' must be operator-<name>"),
+    (["--operator", "cam-01", "cam-01"], "operator name 'cam-01' must be operator-<name>"),
 ])
 def test_the_passwd_script_refuses_reserved_and_topic_special_names(tmp_path, argv, reason):
     done = subprocess.run([PASSWD_SCRIPT, str(tmp_path / "out"), *argv], capture_output=True, text=True,
@@ -273,25 +209,9 @@ def test_the_passwd_script_refuses_reserved_and_topic_special_names(tmp_path, ar
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("needs the openssl command line tool to make a test CA")
+    """A throwaway CA and a server certificate for 127.0.0.1 (ca.crt, server.crt/.key, other.crt)."""
     out = tmp_path_factory.mktemp("tls")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]  # fast to generate
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=str(out), timeout=WAIT_S)
-
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-        "-subj", "/CN=atlas-edge test CA")
-    run("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
-    (out / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.crt", "-days", "2", "-extfile", "san.cnf")
-    # a second CA that signed nothing here: trusting it must not be enough
-    run("req", "-x509", *ec, "-keyout", "other.key", "-out", "other.crt", "-days", "2",
-        "-subj", "/CN=other CA")
+    make_test_pki(str(out))
     return out
 
 
