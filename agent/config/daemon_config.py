@@ -22,6 +22,7 @@ DEFAULT_LEAK_MIN_SAMPLES = 12  # one minute at the default 5 s interval before a
 MIN_LEAK_SAMPLES = 6  # each half of the leak window needs >= 3 points for its own slope
 # User and topic names the broker setup gives a meaning (systemd/mosquitto-acl.example): never a device id.
 RESERVED_NAMES = ("operator", "group")
+OPERATOR_PREFIX = "operator-"  # operators' accounts are operator-<name> (systemd/make-mosquitto-passwd.sh)
 # One reader thread and one decoder per source: a 310 box serves a handful of cameras, not hundreds.
 MAX_SOURCES = 16
 # A camera that sends no new picture for this long is stalled: seconds, where OpenCV's own read timeout (30 s,
@@ -118,9 +119,10 @@ def _account_problem(device_id: str) -> Optional[str]:
     if device_id.startswith("$") or ":" in device_id or any(c.isspace() or ord(c) < 32 for c in device_id):
         return "must not start with '$' nor hold ':' or spaces: it is the box's broker user name (got %r)" % (
             device_id,)
-    if device_id in RESERVED_NAMES:
-        # a box named so would get the operator's password and rights, or the write rule over group topics
-        return "%r is reserved for the broker setup (%s)" % (device_id, ", ".join(RESERVED_NAMES))
+    if device_id in RESERVED_NAMES or device_id.startswith(OPERATOR_PREFIX):
+        # a box named so would get an operator's password and rights, or the write rule over group topics
+        return "%r is reserved for the broker setup (%s, %s<name>)" % (device_id, ", ".join(RESERVED_NAMES),
+                                                                       OPERATOR_PREFIX)
     return None
 
 

@@ -101,7 +101,7 @@ def test_the_number_of_sources_is_bounded():
     assert "at most 16 sources" in errors_of({**GOOD, "sources": many})["sources"]
 
 
-@pytest.mark.parametrize("device_id", ["operator", "group", "$SYS", "cam:01", "cam 01"])
+@pytest.mark.parametrize("device_id", ["operator", "operator-alice", "group", "$SYS", "cam:01", "cam 01"])
 def test_broker_reserved_and_topic_special_device_ids_are_refused(device_id):
     assert "device_id" in errors_of({**GOOD, "device_id": device_id})
 
