@@ -22,7 +22,15 @@ from agent.cli.ctl import (
     broker_addresses,
     make_client,
 )
-from agent.cli.fleet_options import add_cancel, add_forget, add_resume, add_rollout, add_status, rollout_spec
+from agent.cli.fleet_options import (
+    add_cancel,
+    add_forget,
+    add_resume,
+    add_revert,
+    add_rollout,
+    add_status,
+    rollout_spec,
+)
 from agent.cli.fleet_preflight import Check
 from agent.config.schema import ConfigError
 from agent.config.secrets import resolve_secret
@@ -38,13 +46,13 @@ from agent.protocol.envelope import CommandEnvelope
 from agent.protocol.topics import name_problem, status_topic
 
 EXIT_INTERRUPTED = 130
-ACTIONS = ("status", "rollout", "resume", "cancel", "forget")
+ACTIONS = ("status", "rollout", "resume", "revert", "cancel", "forget")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One sub-command per action; their options are in :mod:`agent.cli.fleet_options`."""
     sub = parser.add_subparsers(dest="fleet_command", metavar="ACTION")
-    for add in (add_status, add_rollout, add_resume, add_cancel, add_forget):
+    for add in (add_status, add_rollout, add_resume, add_revert, add_cancel, add_forget):
         add(sub)
 
 
@@ -98,12 +106,12 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[Te
     link = None
     try:
         if command == "cancel":
-            return _cancel(args, out)
+            return _cancel(args, out) or EXIT_OK
         problems = prefix_problems(args.prefix)
         if problems:
             raise RolloutError(problems[0])
         spec = rollout_id = envelope = None
-        if command in ("rollout", "resume"):
+        if command in ("rollout", "resume", "revert"):
             envelope = CommandEnvelope.from_file(args.ttl, args.command_key)  # a bad key: exit 2, nothing sent
             spec = rollout_spec(args) if command == "rollout" else _recorded_spec(args)
             spec.check()
@@ -115,7 +123,9 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[Te
             return _status(args, link, out)
         if command == "forget":
             return _forget(args, link, out)
-        return _rollout(args, spec, rollout_id, envelope, link, out, err, resume=command == "resume")
+        if command == "revert" and _cancel(args, out, revert=True) is not None:
+            return EXIT_OK  # another process drives it: that process reverts
+        return _rollout(args, spec, rollout_id, envelope, link, out, err, resume=command in ("resume", "revert"))
     except (ValueError, ConfigError, RolloutError) as exc:
         print("atlas-edge fleet: %s" % exc, file=err)
         return EXIT_USAGE
@@ -169,23 +179,33 @@ def _forget(args: argparse.Namespace, link: FleetLink, out: TextIO) -> int:
     return EXIT_OK
 
 
-def _cancel(args: argparse.Namespace, out: TextIO) -> int:
+def _cancel(args: argparse.Namespace, out: TextIO, revert: bool = False) -> Optional[int]:
+    """Stop a rollout (``fleet cancel``), or mark it to be reverted (``--revert``, ``fleet revert``).
+
+    A finished rollout can still be reverted: it is then ``cancelled`` (its boxes no longer serve what a
+    ``completed`` would say), ``cancel.after`` keeps how it had ended. For ``fleet revert`` (``revert``) the
+    return is None when no process drives the rollout: the caller runs the reverts itself.
+    """
     rollout_id = check_rollout_id(args.rollout_id)
+    revert = revert or args.revert
     base = os.path.join(_state_dir(args), rollout_id)
     with RolloutLock.probe(base + ".lock") as running:
         state = None if running else RolloutState.load(base + ".json")
         if not running and state is None:
             raise RolloutError("no rollout %s in %s" % (rollout_id, _state_dir(args)))
-        if state is not None and state.status in FINISHED:
-            raise RolloutError("rollout %s already %s" % (rollout_id, state.status))
-        atomic_write(base + ".cancel", json.dumps({"revert": args.revert}) + "\n")
+        if state is not None and state.status in FINISHED and not revert:
+            raise RolloutError("rollout %s already %s ('fleet revert' or 'cancel --revert' rolls back the boxes it "
+                               "moved)" % (rollout_id, state.status))
+        atomic_write(base + ".cancel", json.dumps({"revert": revert}) + "\n")
         if state is not None:  # no process drives it: cancelled here, reverts by the next run of the command
-            state.top(status=RolloutStatus.CANCELLED, revert=RevertWish.WANTED if args.revert else None,
-                      cancel={"revert": args.revert})
+            state.top(status=RolloutStatus.CANCELLED, revert=RevertWish.WANTED if revert else None,
+                      cancel={"revert": revert, "after": str(state.status)})
             state.save()
+    if getattr(args, "fleet_command", None) == "revert" and not running:
+        return None
     print("rollout %s: cancel %s%s" % (rollout_id, "sent to the running process" if running else "recorded",
-                                       "; re-run the rollout command to revert moved boxes" if args.revert and
-                                       not running else ""), file=out)
+                                       "; re-run the rollout command (or 'fleet revert') to revert moved boxes"
+                                       if revert and not running else ""), file=out)
     return EXIT_OK
 
 

@@ -146,6 +146,15 @@ def add_cancel(sub: Any) -> None:
     _state_args(cancel, True)
 
 
+def add_revert(sub: Any) -> None:
+    """``fleet revert``: roll back every box a rollout may have moved, finished or not (docs/fleet.md)."""
+    revert = sub.add_parser("revert", help="roll back every box a rollout may have moved (also a finished "
+                            "rollout: it then reports cancelled)")
+    add_broker_arguments(revert)
+    _state_args(revert, True)
+    _run_args(revert)
+
+
 def add_forget(sub: Any) -> None:
     """``fleet forget``: a decommissioned box."""
     forget = sub.add_parser("forget", help="clear a decommissioned box's retained status and its record")

@@ -142,6 +142,7 @@ class BoxRecord:
     finished_at: Optional[float] = None
     revert: Optional[Revert] = None
     waits: bool = False  # offline at the plan: sent once back online, within --wait-offline
+    serving: Optional[Dict[str, Any]] = None  # what it serves at the end, read by the final check (final.py)
 
     @classmethod
     def planned(cls, request: Optional[str], view: Optional[BoxView] = None, **changes: Any) -> "BoxRecord":

@@ -21,7 +21,8 @@ def exit_code(status: str) -> int:
 
 
 def report(state: RolloutState) -> Dict[str, Any]:
-    """The JSON report: counts, the abort, and per box old/new version, outcome, timings, revert, anomalies.
+    """The JSON report: counts, the abort, and per box old/new version, outcome, timings, revert, what it serves
+    at the end (``serving``), anomalies.
 
     States are given as their plain strings (what the state file holds).
     """
@@ -45,6 +46,7 @@ def report(state: RolloutState) -> Dict[str, Any]:
             else None,
             "reverted": revert.state == RevertState.SUCCEEDED if revert and revert.request_id else None,
             "revert": dict(revert.as_dict(), state=revert.state.value) if revert else None,
+            "serving": box.serving,  # what it serves at the end, read by the final check (agent/fleet/final.py)
             "anomalies": list(box.anomalies)})
     not_reached = [b["device"] for b in boxes if b["outcome"] not in REACHED]
     return {"rollout_id": data["rollout_id"], "spec": data["spec"], "status": state.status.value,

@@ -1,39 +1,53 @@
-"""Putting moved boxes back after an abort (``--rollback-on-abort``) or ``fleet cancel --revert``.
+"""Putting moved boxes back after an abort (``--rollback-on-abort``), ``fleet cancel --revert`` or ``fleet revert``.
 
-Which boxes moved is read from the boxes themselves, not from what the rollout believed when it stopped: every
-box that was sent a deploy is followed until it settles. One seen serving the new bundle (pending or
-confirmed, also one that timed out and confirmed late, or came back from offline on it) gets a ``rollback``
-with the request id ``<rollout>.<device>.rollback``; one seen serving something else whose deploy has ended
-needs nothing. The rollback request is journaled before it is sent, so a re-run after a kill sends the same
-request id (answered from the box's record if it already ran) and finishes the job.
+Which boxes moved is read from the boxes themselves, never from the outcome the rollout gave them: every box
+that was sent a deploy is followed until it is back or *proven unmoved*, whatever its outcome (``malformed``,
+``failed``, ``timed_out``, a late ack, ``succeeded`` before its status showed the switch). A box
+
+- whose latest status serves anything but the model it served at the plan (the new bundle pending or
+  confirmed, another manifest) gets a ``rollback`` with the request id ``<rollout>.<device>.rollback``;
+- whose deploy was answered ``succeeded`` after its latest status waits for a newer status (the group is asked
+  to announce itself every :data:`ASK_EVERY_S`), and is rolled back when none comes within
+  :data:`STATUS_WAIT_S` (half ``--revert-timeout`` if less): its own ack says it switched;
+- is proven unmoved when a live, well-formed status serves its old model with nothing pending *and* its deploy
+  is over: a final ack to it, the deploy missed (:mod:`agent.fleet.delivery`), or the step timeout passed.
+
+A rollback never goes to an unmoved box: with nothing pending a box's rollback restores its standby, an older
+model. The rollback request is journaled before it is sent, so a re-run after a kill sends the same request id
+(answered from the box's record if it already ran); one a box missed while away is sent again once it is heard
+from (:mod:`agent.fleet.delivery`).
 """
 
-from typing import Any, Callable, Dict, Optional, Set
+from typing import Any, Callable, Dict, Optional
 
+from agent.fleet.delivery import Delivery
 from agent.fleet.intake import Intake
 from agent.fleet.journal import RolloutState
 from agent.fleet.plan import request_id
-from agent.fleet.records import SETTLED_REVERTS, Outcome, Revert, RevertState, identity
-from agent.protocol.messages import FINAL_STATES
+from agent.fleet.records import SETTLED_REVERTS, BoxRecord, Revert, RevertState, identity
+from agent.protocol.messages import FINAL_STATES, SUCCEEDED
+from agent.protocol.topics import announce_topic
 
-SETTLED_OUTCOMES = (Outcome.FAILED, Outcome.ROLLED_BACK, Outcome.MALFORMED)  # their deploy ended, box unmoved
+ASK_EVERY_S = 5.0  # how often the group is asked to announce itself while a box's status is older than its ack
+STATUS_WAIT_S = 10.0  # a box that said it switched and publishes no newer status is taken at its word then
 Send = Callable[[str, str, Dict[str, Any]], None]  # (device, verb, fields): one command, dated and signed
 
 
 class Reverter:
-    """Follows every box that was sent a deploy until it is back or known never to have moved.
+    """Follows every box that was sent a deploy until it is back or proven never to have moved.
 
     It reads what the boxes said from the ``intake`` (as :class:`agent.fleet.judge.Judge` does) and sends
     through ``send`` (the engine's, which dates and signs each command).
     """
 
-    def __init__(self, intake: Intake, send: Send, state: RolloutState) -> None:
+    def __init__(self, intake: Intake, send: Send, state: RolloutState, delivery: Delivery) -> None:
         self.intake = intake
         self.send = send
         self.state = state
+        self.delivery = delivery
         self.spec = intake.spec
-        self.sha = intake.spec.sha256.lower()
-        self._sent: Set[str] = set()  # rollbacks this run has published
+        self._asked = float("-inf")
+        self._since: Dict[str, float] = {}  # device -> when this run began waiting for a status newer than its ack
 
     def run(self) -> None:
         state, intake = self.state, self.intake
@@ -41,7 +55,7 @@ class Reverter:
                    (b.revert is None or b.revert.state not in SETTLED_REVERTS)]
         if not waiting:
             return
-        intake.progress("following %d box(es) that were sent a deploy: each one on the new bundle is rolled back"
+        intake.progress("following %d box(es) that were sent a deploy: each one that moved is rolled back"
                         % len(waiting))
         intake.subscribe_acks(waiting)
         deadline = intake.monotonic() + self.spec.revert_timeout_s
@@ -63,9 +77,17 @@ class Reverter:
         state.save()
 
     def _send(self, device: str, rid: str) -> None:
-        self._sent.add(device)
+        self.delivery.sent(device, rid)
         self.send(device, "rollback", {"request_id": rid,
                                        "reason": "rollout %s %s" % (self.intake.rollout_id, self.state.status)})
+
+    def _ask(self) -> None:
+        """Ask the group to announce itself (at most every ASK_EVERY_S): a box that publishes no status of its
+        own after a switch still answers this."""
+        if self.intake.monotonic() - self._asked >= ASK_EVERY_S:
+            self._asked = self.intake.monotonic()
+            self.intake.link.publish(announce_topic(self.spec.prefix, self.spec.group),
+                                     {"ts": self.intake.clock()})
 
     def _where(self, device: str) -> str:
         view = self.intake.view.boxes.get(device)
@@ -75,36 +97,61 @@ class Reverter:
         return "%s, serving %s %s" % (view.state, serving.get("version"), serving.get("state"))
 
     def _step(self, device: str) -> bool:
-        """One look at a box; True once it is settled (reverted, or never moved)."""
+        """One look at a box; True once it is settled (reverted, or proven never to have moved)."""
         state, intake = self.state, self.intake
         box = state.boxes[device]
         revert = box.revert
-        view = intake.view.boxes.get(device)
-        on_new = view is not None and view.online and view.serving.get("manifest_sha256") == self.sha
         if revert is not None and revert.state == RevertState.SENT and revert.request_id is not None:
             ack = intake.acks.get((device, revert.request_id))
             if ack is not None and ack.state in FINAL_STATES:
                 return self._record(device, RevertState(ack.state), ack.error.code + ": " + str(ack.error.message)
                                     if ack.error is not None else None, ack.result)
-            if device not in self._sent:  # sent by a run that was killed: same request id, answered once
-                self._send(device, revert.request_id)
+            if not self.delivery.was_sent(device, revert.request_id) or \
+                    self.delivery.missed(device, revert.request_id):
+                if self.delivery.was_sent(device, revert.request_id):
+                    intake.progress("  %-24s heard from again: rollback sent again" % device)
+                self._send(device, revert.request_id)  # same request id: a box that ran it answers once
             return False
-        deployed = box.deployed_at is not None and box.outcome not in SETTLED_OUTCOMES
-        if on_new or deployed:
+        moved = self._moved(device, box)
+        if moved:
             rid = request_id(intake.rollout_id, device, "rollback")
             state.set(device, revert=Revert(RevertState.SENT, request_id=rid, sent_at=intake.clock()))
             state.save()  # journaled before it is sent
             self._send(device, rid)
             return False
-        if view is None or not view.online:
-            return False  # may come back on the new model: followed until the deadline
-        ended = box.outcome in SETTLED_OUTCOMES or any(
-            ack.state in FINAL_STATES for (d, rid), ack in intake.acks.items() if d == device and
-            rid == box.request_id)
-        if ended or intake.clock() - (box.sent_at or 0.0) > self.spec.step_timeout:
-            state.set(device, revert=Revert(RevertState.NOTHING, note="never moved (%s)" % self._where(device)))
-            return True
-        return False
+        if moved is None:
+            return False
+        view = intake.view.boxes[device]
+        state.set(device, revert=Revert(RevertState.NOTHING, to=identity(view.serving),
+                                        note="never moved (%s)" % self._where(device)))
+        return True
+
+    def _moved(self, device: str, box: BoxRecord) -> Optional[bool]:
+        """True: it serves something else than at the plan; False: proven unmoved; None: not known yet."""
+        intake = self.intake
+        view = intake.view.boxes.get(device)
+        old = (box.old or {}).get("manifest_sha256")
+        serving = view.serving if view is not None else {}
+        if serving and serving.get("manifest_sha256") != old:
+            return True  # its latest status (also a last will's kept slots) shows it moved
+        switched = [at for (d, rid), at in intake.acked_at.items() if d == device and
+                    intake.acks[(d, rid)].state == SUCCEEDED and not rid.endswith(".rollback")]
+        heard = intake.status_heard.get(device)
+        if switched and (heard is None or heard < max(switched)):
+            self._ask()
+            since = self._since.setdefault(device, intake.monotonic())
+            waited = intake.monotonic() - since
+            return True if waited >= min(STATUS_WAIT_S, self.spec.revert_timeout_s / 2) else None  # or a status
+        if view is None or not view.online or view.malformed or heard is None or \
+                any(entry and entry.get("state") == "pending" for entry in (view.slots.get("slots") or {}).values()):
+            if view is not None and view.online and heard is None:
+                self._ask()
+            return None
+        rid = box.request_id or ""
+        ack = intake.acks.get((device, rid))
+        ended = (ack is not None and ack.state in FINAL_STATES) or self.delivery.missed(device, rid) or \
+            intake.clock() - (box.sent_at or 0.0) > self.spec.step_timeout
+        return False if ended else None
 
     def _record(self, device: str, outcome: RevertState, error: Optional[str], result: Any) -> bool:
         model = (result or {}).get("model") if isinstance(result, dict) else None

@@ -12,8 +12,9 @@ Semantics (docs/fleet.md has the long form):
   ack that does not parse) is recorded against the box that sent it. Statuses and acks are parsed
   (``messages.py``); a malformed one makes that box ``malformed``. Two different final answers to one request
   id mean two boxes share the device id: ``duplicate``.
-- **Delivery.** A deploy sent while a box was offline (clean sessions lose it) is sent again, same request id,
-  when the box comes back; ``busy`` and ``interrupted`` are retried with backoff under a new request id, up to
+- **Delivery.** A deploy a box missed while it was away (clean sessions lose it) is sent again, same request
+  id, once the box is heard from (``delivery.py``: a status, an announce answer or telemetry, no will
+  needed); ``busy`` and ``interrupted`` are retried with backoff under a new request id, up to
   ``--retries``; a success naming another manifest fails the box at once. Silence for ``--step-timeout``
   (progress acks restart it) or no confirmation ``--confirm-timeout`` after the deploy ends is ``timed_out``.
 - **Abort.** A failed canary stops the rollout unless ``--continue-after-canary-failure``; after every outcome
@@ -21,6 +22,10 @@ Semantics (docs/fleet.md has the long form):
   ``--rollback-on-abort`` (kept in the state file from the plan on) every box that was sent a deploy is
   followed until it settles, and each one seen on the new model, late or timed out ones included, gets a
   ``rollback``; a re-run after a kill finishes that.
+- **Final check.** Before the rollout says ``completed`` (or reports an abort or a revert) every box is read
+  once more (``final.py``): the report's per-box ``serving`` is what it serves at the end, an outcome that no
+  longer holds is corrected (a confirmed box back on the old model is ``rolled_back``), and the status and
+  exit code follow.
 - **Idempotent and resumable.** Request ids derive from the rollout id, the device id and the attempt; the
   state is journaled (``journal.py``) before anything is sent; a re-run goes on where the last run stopped.
 - **Clocks.** Wall time (``clock``) stamps the state file and report; deadlines run on ``monotonic``. A box sent
@@ -34,6 +39,8 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Callable, Deque, Dict, List, Optional
 
+from agent.fleet.delivery import Delivery
+from agent.fleet.final import FinalCheck
 from agent.fleet.intake import POLL_S, Intake
 from agent.fleet.journal import STATE_SCHEMA, RolloutLock, RolloutState
 from agent.fleet.judge import Judge, abort_reason
@@ -96,6 +103,7 @@ class Rollout:
                              self.path[:-len(".json")] + ".cancel")
         self.view = self.intake.view  # filled by the intake from the messages
         self.judge = Judge(self.intake)
+        self.delivery = Delivery(self.intake)  # what each box was sent this run, and whether it missed it
         self._sends: Deque[float] = deque()  # monotonic times of recent deploys, for --max-per-minute
         self.state: Optional[RolloutState] = None
 
@@ -230,15 +238,17 @@ class Rollout:
         for device, box in state.boxes.items():
             if box.phase == Phase.PLANNED:
                 state.set(device, outcome=Outcome.NOT_STARTED, phase=Phase.DONE)
+        state.save()
+        if state.revert == RevertWish.WANTED:
+            Reverter(self.intake, self.send, state, self.delivery).run()
+            state.top(revert=RevertWish.DONE)
+        FinalCheck(self.intake, state).run()  # what each box serves now decides the report, not what it said
         if state.status == RolloutStatus.RUNNING:
             incomplete = state.data.get("shortfall") or any(b.outcome not in REACHED for b in state.boxes.values())
             state.top(status=RolloutStatus.PARTIAL if incomplete else RolloutStatus.COMPLETED)
         if state.data.get("finished") is None:
             state.top(finished=self.clock())
         state.save()
-        if state.revert == RevertWish.WANTED:
-            Reverter(self.intake, self.send, state).run()
-            state.top(revert=RevertWish.DONE)
 
     def _after_canary(self, state: RolloutState, canary: List[str]) -> None:
         failed = [d for d in canary if state.boxes[d].outcome in FAILURES]
@@ -289,7 +299,8 @@ class Rollout:
                     reason = abort_reason(self.spec, state.outcomes(), len(in_flight))
                     if reason is not None and state.status == RolloutStatus.RUNNING:
                         self._abort(state, index, reason)
-                elif device in self.intake.resend and state.status == RolloutStatus.RUNNING:
+                elif state.status == RolloutStatus.RUNNING and (device in self.intake.resend or self.delivery.missed(
+                        device, state.boxes[device].request_id or "")):
                     self.intake.resend.discard(device)
                     self.progress("  %-24s back online: deploy sent again" % device)
                     self._send_deploy(state, device)
@@ -306,6 +317,7 @@ class Rollout:
         if self.spec.archive_sha256 is not None:
             payload["archive_sha256"] = self.spec.archive_sha256.lower()
         self.send(device, "deploy", payload)
+        self.delivery.sent(device, payload["request_id"])
         if restart_clock:
             self.intake.anchor[device] = self.monotonic()
         self._sends.append(self.monotonic())

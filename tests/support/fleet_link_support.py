@@ -64,6 +64,9 @@ class SimulatedLink:
     def progress(self, line):
         if line.startswith("waiting up to"):
             self.marks["wait"] = self.mono
+        for mark in ("timed_out", "revert: not settled"):  # the moment a deadline ended (the final check follows)
+            if mark in line:
+                self.marks.setdefault(mark, self.mono)
 
 
 def _online(device):
