@@ -24,9 +24,10 @@ own bucket: junk cannot use up the operator's tokens), the record (a signed retr
 queue's room, group verbs and the date (dated ids live in the record's file: no replay after a restart).
 
 Threads: :meth:`CommandDispatcher.submit` runs on paho's thread and only enqueues. The intake thread checks
-and parses each message and sends ``accepted`` at once. Two workers run handlers: the control worker runs the
-verb table's control verbs (status, pause, resume, rollback, cancel), the other everything else one at a time,
-so the operator is answered, and can ``cancel``, while a long deploy runs. Handlers are the daemon's
+and parses each message and sends ``accepted`` at once. Three workers run handlers: the control worker runs the
+verb table's control verbs (status, pause, resume, rollback, cancel), the long worker its long verbs (deploy),
+the third everything else one at a time: the operator is answered, can ``cancel`` or ``rollback``, and a
+set-config or restart runs, while a deploy downloads and unpacks. Handlers are the daemon's
 (:mod:`agent.commands.handlers`), found by the verb table's method names (:func:`handlers_of`); every ack is
 recorded, published and counted by :mod:`agent.commands.answers`.
 """
@@ -60,6 +61,7 @@ from agent.protocol.verbs import (
     VERB_TABLE,
     check_group_verbs,
     control_verbs,
+    long_verbs,
     missing_handlers,
     parse_request,
     verb_names,
@@ -139,13 +141,16 @@ class CommandDispatcher:
         self._inbox: "queue.Queue[Tuple[str, bytes, float, bool]]" = queue.Queue(INBOX_SIZE)
         self._jobs: "queue.Queue[Job]" = queue.Queue(queue_size)
         self._control: "queue.Queue[Job]" = queue.Queue(queue_size)
+        self._long: "queue.Queue[Job]" = queue.Queue(queue_size)  # deploys: set-config never waits on a download
         self._freshness = freshness or Freshness()
         self._freshness.keep_ids_in(self._record)  # dated ids outlive a restart
         self._group_verbs = frozenset(check_group_verbs(group_verbs))
         self._control_verbs = frozenset(control_verbs())
+        self._long_verbs = frozenset(long_verbs())
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self._busy = threading.Event()  # the worker is inside a handler
+        self._deploying = threading.Event()  # the long worker is
         self._answers = Answers(transport, self._record)
         self._on_alert = on_alert
         self._on_announce = on_announce
@@ -170,8 +175,9 @@ class CommandDispatcher:
         if not self._threads:
             self._stop.clear()
             for name, target, args in (("cmd-intake", self._intake_loop, ()),
-                                       ("cmd-worker", self._worker_loop, (self._jobs,)),
-                                       ("cmd-control", self._worker_loop, (self._control,))):
+                                       ("cmd-worker", self._worker_loop, (self._jobs, self._busy)),
+                                       ("cmd-control", self._worker_loop, (self._control,)),
+                                       ("cmd-long", self._worker_loop, (self._long, self._deploying))):
                 thread = threading.Thread(target=target, args=args, name=name, daemon=True)
                 thread.start()
                 self._threads.append(thread)
@@ -186,7 +192,7 @@ class CommandDispatcher:
             if thread.is_alive():
                 logger.warning("commands: thread %s did not stop within %.0f s", thread.name, timeout)
         self._threads = []
-        for jobs in (self._jobs, self._control):
+        for jobs in (self._jobs, self._control, self._long):
             while True:
                 try:
                     job = jobs.get_nowait()
@@ -202,8 +208,8 @@ class CommandDispatcher:
         """True once every submitted message has been handled (tests; shutdown ordering)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._inbox.unfinished_tasks == 0 and self._jobs.unfinished_tasks == 0 \
-                    and self._control.unfinished_tasks == 0:
+            if self._inbox.unfinished_tasks == 0 and all(
+                    q.unfinished_tasks == 0 for q in (self._jobs, self._control, self._long)):
                 return True
             self._stop.wait(0.01)
         return False
@@ -289,7 +295,8 @@ class CommandDispatcher:
             answers.finish(Job(request_id, verb, None), FAILED, error=error_body(
                 "unknown_verb", "unknown verb %r (this device handles: %s)" % (verb, known), "verb"))
             return
-        jobs = self._control if verb in self._control_verbs else self._jobs
+        jobs = self._control if verb in self._control_verbs else (
+            self._long if verb in self._long_verbs else self._jobs)
         if jobs.full():
             # Not recorded, and before the date check keeps a dated id: it never ran, so a retry (the same
             # signed message) once the queue has room may run it.
@@ -345,17 +352,22 @@ class CommandDispatcher:
 
     # -- worker thread ------------------------------------------------------------------------------------
 
-    def _worker_loop(self, jobs: "queue.Queue[Job]") -> None:
+    def _worker_loop(self, jobs: "queue.Queue[Job]", busy: Optional[threading.Event] = None) -> None:
+        """Run ``jobs`` one at a time; ``busy`` (the status's ``busy``) is set while a handler runs."""
         while not self._stop.is_set():
             try:
                 job = jobs.get(timeout=STOP_POLL_S)
             except queue.Empty:
                 continue
+            if busy is not None:
+                busy.set()
             try:
                 self._run(job)
             except Exception:  # publishing or recording failed: the dispatcher must keep going
                 logger.exception("commands: could not complete %s %s", job.verb, job.request_id)
             finally:
+                if busy is not None:
+                    busy.clear()
                 jobs.task_done()
 
     def _run(self, job: Job) -> None:
@@ -367,9 +379,6 @@ class CommandDispatcher:
         started = self._answers.ack(job, IN_PROGRESS)
         self._record.save(started)
         self._answers.publish(started)
-        main = job.verb not in self._control_verbs
-        if main:
-            self._busy.set()
         try:
             result = handler(job.request, progress)
             if result is not None and not isinstance(result, Mapping):
@@ -384,16 +393,13 @@ class CommandDispatcher:
             logger.exception("commands: handler for %s %s raised", job.verb, job.request_id)
             self._answers.finish(job, FAILED, error=error_body("internal", "%s: %s" % (type(exc).__name__, exc)))
             return
-        finally:
-            if main:
-                self._busy.clear()
         self._answers.count("succeeded")
         self._answers.finish(job, SUCCEEDED, result=dict(result or {}))
 
     def stats(self) -> Dict[str, Any]:
         """received, accepted, succeeded, duplicates; failed and dropped by code/reason (for ``status``)."""
         result = self._answers.counts()
-        result["busy"] = self._busy.is_set()
-        result["queued"] = self._jobs.qsize() + self._control.qsize()
+        result["busy"] = self._busy.is_set() or self._deploying.is_set()
+        result["queued"] = self._jobs.qsize() + self._control.qsize() + self._long.qsize()
         result["record_in_memory"] = self._record.in_memory
         return result

@@ -9,7 +9,9 @@ between two batches.
 
 Threads and who does what (the daemon's serving loop is the only thread that runs inference):
 
-- the command worker runs :meth:`ModelManager.deploy` and :meth:`ModelManager.rollback`: fetch, verify,
+- the command dispatcher's long worker runs :meth:`ModelManager.deploy` and its control worker
+  :meth:`ModelManager.rollback` and :meth:`ModelManager.cancel` (a rollback cancels a running deploy first, waits
+  for it to stop, then rolls back; a deploy honours a cancel within 2 s while it downloads or unpacks): fetch, verify,
   load, warm up and self-test the new model *off* the serving thread, write the slot table, then submit the
   swap to the handover queue and wait, with the caller's timeout; a swap the loop did not take in time is
   withdrawn (it never happens), the old table is written back and the new model released;
@@ -210,6 +212,9 @@ class ModelManager:
             slot = other_slot(table.serving)
             model, new_slot = self._prepare(request, serving, slot, progress)
             try:
+                if self._cancel.is_set():  # a rollback preempts a deploy up to its switch
+                    model.close()
+                    raise CommandError("cancelled", "the deploy was cancelled after loading; nothing changed")
                 progress("switching to %s in slot %s" % (model.label, slot))
                 self._swap.switch(model, slot, lambda t: with_pending(t, slot, new_slot), opens_window=True,
                                   timeout=self.switch_timeout_s if timeout_s is None else timeout_s)
@@ -232,25 +237,40 @@ class ModelManager:
         detail = "rollback command" if reason == TRIGGER_OPERATOR else reason
         text = "%s: %s" % (TRIGGER_OPERATOR, detail)
         timeout = self.switch_timeout_s if timeout_s is None else timeout_s
+        if not self._pending():
+            self._take_operation(timeout)
+            try:
+                if not self._pending():  # else the preempted deploy had switched already: undo it below
+                    return self._restore_standby(self._started_table(), text, timeout)
+            finally:
+                self._operation.release()
+        try:
+            return self.handover.submit(lambda: self._swap.rollback_pending(text), timeout, what="rollback")
+        except HandoverTimeout:
+            raise CommandError("switch_timeout", "the serving loop did not roll back within %.1f s; "
+                               "nothing changed" % timeout) from None
+
+    def _pending(self) -> bool:
+        """A model on probation, or a deploy's swap queued for the serving loop."""
         with self._swap.lock:
             self._started_table()
-            pending = self._swap.probation.window is not None or self._swap.swap_queued
-        if pending:
-            try:
-                return self.handover.submit(lambda: self._swap.rollback_pending(text), timeout, what="rollback")
-            except HandoverTimeout:
-                raise CommandError("switch_timeout", "the serving loop did not roll back within %.1f s; "
-                                   "nothing changed" % timeout) from None
-        if not self._operation.acquire(blocking=False):
-            raise CommandError("busy", "another deploy or rollback is running")
-        try:
-            return self._restore_standby(self._started_table(), text, timeout)
-        finally:
-            self._operation.release()
+            return self._swap.probation.window is not None or self._swap.swap_queued
+
+    def _take_operation(self, timeout_s: float) -> None:
+        """The operation lock for a rollback: a running deploy is cancelled first and waited for (it stops at
+        its next check: within 2 s while downloading or unpacking, after the load while loading)."""
+        if self._operation.acquire(blocking=False):
+            return
+        self._cancel.set()
+        log.info("rollback: cancelling the running deploy first")
+        if not self._operation.acquire(timeout=timeout_s):
+            raise CommandError("busy", "the running deploy did not stop within %.1f s of its cancel; nothing "
+                               "changed" % timeout_s)
 
     def cancel(self) -> Dict[str, Any]:
-        """Stop a running deploy at its next check (download chunk, archive read, before loading); it then fails
-        ``cancelled`` and nothing changes. Once its switch is submitted it is no longer cancelled: roll it back."""
+        """Stop a running deploy at its next check (the download's watch, each gunzip step or archive read, before
+        and after loading); it then fails ``cancelled`` and nothing changes. Once its switch is submitted it is
+        no longer cancelled: roll it back."""
         running = self._operation.locked()
         if running:
             self._cancel.set()
@@ -268,7 +288,9 @@ class ModelManager:
         return result
 
     def close(self) -> None:
-        """Release every model; a swap still queued fails with 'shutting_down' when (if ever) the loop runs it."""
+        """Release every model; a swap still queued fails with 'shutting_down' when (if ever) the loop runs it, and
+        a running deploy stops at its next check."""
+        self._cancel.set()
         self._swap.close()
 
     # --- deploy steps ------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ class Verb:
     handler: str  # the method of the daemon's handlers that runs it: ``method(request, progress) -> dict``
     help: str  # one line, for ``ctl --help``
     control: bool = False  # on the control worker: answered (and can cancel) while a deploy runs
+    long: bool = False  # on a worker of its own: its download and unpack never hold the verbs behind it
     group_safe: bool = False  # in commands.group_verbs by default: safe on every box of a group at once
 
 
@@ -42,7 +43,8 @@ VERB_TABLE: "OrderedDict[str, Verb]" = _table(
     Verb("validate", ConfigRequest, "validate", "check a partial config against the running one; nothing changes"),
     Verb("set-config", ConfigRequest, "set_config", "change live sections (thresholds, batching, publish, "
          "sources), kept across restarts"),
-    Verb("deploy", DeployRequest, "deploy", "verify, load and switch to a bundle (A/B slots, probation)"),
+    Verb("deploy", DeployRequest, "deploy", "verify, load and switch to a bundle (A/B slots, probation)",
+         long=True),
     Verb("rollback", RollbackRequest, "rollback", "go back to the other slot's model", control=True),
     Verb("pause", NoFields, "pause_command", "stop serving frames (stale ones are dropped)",
          control=True, group_safe=True),
@@ -60,6 +62,10 @@ def verb_names() -> Tuple[str, ...]:
 
 def control_verbs() -> Tuple[str, ...]:
     return tuple(name for name, verb in VERB_TABLE.items() if verb.control)
+
+
+def long_verbs() -> Tuple[str, ...]:
+    return tuple(name for name, verb in VERB_TABLE.items() if verb.long)
 
 
 def default_group_verbs() -> Tuple[str, ...]:

@@ -110,7 +110,7 @@ def _valid_archive(www):
     return path
 
 
-def test_hostile_archives_are_refused_while_status_and_rollback_are_answered_and_serving_goes_on(box):
+def test_hostile_archives_are_refused_while_status_is_answered_and_serving_goes_on(box):
     demo = _valid_archive(box.www)
     cases = [  # (name, archive bytes or path, archive_sha256 override, expected code, expected message part)
         ("negative-size.tar.gz", negative_size_archive(), None, "invalid", "is not an octal number"),
@@ -133,16 +133,15 @@ def test_hostile_archives_are_refused_while_status_and_rollback_are_answered_and
         started = time.monotonic()
         deploy = box.command("deploy", bundle=url, sha256="ab" * 32, archive_sha256=pinned or sha256_file(path))
         status = box.command("status")
-        rollback = box.command("rollback")
         refused = box.wait_final(deploy)
         timings[name] = time.monotonic() - started
-        answered = box.wait_final(status), box.wait_final(rollback)
+        # after it: a rollback during a deploy preempts it (cancels it first; test_hostile_deploy.py)
+        answered = box.wait_final(status), box.wait_final(box.command("rollback"))
         assert refused["state"] == "failed" and refused["error"]["code"] == code, refused
         assert part in json.dumps(refused["error"]), refused
         assert len(json.dumps(refused)) < 4096  # bounded: no list of 200,000 names
         assert answered[0]["state"] == "succeeded" and answered[0]["result"]["model"]["version"] == "1.0.0"
-        # answered, while the deploy runs ("busy": it holds the slots) or after it ("nothing_to_roll_back")
-        assert answered[1]["error"]["code"] in ("busy", "nothing_to_roll_back"), answered[1]
+        assert answered[1]["error"]["code"] == "nothing_to_roll_back", answered[1]
         assert timings[name] < REFUSED_WITHIN_S, timings
         assert os.listdir(os.path.join(box.state, "bundles", ".staging")) == []
     growth = _vm(pid, "VmHWM") - base_rss
