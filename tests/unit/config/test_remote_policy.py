@@ -2,11 +2,14 @@
 matched per part, no userinfo or secret reference from the payload, no loopback, link-local or own address,
 FFmpeg options from an allow-list; credentials only from the local ``remote_config.credentials``."""
 
+import json
 import socket
 
 import pytest
+import yaml
 
 from agent.config.daemon_config import merge_config, parse_daemon_config
+from agent.config.overrides import OVERRIDES_FILE, load_with_overrides
 from agent.config.remote_policy import REMOTE_INPUT_OPTIONS, address_problem
 from agent.config.schema import ConfigError
 
@@ -125,3 +128,20 @@ def test_harmless_options_and_the_local_files_own_options_pass():
     local = parse_daemon_config({**GOOD, "sources": [dict(CAM, input_options={"http_proxy": "http://p:3128/"})]})
     kept = merge_config(local, {"sources": [dict(CAM, input_options={"http_proxy": "http://p:3128/"}, max_fps=2)]})
     assert kept.sources[0].max_fps == 2  # the local file's own option, re-sent unchanged
+
+
+def test_an_attack_already_saved_in_overrides_is_ignored_at_the_next_start(tmp_path):
+    """Before this policy the change survived restarts in overrides.json; now the file's section no longer
+    validates, so the box starts on its config file alone and says so (without repeating the URI)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    config = tmp_path / "daemon.yaml"
+    config.write_text(yaml.safe_dump({**GOOD, "state_dir": str(state), "sources": [CAM],
+                                      "remote_config": {"source_uris": ["rtsp://10.1.2.*/stream1"]}}))
+    attack = "rtsp://10.1.2.9:cred:mqtt-password@127.0.0.1:18905/stream1"
+    (state / OVERRIDES_FILE).write_text(json.dumps({"version": 1, "changes": {
+        "sources": [CAM, {"name": "gate", "uri": attack}]}}))
+    loaded, overrides = load_with_overrides(str(config), quarantine=False)
+    assert [s.name for s in loaded.sources] == ["cam"]
+    (ignored,) = overrides.alerts()
+    assert ignored["kind"] == "override_ignored" and "127.0.0.1" not in json.dumps(ignored)
