@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from agent._util.redact import redact_all
 from agent.config.daemon_config import DaemonConfig, load_daemon_config
@@ -118,12 +118,14 @@ class Daemon:
         self.progress = ProgressMonitor(cfg.watchdog.inference_deadline_s)
         npu = NpuSmiProbe(self.device.device_id) if self.device.target == "ascend" else None
         self.memory = MemoryWatchdog(cfg.watchdog, self.device.memory_budget_mb, npu,
-                                     npu_budget_mb=self.device.npu_memory_budget_mb)
+                                     npu_budget_mb=self.device.npu_memory_budget_mb,
+                                     worker_pids=lambda: self.loop.sources.worker_pids())
         frames: queue.Queue = queue.Queue(maxsize=cfg.batching.queue_size)
         sources = SourceSet(list(cfg.sources), frames, self._publish_alert)
         self.watchdog = Watchdog(cfg.watchdog, self.memory, self.progress, self.notifier,
                                  on_alert=self._publish_alert, request_restart=self._restart_requested,
-                                 input_states=lambda: self.loop.source_states())
+                                 input_states=lambda: self.loop.source_states(),
+                                 restart_worker=lambda name, cause, why: self.loop.sources.recycle(name, cause, why))
         self.numbering = SequenceCounter(cfg.state_path("sequence.json"))
         # The daemon uses the loop through its methods only (seams.ServingControl, its lifecycle, and the
         # between-batches changes inside a handover item); the commands get the control and a status provider.
@@ -231,14 +233,18 @@ class Daemon:
         self.loop.configure(new.batching.max_batch, new.batching.max_wait_ms, new.publish)
         self.models.apply_thresholds()  # the serving model and the kept confirmed one; later loads read the config
         if new.sources != old.sources:
-            self.loop.replace_sources(list(new.sources))
+            removed, started = self.loop.replace_sources(list(new.sources))
+            self._update_discovery(removed, started)
         self.notifier.ready()  # ends a SIGHUP's RELOADING=1 (harmless otherwise)
 
     def _telemetry_extras(self) -> Dict[str, Any]:
         # The watchdog thread's last sample: npu-smi can take seconds, never run it on the serving thread.
         sample = self.memory.last_sample
+        figures = {} if sample is None else sample.as_dict()
         return {
-            "rss_mb": None if sample is None else sample.rss_mb,
+            "rss_mb": None if sample is None else sample.rss_mb,  # the daemon alone; its camera workers by source:
+            "workers_rss_mb": figures.get("workers_rss_mb"),
+            "total_rss_mb": figures.get("total_rss_mb"),  # the daemon and its workers (what MemoryMax counts)
             "npu_memory_mb": None if sample is None or sample.npu_used_mb is None else {
                 "used": sample.npu_used_mb, "total": sample.npu_total_mb},
             "mqtt": self.transport.stats(),
@@ -303,6 +309,18 @@ class Daemon:
         for topic, payload in discovery_messages(self.config.mqtt.prefix, self.config.device_id, self.device.name,
                                                  self.models.current.label, [s.name for s in self.config.sources]):
             self.transport.publish(topic, payload, qos=1, retain=True, durable=False)
+
+    def _update_discovery(self, removed: List[str], started: List[str]) -> None:
+        """After a source change: clear each removed source's retained Home Assistant config (durable: a broker
+        away now must not leave a ghost sensor), and publish the configs again when a source was started."""
+        if not self.config.mqtt.homeassistant_discovery:
+            return
+        from agent.ops.discovery import removal_messages
+
+        for topic, payload in removal_messages(self.config.device_id, removed):
+            self.transport.publish(topic, payload, qos=1, retain=True)
+        if started:  # an added source's sensor (or a changed one's, again: retained, so harmless)
+            self._publish_discovery()
 
     def _start_step(self, step: str) -> None:
         """The model manager begins a loading step: during start-up, ask systemd for time for it."""

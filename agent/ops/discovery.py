@@ -2,7 +2,9 @@
 
 Configs are retained, published after every connect and again whenever Home Assistant announces itself on
 its birth topic (``homeassistant/status`` = ``online``): HA users otherwise see entities turn "unavailable"
-after an HA restart when discovery was published only once.
+after an HA restart when discovery was published only once. A source removed from the config has its retained
+config cleared (:func:`removal_messages`: an empty retained payload, which Home Assistant reads as "delete this
+entity"), so no ghost sensor stays behind.
 """
 
 import json
@@ -23,9 +25,23 @@ TELEMETRY_SENSORS = (
 )
 
 
+def config_topic(device_id: str, object_id: str) -> str:
+    """The retained discovery topic of one sensor of this box."""
+    return "%s/sensor/atlas-edge-%s/%s/config" % (HA_PREFIX, device_id, object_id)
+
+
+def source_object_id(name: str) -> str:
+    return "source_%s" % name
+
+
+def removal_messages(device_id: str, sources: Sequence[str]) -> List[Tuple[str, bytes]]:
+    """(topic, empty retained payload) clearing the discovery config of each of ``sources``."""
+    return [(config_topic(device_id, source_object_id(name)), b"") for name in sources]
+
+
 def source_sensors(sources: Sequence[str]) -> List[Tuple[str, str, str, Optional[str]]]:
     """One sensor per source: its state (connecting/up/stalled/down/failed), from the telemetry's ``sources``."""
-    return [("source_%s" % name, "Source %s" % name,
+    return [(source_object_id(name), "Source %s" % name,
              "{{ value_json.sources[%s].state | default(none) }}" % json.dumps(name), None) for name in sources]
 
 
@@ -46,6 +62,5 @@ def discovery_messages(prefix: str, device_id: str, device_kind: str, model_labe
         }
         if unit:
             config["unit_of_measurement"] = unit
-        topic = "%s/sensor/atlas-edge-%s/%s/config" % (HA_PREFIX, device_id, object_id)
-        messages.append((topic, json.dumps(config, sort_keys=True).encode("utf-8")))
+        messages.append((config_topic(device_id, object_id), json.dumps(config, sort_keys=True).encode("utf-8")))
     return messages

@@ -171,15 +171,14 @@ class ServingLoop:
         """How many sources are in each state (the watchdog's 'no input' versus 'stuck'); any thread."""
         return self.sources.summary()
 
-    def replace_sources(self, configs: List[SourceConfig]) -> None:
-        """Between batches only (a handover item, as the daemon's config switch): stop the sources and start
-        ``configs`` in their place, feeding the same queue, and paused when the loop is."""
+    def replace_sources(self, configs: List[SourceConfig]) -> Tuple[List[str], List[str]]:
+        """Between batches only (a handover item, as the daemon's config switch): stop the sources removed or
+        changed and start the added or changed ones (the others keep their workers), paused when the loop is.
+        Returns (names removed, names started)."""
         self._between_batches_only("replacing the sources")
-        old = self.sources
-        old.stop(timeout=SOURCES_STOP_S)
-        self.sources = SourceSet(list(configs), self.frames, old.on_alert)
-        self.sources.start()
+        changes = self.sources.update(list(configs), timeout=SOURCES_STOP_S)
         self.sources.pause(self._paused)  # a frame read before this is stale at resume, and dropped then
+        return changes
 
     def _set_paused(self, paused: bool) -> int:
         """Serving thread (a handover item); resume drops the frames queued before it and returns how many."""

@@ -21,9 +21,12 @@ from agent.config.source_uri import source_kind
 WORKER_HEADER = struct.Struct("<4sII")
 # Why a source is not delivering, as status and alerts name it.
 CAUSES = ("auth", "not_found", "refused", "timeout", "decode", "stalled", "frozen", "resized", "ended", "config",
-          "unavailable")
+          "unavailable", "killed", "memory")
 # Causes a retry cannot fix: the source is `failed` and retried only every reopen_max_s.
 PERMANENT_CAUSES = ("auth", "not_found", "config")
+# FFmpeg input options of the reopen that follows a resolution change: the stream is known to work, so the
+# open does not probe 20 frames for the frame rate (2 s at 10 fps; the SDP states it) or analyse 5 s of input.
+QUICK_REOPEN_OPTIONS = {"analyzeduration": "100000", "fpsprobesize": "1"}
 
 
 class DecoderError(RuntimeError):

@@ -6,7 +6,11 @@ handles everything that goes wrong the same way for every kind: a failure is cla
 source's health, alerted once, and retried with exponential backoff (to ``reopen_max_s`` at once for causes
 a retry cannot fix). A live source that sends no new picture for ``stall_timeout_s`` is ``stalled`` and
 reopened; a frame older than half that when it arrives is dropped, never served as fresh. A folder or file ends
-(or loops); its ``max_fps`` paces reading, where a live source's skips frames in its worker.
+(or loops, without announcing "up" again at each wrap); its ``max_fps`` paces reading, where a live source's
+skips frames in its worker (which also reopens a stream that changed resolution in place, :mod:`.worker`).
+
+Each reader has its own stop event, so a config change stops and starts only the sources it touches
+(:meth:`SourceSet.update`), and the memory watchdog can recycle one worker (:meth:`SourceReader.recycle`).
 """
 
 import logging
@@ -14,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from agent.config.daemon_config import SourceConfig
 from agent.pipeline.sources.base import (
@@ -33,6 +37,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.1  # a reader waits at most this long per read, so stop, pause and stall timers stay prompt
 # Causes after which a source reopens at once: the camera itself is fine (an in-stream resolution change).
 REOPEN_AT_ONCE = ("frozen", "resized")
+# Causes the box itself gave (the memory watchdog recycled the worker): shown and alerted, reopened at once.
+RECYCLED = ("memory",)
 # A live picture that arrives later than this share of the stall timeout after its capture is dropped, not
 # served: it is a backlog or a decoder's flush after a stall, and the result would be stale before inference.
 STALE_FRACTION = 0.5
@@ -54,6 +60,16 @@ class SourceReader(threading.Thread):
         self.reader: Optional[Reader] = None
         self._next_id = 0
         self._delay = config.reopen_min_s
+        self._recycle: Optional[SourceUnavailable] = None  # set by another thread: end this session
+
+    def recycle(self, cause: str, message: str) -> None:
+        """Any thread: end the current session with ``cause`` (its worker killed) and reopen at once."""
+        self._recycle = SourceUnavailable(message, cause)
+
+    def worker_pid(self) -> Optional[int]:
+        """The process id of this source's worker (a stream's), or None (a folder, a file, none running)."""
+        proc = getattr(self.reader, "proc", None)
+        return None if proc is None else proc.pid
 
     def run(self) -> None:
         try:
@@ -69,7 +85,8 @@ class SourceReader(threading.Thread):
         """One open-read-close cycle; False when a finite source has ended for good."""
         reader = reader_for(self.config)
         self.reader = reader
-        self.health.connecting()
+        if reader.live or self.health.state != "up":  # a looping folder wraps without a new "up"
+            self.health.connecting()
         try:
             reader.open(self.stop_event)
             self._pump(reader)
@@ -93,6 +110,9 @@ class SourceReader(threading.Thread):
         if exc.cause in REOPEN_AT_ONCE:
             log.info("source %s: %s", self.config.name, exc)
             return
+        if exc.cause in RECYCLED:
+            self.health.failure(exc.cause, str(exc), 0.0)
+            return
         delay = self.config.reopen_max_s if exc.cause in PERMANENT_CAUSES else self._delay
         if exc.cause not in ("stalled", "ended"):
             self.health.open_failures += 1
@@ -106,6 +126,9 @@ class SourceReader(threading.Thread):
         stall_s = self.config.stall_timeout_s
         newest = last_emit = time.monotonic()  # capture time of the newest picture, on the monotonic clock
         while not self.stop_event.is_set():
+            recycle, self._recycle = self._recycle, None
+            if recycle is not None:
+                raise recycle
             captured = reader.read(POLL_S)
             now = time.monotonic()
             if captured is None:
@@ -183,28 +206,62 @@ def put_dropping_oldest(out: "queue.Queue", frame: Frame, health: Any) -> None:
 
 @dataclass
 class SourceSet:
-    """All readers of a daemon, started and stopped together; replaced whole on a source change."""
+    """All readers of a daemon; a config change stops and starts only the sources it touches (:meth:`update`)."""
 
     configs: List[SourceConfig]
     out: "queue.Queue"
     on_alert: Optional[Alert] = None
     readers: Dict[str, SourceReader] = field(default_factory=dict)
-    stop_event: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> None:
         for config in self.configs:
-            reader = SourceReader(config, self.out, self.stop_event, self.on_alert)
-            self.readers[config.name] = reader
-            reader.start()
+            self.readers[config.name] = self._started(config)
+
+    def _started(self, config: SourceConfig) -> SourceReader:
+        reader = SourceReader(config, self.out, threading.Event(), self.on_alert)
+        reader.start()
+        return reader
 
     def stop(self, timeout: float = 2.0) -> bool:
         """Stop every reader (their workers are killed); True when all ended within ``timeout`` together."""
-        self.stop_event.set()
-        deadline = time.monotonic() + timeout
-        for reader in self.readers.values():
-            reader.join(max(0.0, deadline - time.monotonic()))
-        return not any(r.is_alive() for r in self.readers.values())
+        return self._stop(list(self.readers.values()), timeout)
 
+    @staticmethod
+    def _stop(readers: List[SourceReader], timeout: float) -> bool:
+        for reader in readers:
+            reader.stop_event.set()
+        deadline = time.monotonic() + timeout
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        return not any(r.is_alive() for r in readers)
+
+    def update(self, configs: List[SourceConfig], timeout: float = 2.0) -> Tuple[List[str], List[str]]:
+        """Stop the sources removed or changed, start the added or changed ones; the rest (and their workers)
+        keep running untouched. Returns (names removed, names started)."""
+        wanted = {c.name: c for c in configs}
+        going = [name for name, r in self.readers.items() if wanted.get(name) != r.config]
+        self._stop([self.readers[name] for name in going], timeout)
+        kept = {name: r for name, r in self.readers.items() if name not in going}
+        started = [c.name for c in configs if c.name not in kept]
+        self.readers = {c.name: kept.get(c.name) or self._started(c) for c in configs}
+        self.configs = list(configs)
+        if going or started:
+            log.info("sources changed: stopped %s, started %s, untouched %s", going or "none", started or "none",
+                     list(kept) or "none")
+        return [name for name in going if name not in wanted], started
+
+    def recycle(self, name: str, cause: str, message: str) -> bool:
+        """End one source's session with ``cause`` (its worker killed, reopened at once); False if unknown."""
+        reader = self.readers.get(name)
+        if reader is None:
+            return False
+        reader.recycle(cause, message)
+        return True
+
+    def worker_pids(self) -> Dict[str, int]:
+        """The worker process of each source that has one running now, by name."""
+        pids = {name: r.worker_pid() for name, r in self.readers.items()}
+        return {name: pid for name, pid in pids.items() if pid is not None}
     def pause(self, paused: bool) -> None:
         for reader in self.readers.values():
             (reader.paused.set if paused else reader.paused.clear)()

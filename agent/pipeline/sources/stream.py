@@ -50,6 +50,9 @@ CAUSE_PATTERNS = (("401", "auth"), ("Unauthorized", "auth"), ("403", "auth"), ("
 # every failed open, which says nothing about the cause.
 _PREFIX = re.compile(r"^\[[^\]]*\]\s*(global \S+ \S+ )?")
 _NOISE = "can't be used to capture by name"
+# Signals a process raises on itself when it faults: the decoder crashed. Any other signal killed it from outside.
+CRASH_SIGNALS = tuple(int(getattr(signal, n)) for n in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
+                      if hasattr(signal, n))
 _REINIT = re.compile(r"Reinit context to (\d+)x(\d+)")
 
 
@@ -75,6 +78,7 @@ class StreamReader:
         self.fps = 0.0
         self._coded: Optional[Tuple[int, int]] = None  # the decoder's frame size (multiples of 16)
         self._resized: Optional[Tuple[int, int]] = None
+        self._reopening = False  # a reopen in place was asked for (a resize) and its OPEN has not come yet
 
     # --- the worker process ---------------------------------------------------------------------------
 
@@ -115,6 +119,7 @@ class StreamReader:
                 kind, meta, _ = message
                 if kind == b"OPEN":
                     self.fps = float(meta.get("fps") or 0.0)
+                    self.stderr.clear()  # the open's lines say nothing about a later death
                     return
                 raise self._failure(meta)
             if time.monotonic() >= deadline:
@@ -133,11 +138,16 @@ class StreamReader:
     def read(self, timeout: float) -> Optional[Captured]:
         message = self._next_message(timeout)
         if self._resized is not None:
-            raise SourceUnavailable("the stream changed resolution to about %dx%d: reopening" % self._resized,
-                                    "resized")
+            self._reopen_in_place()
         if message is None:
             return None
         kind, meta, payload = message
+        if kind == b"OPEN":  # the reopen in place is done: pictures at the new size follow
+            self._reopening = False
+            self.stderr.clear()
+            return None
+        if kind == b"FRAM" and self._reopening:
+            return None  # decoded before the reopen: the old size, frozen or garbled
         if kind == b"FRAM":
             image = np.frombuffer(payload, np.uint8).reshape(meta["h"], meta["w"], -1)
             return Captured(image, meta["capture_ts"], meta["ts_source"], skipped=meta["skipped"],
@@ -151,6 +161,20 @@ class StreamReader:
                 raise SourceUnavailable("no data for %.1f s (read timeout)" % waited, "stalled")
             raise EndOfSource(redact(self.config.uri))
         raise self._failure(meta)
+
+    def _reopen_in_place(self) -> None:
+        """A resolution change: the worker releases its capture and opens it again in its own process (about
+        0.5 s; a new worker would first spend a second importing OpenCV)."""
+        log.info("source %s: the stream changed resolution to about %dx%d: reopening in place", self.config.name,
+                 *self._resized)
+        self._resized = self._coded = None  # the reopened decoder says its size again
+        self._reopening = True
+        try:
+            assert self.proc is not None and self.proc.stdin is not None
+            self.proc.stdin.write(b"reopen\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # the worker is gone: its pipe's end says so at the next read
 
     def close(self) -> None:
         proc, self.proc = self.proc, None
@@ -239,7 +263,11 @@ class StreamReader:
         assert self.proc is not None
         self._drain_stderr(0.2)
         code = self.proc.wait()
-        what = ("killed by %s" % signal.Signals(-code).name) if code < 0 else "exited with status %d" % code
+        what = ("killed by %s (signal %d)" % (signal.Signals(-code).name, -code)) if code < 0 else \
+            "exited with status %d" % code
         said = "; ".join(self.stderr)
+        # SIGKILL, SIGTERM and the like come from outside (the OOM killer, an operator); a fault signal is the
+        # decoder's own crash.
+        cause = "killed" if code < 0 and -code not in CRASH_SIGNALS else "decode"
         return SourceUnavailable(redact("reader process %s%s" % (what, " (%s)" % said[-300:] if said else "")),
-                                 "decode")
+                                 cause)

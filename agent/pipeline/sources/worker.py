@@ -13,14 +13,18 @@ Freshness rules, all here, next to the decoder:
 * a picture identical to the previous one for :data:`FROZEN_AFTER_S` is not handed over; the worker ends
   with cause ``frozen`` and is reopened at once (OpenCV keeps returning the old picture after an in-stream
   resolution change);
+* a resolution change is reopened in place: the daemon, which reads FFmpeg's "Reinit context" line on our
+  stderr, writes ``reopen`` on our stdin; the capture is released and opened again in this process (no new
+  Python, no new OpenCV import) without FFmpeg's stream probing (:data:`QUICK_REOPEN_OPTIONS`), and ``OPEN``
+  is sent again;
 * the capture time comes from the stream's timestamps (PTS) mapped onto the box's clock by the smallest
   read-minus-PTS offset seen (the frame that arrived fastest), else the read time.
 
 Wire format on stdout: a header ``<4sII`` (kind, JSON length, payload length), the JSON, the payload. Kinds:
 ``OPEN`` (opened; fps), ``FRAM`` (a frame: shape, capture time, counters; payload = BGR pixels), ``FAIL``
 (open failed; message), ``ENDS`` (no more frames; how long the last read waited), ``FROZ`` (the picture
-froze). The spec comes as one JSON line on stdin; stdin closing (the daemon stopped or died) ends the worker
-at once.
+froze). The spec comes as one JSON line on stdin, then ``reopen`` lines; stdin closing (the daemon stopped or
+died) ends the worker at once.
 """
 
 import json
@@ -30,7 +34,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from agent.pipeline.sources.base import WORKER_HEADER, DecoderError
+from agent.pipeline.sources.base import QUICK_REOPEN_OPTIONS, WORKER_HEADER, DecoderError
 
 # A grab that returns faster than this (or half a frame interval, if smaller) came from FFmpeg's buffer, not
 # from the camera: the backlog of an open. Draining stops after MAX_DRAIN_S whatever happens.
@@ -41,6 +45,7 @@ SIGNATURE_STEP = 8  # every 8th pixel of every 8th row tells a frozen picture fr
 
 
 _channel: Any = None  # the pipe to the daemon: the original stdout (OpenCV's FFmpeg log prints to stdout)
+_reopen = threading.Event()  # the daemon asked for a reopen in place (a resolution change)
 
 
 def send(kind: bytes, meta: Dict[str, Any], payload: Any = b"") -> None:
@@ -101,11 +106,31 @@ def open_capture(spec: Dict[str, Any]) -> Any:
     return cv2.VideoCapture(spec["uri"], cv2.CAP_FFMPEG, timeouts)
 
 
+def quick_options() -> None:
+    """Add :data:`QUICK_REOPEN_OPTIONS` to this process's FFmpeg options (the operator's own keep their values).
+    OpenCV 4.14 reads the variable at each open; 4.11 does not honour these options (docs/sources.md)."""
+    given = [kv for kv in os.environ.get("OPENCV_FFMPEG_CAPTURE_OPTIONS", "").split("|") if kv]
+    keys = {kv.split(";", 1)[0] for kv in given}
+    given += ["%s;%s" % kv for kv in QUICK_REOPEN_OPTIONS.items() if kv[0] not in keys]
+    os.environ["OPENCV_FFMPEG_CAPTURE_OPTIONS"] = "|".join(given)
+
+
 def serve(spec: Dict[str, Any]) -> int:
-    capture = open_capture(spec)
-    if not capture.isOpened():
-        send(b"FAIL", {"message": "cannot open the stream"})
-        return 3
+    while True:
+        capture = open_capture(spec)
+        if not capture.isOpened():
+            send(b"FAIL", {"message": "cannot open the stream"})
+            return 3
+        status = read_frames(spec, capture)
+        if status is not None:
+            return status
+        capture.release()  # a reopen in place was asked for
+        _reopen.clear()
+        quick_options()
+
+
+def read_frames(spec: Dict[str, Any], capture: Any) -> Optional[int]:
+    """Send OPEN, then frames until the stream ends (the exit status) or a reopen is asked for (None)."""
     fps = capture.get(5) or 0.0  # cv2.CAP_PROP_FPS
     send(b"OPEN", {"fps": fps})
     backlog_s = min(BACKLOG_GRAB_S, 0.5 / fps) if fps > 0 else BACKLOG_GRAB_S
@@ -114,7 +139,7 @@ def serve(spec: Dict[str, Any]) -> int:
     live = False
     skipped = errors = 0
     signature, same_since = b"", 0.0
-    while True:
+    while not _reopen.is_set():
         before = time.monotonic()
         if not capture.grab():
             send(b"ENDS", {"waited_s": time.monotonic() - before})  # a read timeout is a stall, not an end
@@ -147,10 +172,13 @@ def serve(spec: Dict[str, Any]) -> int:
                        "read_ts": read_ts, "skipped": skipped, "decode_errors": errors},
              memoryview(image.reshape(-1)) if image.flags["C_CONTIGUOUS"] else image.tobytes())
         skipped = errors = 0
+    return None
 
 
 def _exit_with_parent() -> None:
-    sys.stdin.read()  # returns when the daemon closes our stdin, or dies
+    for line in sys.stdin:  # ends when the daemon closes our stdin, or dies
+        if line.strip() == "reopen":
+            _reopen.set()
     os._exit(0)
 
 
