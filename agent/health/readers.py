@@ -1,4 +1,5 @@
-"""Memory readers: this process's resident memory and the memory limit systemd put on its cgroup.
+"""Memory readers: a process's resident memory (this one's, or a camera worker's by pid) and the memory limit
+systemd put on its cgroup.
 
 Plain file readers over ``/proc`` and ``/sys/fs/cgroup`` (both roots are parameters, so tests use fake trees).
 All figures are MiB (what systemd's ``M`` suffix means).

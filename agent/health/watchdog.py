@@ -2,12 +2,12 @@
 
 Four parts, each in its own module and testable alone, tied together by :class:`Watchdog`:
 
-* :mod:`agent.health.readers`: :func:`read_rss_mb` (this process's resident memory) and
+* :mod:`agent.health.readers`: :func:`read_rss_mb` (the resident memory of this process or of a camera worker) and
   :func:`read_cgroup_limit_mb` (the ``MemoryMax=`` systemd put on our cgroup, v2 or v1);
 * :mod:`agent.health.leak`: :class:`LeakDetector`, a growth *trend* over a sliding window, robust to a plateau
   (growth that stops) and to a one-off step (a model load);
-* :mod:`agent.health.memory`: :class:`MemoryWatchdog` samples RSS, the cgroup limit and NPU memory, and turns
-  them into alerts;
+* :mod:`agent.health.memory`: :class:`MemoryWatchdog` samples RSS (the daemon's and each camera worker's), the
+  cgroup limit and NPU memory, and turns them into alerts; a worker's own alert recycles that worker alone;
 * :mod:`agent.health.progress`: :class:`ProgressMonitor`, where the pipeline marks each backend call and each
   finished frame, so liveness comes from progress: ``WATCHDOG=1`` is sent only when frames went through (or
   the idle loop proved it is turning), and never while an inference call overruns its deadline.
@@ -59,8 +59,11 @@ class Watchdog:
                  notifier: Notifier, on_alert: Callable[[Dict[str, Any]], None],
                  request_restart: Callable[[str], None], tick_s: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic,
-                 input_states: Optional[Callable[[], Dict[str, int]]] = None) -> None:
-        """``input_states()`` counts the running sources by state (:meth:`SourceSet.summary`)."""
+                 input_states: Optional[Callable[[], Dict[str, int]]] = None,
+                 restart_worker: Optional[Callable[[str, str, str], None]] = None) -> None:
+        """``input_states()`` counts the running sources by state (:meth:`SourceSet.summary`);
+        ``restart_worker(source, cause, message)`` recycles one camera worker (:meth:`SourceSet.recycle`)."""
+        self.restart_worker = restart_worker
         self.memory = memory
         self.input_states = input_states
         self.no_input = False
@@ -129,7 +132,9 @@ class Watchdog:
             self._next_memory = now + self.memory_interval_s
             for alert in self.memory.check_all():
                 self._emit(alert)
-                if alert.restart:
+                if alert.restart and alert.source is not None:
+                    self._recycle_worker(alert)
+                elif alert.restart:
                     self._restart(alert.message)
 
     def _maybe_ping(self, now: float) -> None:
@@ -169,6 +174,15 @@ class Watchdog:
             self.on_alert(alert.as_dict())
         except Exception:
             log.exception("publishing watchdog alert failed")
+
+    def _recycle_worker(self, alert: Alert) -> None:
+        """One camera worker's memory: that worker is replaced (its source says cause ``memory``), not the daemon."""
+        if self.restart_worker is None or alert.source is None:
+            return
+        try:
+            self.restart_worker(alert.source, "memory", alert.message)
+        except Exception:
+            log.exception("recycling the worker of source %s failed", alert.source)
 
     def _restart(self, reason: str) -> None:
         if self.restart_reason is not None:

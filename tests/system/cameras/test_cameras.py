@@ -9,14 +9,13 @@ test runs ``atlas-edge run`` as a process. The 60 s and 30 s durations are the i
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from agent.cli.demo import DEMO_BUNDLE
 from tests.conftest import MqttProbe, wait_for
-from tests.support.camera_rig import Blackhole, Camera, frame_capture, free_port, require_rig
+from tests.support.camera_rig import Blackhole, Camera, CameraDaemon, free_port, require_rig
 from tests.support.daemon_rig import start_daemon, write_config
 
 pytestmark = [
@@ -30,45 +29,6 @@ STALL_TIMEOUT_S = 5.0  # the default
 @pytest.fixture(scope="module")
 def rig():
     require_rig()
-
-
-class CameraDaemon:
-    """The daemon in a thread; ``results`` holds (published at, age read from the pixels, payload, counter)."""
-
-    def __init__(self, tmp_path, broker, sources, **extra):
-        from agent.config.daemon_config import parse_daemon_config
-        from agent.daemon import Daemon
-
-        self.results = []
-        self.lock = threading.Lock()
-        config = parse_daemon_config({
-            "device_id": "cams", "state_dir": str(tmp_path / "state"),
-            "model": {"bundle": DEMO_BUNDLE, "backend": "opencv", "observation_s": 0},
-            "sources": sources, "mqtt": {"host": broker.host, "port": broker.port},
-            "publish": {"telemetry_interval_s": 1.0}, **extra})
-        self.daemon = Daemon(config, on_result=self._on_result)
-        self.started = time.monotonic()
-        self.thread = threading.Thread(target=self.daemon.run, daemon=True)
-        self.thread.start()
-
-    def _on_result(self, frame, payload):
-        now = time.time()
-        read = frame_capture(frame.image, int(now * 1000))
-        with self.lock:
-            self.results.append((now, None if read is None else now * 1000 - read[0], payload,
-                                 None if read is None else read[1]))
-
-    def of(self, source, since=0.0):
-        with self.lock:
-            return [r for r in self.results if r[2]["source"] == source and r[0] >= since]
-
-    def health(self, source):
-        return self.daemon.loop.sources.counters().get(source, {"state": None})  # {} until sources start
-
-    def stop(self):
-        self.daemon.request_stop("test")
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 def test_max_fps_2_on_a_10_fps_stream_serves_2_fresh_frames_a_second(rig, tmp_path, mosquitto):
