@@ -10,6 +10,10 @@ Each box may carry one fault (:data:`FAULTS`): the misbehaviours an operator mee
 ``BoxFleet`` runs every box's paho client in one thread with a select loop (no thread per box), so a
 thousand boxes cost a few MiB and a test of twenty stays cheap on a shared machine. Everything a box does
 happens on that thread; other threads act through :meth:`BoxFleet.call`.
+
+Sessions follow the box's policy (docs/architecture.md, "Broker sessions"): clean, commands subscribed at QoS 0,
+the status published on every connect; after a lost connection a box tries the fleet's next broker (``hosts``, a
+cluster's nodes) :data:`RECONNECT_S` later, in turn, as a daemon with ``mqtt.hosts`` does.
 """
 
 import heapq
@@ -39,8 +43,19 @@ FAULTS = (
     "busy_once",         # the first deploy is answered failed 'busy' (another command was running)
     "interrupted_once",  # the first deploy is answered failed 'interrupted' (it restarted meanwhile)
     "roll_back",         # deploys, then rolls the new model back itself in its window (latency)
+    # issue 30: what the report got wrong before the final check and the re-sends
+    "crash_after_confirm",  # confirms, dies crash_s later (no DISCONNECT) and is back after away_s on the old model
+    "late_ack",          # runs its deploy silently ('accepted' only) and answers late_s later (past --step-timeout)
+    "malformed_status",  # the status right after its switch is malformed (slots.slots a list); later ones are good
+    "flapping",          # loses its connection every flap_s, back away_s later (what was sent meanwhile is lost)
+    "announce_only",     # publishes its status only when asked (an announce), never on its own
+    "no_announce",       # predates the announce: never answers one, its retained status is old; telemetry every 2 s
+    "away_on_rollback",  # the first rollback finds it away (lost); back away_s later on what it served
 )
+TELEMETRY_S = 2.0  # a no_announce box's telemetry interval
 TICK_S = 0.05
+RECONNECT_S = 0.5  # the daemon's reconnect_min_s: a box whose broker is gone tries the next one this much later
+SUBSCRIBE_QOS = 0  # the daemon's (agent.ops.connection.SUBSCRIPTION_QOS): nothing durable homed on a node
 
 
 def _empty() -> Dict[str, Any]:
@@ -70,9 +85,13 @@ class SimBox:
         self.commands: List[Tuple[str, Dict[str, Any]]] = []  # (verb, payload) as received
         self.client: Optional[Any] = None
         self.connected = False
+        self.broker = 0  # index in fleet.brokers of the broker it is on (or tries next)
+        self._epoch = 0  # bumps at each drop: a reconnect scheduled before it is void
         self._busy = False
         self._faulted_once = False
         self._pending_token = 0  # bumps when a pending model is resolved: cancels its confirm timer
+        self._running: Dict[str, str] = {}  # request id -> verb, while it runs: a repeat is answered in_progress
+        self._malformed_next = False  # malformed_status: the next status has slots.slots as a list
 
     # --- connection --------------------------------------------------------------------------------------
 
@@ -81,14 +100,16 @@ class SimBox:
 
     def status_body(self, state: str = "online") -> Dict[str, Any]:
         slots = json.loads(json.dumps(self.slots))
-        if self.fault == "bad_slots":
+        if self.fault == "bad_slots" or self._malformed_next:
+            self._malformed_next = False
             slots["slots"] = list(slots["slots"].values())
         elif self.fault == "bad_rollback":
             slots["last_rollback"] = "rolled back at some point"
         serving = self.slots["slots"][self.slots["serving"]]
         # docs/mqtt.md's status: the id under device_id (and device, as always), the kind under device_kind
+        old = self.fault == "no_announce" and not self._faulted_once  # its retained status from long ago
         return {"state": state, "device_id": self.device, "device": self.device,
-                "device_kind": self.params.get("kind", "sim"), "ts": time.time(),
+                "device_kind": self.params.get("kind", "sim"), "ts": time.time() - (600.0 if old else 0.0),
                 "model": "%s %s" % (serving["name"], serving["version"]), "backend": self.params.get("backend", "sim"),
                 "groups": list(self.groups), "slots": slots}
 
@@ -99,11 +120,17 @@ class SimBox:
             client.username_pw_set(self.device, self.password)
         will = {"state": "offline", "device_id": self.device, "device": self.device, "reason": "connection lost",
                 "groups": self.groups}
-        client.will_set(self.topic("status"), json.dumps(will), qos=1, retain=True)
+        if not self.params.get("no_will"):  # no_will: as on RabbitMQ, whose dead node fires no will
+            client.will_set(self.topic("status"), json.dumps(will), qos=1, retain=True)
         client.on_connect = self._on_connect
         client.on_message = self._on_message
         client.on_disconnect = lambda c, u, f, rc, p: self._lost(c)
-        client.connect(self.fleet.host, self.fleet.port, keepalive=60)
+        host, port = self.fleet.brokers[self.broker]
+        try:
+            client.connect(host, port, keepalive=60)
+        except OSError:  # a dead node refuses at once: the next one, a moment later
+            self._retry()
+            return
         self.client = client
         self.fleet.watch(client)
 
@@ -111,16 +138,35 @@ class SimBox:
         if reason.is_failure:
             return
         self.connected = True
-        client.subscribe([(self.topic("cmd", "#"), 1)])
+        groups = ["/".join((self.fleet.prefix, "group", g, "cmd", "announce")) for g in self.groups]
+        client.subscribe([(self.topic("cmd", "#"), SUBSCRIBE_QOS), ("%s/announce" % self.fleet.prefix, SUBSCRIBE_QOS)]
+                         + [(topic, SUBSCRIBE_QOS) for topic in groups])
         self.publish_status()
+        if self.fault == "no_announce" and not self._faulted_once:
+            self._faulted_once = True  # its first status was the old retained one; the telemetry starts now
+            self.fleet.later(TELEMETRY_S, self._telemetry)
+        if self.fault == "flapping":
+            self.fleet.later(self.params.get("flap_s", 3.0), lambda: self.away(self.params.get("away_s", 1.0)))
+
+    def _telemetry(self) -> None:
+        self.send(self.topic("telemetry"), {"ts": time.time(), "fps": 10.0})
+        self.fleet.later(TELEMETRY_S, self._telemetry)
 
     def _lost(self, client: Any) -> None:
+        """Its broker dropped it (or refused its CONNACK): the next broker, after :data:`RECONNECT_S`."""
         if client is self.client:
-            self.connected = False
+            self.drop()
+            self._retry()
+
+    def _retry(self) -> None:
+        self.broker = (self.broker + 1) % len(self.fleet.brokers)
+        epoch = self._epoch
+        self.fleet.later(RECONNECT_S, lambda: self.connect() if epoch == self._epoch else None)
 
     def drop(self) -> None:
         """Lose the connection without a DISCONNECT: the broker publishes the last will (offline)."""
         client, self.client, self.connected = self.client, None, False
+        self._epoch += 1
         if client is not None:
             self.fleet.unwatch(client)
             sock = client.socket()
@@ -151,7 +197,9 @@ class SimBox:
         if self.client is not None:
             self.client.publish(topic, json.dumps(body), qos=1, retain=retain)
 
-    def publish_status(self) -> None:
+    def publish_status(self, asked: bool = False) -> None:
+        if self.fault == "announce_only" and not asked:
+            return
         self.send(self.topic("status"), self.status_body(), retain=True)
 
     def ack(self, request_id: str, verb: str, state: str, **fields: Any) -> None:
@@ -166,6 +214,10 @@ class SimBox:
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         verb = message.topic.rsplit("/", 1)[-1]
+        if verb == "announce":  # the fleet's or a group's: answered with the status (a box that predates it: not)
+            if self.fault != "no_announce":
+                self.publish_status(asked=True)
+            return
         try:
             body = json.loads(message.payload.decode("utf-8"))
             rid = body["request_id"]
@@ -174,6 +226,13 @@ class SimBox:
         self.commands.append((verb, body))
         if rid in self.record:  # a retry: answered from the record, never run twice
             self.send(self.topic("ack", rid), self.record[rid])
+            return
+        if rid in self._running:  # sent again while it runs: still running
+            self.ack(rid, verb, "in_progress", message="already running")
+            return
+        if verb == "rollback" and self.fault == "away_on_rollback" and not self._faulted_once:
+            self._faulted_once = True  # it never read this rollback
+            self.away(self.params.get("away_s", 2.0))
             return
         if verb == "deploy":
             self._deploy(rid, body)
@@ -204,11 +263,13 @@ class SimBox:
                                                "ts": time.time(), "error": {"code": "invalid", "message": "forged"}})
         if self.fault == "hang":
             return
+        self._running[rid] = "deploy"
         self.deploys += 1
         self._busy = True
         bundle = self.fleet.bundles.get(str(body.get("bundle")))
         if bundle is None or bundle["manifest_sha256"] != body.get("sha256"):
             self._busy = False
+            self._running.pop(rid, None)
             code, why = ("fetch", "no such bundle") if bundle is None else ("sha256_mismatch", "other manifest")
             self.ack(rid, "deploy", "failed", error={"code": code, "message": "%s: %s" % (why, body.get("bundle"))})
             return
@@ -219,10 +280,12 @@ class SimBox:
             self._faulted_once = True
             self.fleet.later(self.fleet.deploy_s / 2, lambda: self._die_mid_deploy(rid, model))
             return
-        self.fleet.later(self.fleet.deploy_s, lambda: self._deployed(rid, model))
+        delay = self.params.get("late_s", 10.0) if self.fault == "late_ack" else self.fleet.deploy_s
+        self.fleet.later(delay, lambda: self._deployed(rid, model))
 
     def _die_mid_deploy(self, rid: str, model: Dict[str, Any]) -> None:
         self._busy = False
+        self._running.pop(rid, None)
         if self.fault == "lwt_new":
             self._install(model)
             self.record[rid] = {"request_id": rid, "verb": "deploy", "state": "succeeded", "ts": time.time(),
@@ -253,9 +316,11 @@ class SimBox:
 
     def _deployed(self, rid: str, model: Dict[str, Any]) -> None:
         self._busy = False
+        self._running.pop(rid, None)
         self._install(model)
         result: Any = {"slot": self.slots["serving"], "state": "pending", "model": model}
         self.ack(rid, "deploy", "succeeded", result="ok" if self.fault == "bad_result" else result)
+        self._malformed_next = self.fault == "malformed_status"
         self.publish_status()
         token = self._pending_token
         observe = self.params.get("late_s", 0.0) if self.fault == "late" else self.fleet.observation_s
@@ -268,8 +333,17 @@ class SimBox:
             else:
                 self._confirm_now(model)
             self.publish_status()
+            if self.fault == "crash_after_confirm":
+                confirmed = self._pending_token  # a rollback before the crash bumps it
+                self.fleet.later(self.params.get("crash_s", 0.3), lambda: self.away(
+                    self.params.get("away_s", 1.0), then=lambda: self._crashed(confirmed)))
 
         self.fleet.later(observe, judged)
+
+    def _crashed(self, token: int) -> None:
+        """crash_after_confirm: back from the crash on the last confirmed model, unless a rollback came first."""
+        if token == self._pending_token:
+            self._reject("crashed in probation: back on the last confirmed model")
 
     def _reject(self, reason: str) -> None:
         pending = self.slots["serving"]
@@ -311,8 +385,11 @@ class BoxFleet:
     """Simulated boxes sharing one loop thread; ``bundles`` maps a bundle string to the model it holds."""
 
     def __init__(self, host: str, port: int, prefix: str, bundles: Dict[str, Dict[str, Any]],
-                 observation_s: float = 0.5, deploy_s: float = 0.2) -> None:
+                 observation_s: float = 0.5, deploy_s: float = 0.2,
+                 hosts: Optional[List[Tuple[str, int]]] = None) -> None:
         self.host, self.port, self.prefix = host, port, prefix
+        self.url = "mqtt://%s:%d" % (host, port)
+        self.brokers = list(hosts) if hosts else [(host, port)]  # each box starts on the first, then in turn
         self.bundles = bundles
         self.observation_s = observation_s
         self.deploy_s = deploy_s

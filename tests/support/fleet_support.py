@@ -42,6 +42,39 @@ def make_fleet(tmp_path, mosquitto, bundles):
         fleet.close()
 
 
+# The protocol-only boxes (tests/support/fleet_boxes.py): what they are sent and what they go to.
+SIM_BUNDLE = "shapes-2.0.0.tar.gz"
+SIM_NEW_SHA = "2" * 64
+
+
+@pytest.fixture
+def box_fleet(mosquitto):
+    """``make(count, faults={index: (fault, params)}, **BoxFleet options)``: protocol-only boxes box-00...,
+    not started (``.start()`` them); closed after the test."""
+    from tests.support.fleet_boxes import BoxFleet, model, random_prefix
+
+    fleets = []
+
+    def make(count, faults=None, **kwargs):
+        fleet = BoxFleet(mosquitto.host, mosquitto.port, random_prefix(), {SIM_BUNDLE: model("2.0.0", SIM_NEW_SHA)},
+                         **kwargs)
+        for index in range(count):
+            fault, params = (faults or {}).get(index, (None, None))
+            fleet.add("box-%02d" % index if count <= 100 else "box-%04d" % index, fault=fault, params=params)
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        fleet.close()
+
+
+def sim_rollout_args(url, prefix, state_dir, *extra):
+    """``fleet rollout`` of :data:`SIM_BUNDLE` to group ``sim`` of the protocol-only boxes, JSON report."""
+    return ["rollout", "--broker", url, "--prefix", prefix, "--group", "sim", "--bundle", SIM_BUNDLE,
+            "--sha256", SIM_NEW_SHA, "--state-dir", str(state_dir), "--confirm-timeout", "60", "--json"] + list(extra)
+
+
 def rollout_args(broker, fleet, bundles, tmp_path, *extra):
     return ["rollout", "--broker", broker.url, "--prefix", fleet.prefix, "--group", "sim",
             "--bundle", bundles["url"], "--sha256", bundles["sha"], "--archive-sha256", bundles["archive_sha"],
