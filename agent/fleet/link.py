@@ -2,8 +2,9 @@
 
 The paho client is built by the caller (``agent.cli.ctl.make_client``: credentials, TLS, and a client id of this
 run's own, ``<username>-fleet-<random>``, so a ``fleet status`` never takes over a running rollout's session)
-and handed in, so this group needs no CLI code. Callbacks only enqueue; the rollout or status thread reads :meth:`FleetLink.get`. The
-link does not reconnect: a rollout that loses its broker stops with its state saved, and a re-run continues.
+and handed in, so this group needs no CLI code. Callbacks only enqueue; the rollout or status thread reads
+:meth:`FleetLink.get`. The link does not reconnect: a rollout that loses its broker stops with its state saved,
+and a re-run continues.
 """
 
 import json
