@@ -64,7 +64,7 @@ from agent.lifecycle.slots import (
 )
 from agent.lifecycle.store import BundleStore
 from agent.lifecycle.swap import ModelSwap, identity
-from agent.lifecycle.unpack import Pin, check_manifest_pin
+from agent.lifecycle.unpack import Pin, Scan, check_manifest_pin
 from agent.pipeline.artifacts import select_artifacts
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
 from agent.pipeline.model import LoadedModel, load_model
@@ -301,14 +301,22 @@ class ModelManager:
         refuse a silent downgrade or model change, install into the store, load and self-test."""
         shown = redact(request.bundle)
         expected_sha = request.sha256.lower()
+        pin, pinned = Pin(expected_sha, self.public_key), []
+
+        def check(seen: Scan) -> None:
+            pin(seen)
+            pinned.append(True)
+
         with self.store.staging() as staging:
             progress("fetching %s" % shown)
-            root = fetch_bundle(request.bundle, self.store.root, staging, self.fetch_policy,
-                                Pin(expected_sha, self.public_key), request.archive_sha256, self._cancel.is_set)
+            root = fetch_bundle(request.bundle, self.store.root, staging, self.fetch_policy, check,
+                                request.archive_sha256, self._cancel.is_set)
             manifest_path = os.path.join(root, MANIFEST)
             check_manifest_pin(sha256_file(manifest_path) if os.path.isfile(manifest_path) else None, expected_sha)
             progress("verifying %s" % shown)
-            bundle = verify_bundle(root, self.public_key)
+            # An archive's files were hashed by both passes against the pinned manifest: not a third time (that
+            # re-read of up to 1 GiB could not be cancelled). A directory copied from the store is hashed here.
+            bundle = verify_bundle(root, self.public_key, check_hashes=not pinned)
             check_succession(serving, bundle.manifest, request)
             select_artifacts(bundle, self.device, self.backend, batch=self.config.batching.max_batch,
                              precision=self.config.model.precision)

@@ -292,3 +292,36 @@ def test_a_cancel_ends_a_connect_that_is_never_answered(tmp_path, monkeypatch):
     finally:
         listener.close()
     assert time.monotonic() - started < CANCEL_S + SLACK_S
+
+
+# --- the model manager: a rollback preempts a running deploy -----------------------------------------------
+
+harness = lifecycle.harness  # fixture: a model manager on the tiny bundle
+
+
+def test_a_rollback_preempts_a_deploy_blocked_in_a_download(harness, tmp_path):
+    handler = trickling("headers", pace_s=0.5, for_s=60.0)
+    outcome = {}
+    with LoopbackHttpServer(str(tmp_path), handler=handler) as url:
+        h = harness(fetch={"schemes": ["http"], "hosts": ["127.0.0.1"], "ports": [_port(url)], "timeout_s": 30})
+
+        def deploy():
+            try:
+                h.manager.deploy(lifecycle.deploy_request({"bundle": url + "/b.tar.gz", "sha256": "ab" * 32,
+                                                           "archive_sha256": "cd" * 32}), lifecycle.no_progress)
+            except CommandError as exc:
+                outcome["deploy"] = exc
+
+        h.manager.start()
+        runner = threading.Thread(target=deploy)
+        runner.start()
+        assert handler.trickling.wait(WAIT_S)
+        started = time.monotonic()
+        with pytest.raises(CommandError) as info:  # cancelled the deploy, then found nothing to roll back to
+            h.manager.rollback()
+        took = time.monotonic() - started
+        runner.join(WAIT_S)
+    assert info.value.code == "nothing_to_roll_back" and outcome["deploy"].code == "cancelled"
+    print("rollback preempted the deploy in %.2f s" % took)
+    assert took < CANCEL_S + SLACK_S
+    h.manager.close()
