@@ -23,7 +23,9 @@ from agent.protocol.topics import announce_topic
 
 GRACE_S = 2.0  # after the last outcome: a box that confirmed and crashed in probation is back by then
 WAIT_S = 15.0  # the most the check waits for the boxes that were sent a command to speak again and settle
-JUDGED_AGAIN = FAILURES + (Outcome.CONFIRMED, Outcome.ABORTED, Outcome.CANCELLED)
+# Outcomes the final check may correct; not ``duplicate``: two boxes answer as that id, its status is either's
+JUDGED_AGAIN = tuple(o for o in FAILURES if o != Outcome.DUPLICATE) + (Outcome.CONFIRMED, Outcome.ABORTED,
+                                                                      Outcome.CANCELLED)
 
 
 def serving_now(view: Optional[BoxView], heard: bool, settled: bool) -> Optional[Dict[str, Any]]:
@@ -48,12 +50,13 @@ def reconcile(box: BoxRecord, view: BoxView, sha: str) -> Optional[Dict[str, Any
     rollback = view.last_rollback or {}
     if on != sha and on == old and (was == Outcome.CONFIRMED or (
             rollback.get("manifest_sha256") == sha and rollback != box.baseline_rollback and was in
-            (Outcome.TIMED_OUT, Outcome.MALFORMED, Outcome.DUPLICATE, Outcome.ABORTED, Outcome.CANCELLED))):
+            (Outcome.TIMED_OUT, Outcome.MALFORMED, Outcome.ABORTED, Outcome.CANCELLED))):
         why = rollback.get("reason") if rollback != box.baseline_rollback else None
         return {"outcome": Outcome.ROLLED_BACK, "error": "judged %s, serves %s again at the final check%s" % (
             was, serving.get("version"), ": %s" % why if why else "")}
     if on not in (sha, old) and was != Outcome.FAILED:
-        return {"outcome": Outcome.FAILED, "error": "wrong_bundle: serves manifest %s at the final check" % on}
+        return {"outcome": Outcome.FAILED, "error": "wrong_bundle: judged %s, serves manifest %s at the final "
+                "check" % (was, on)}
     return None
 
 
