@@ -42,11 +42,12 @@ def preflight(bundle: str, sha256: str, local: Optional[str], progress: Callable
 
     staging = tempfile.mkdtemp(prefix="atlas-edge-preflight-")
     try:
-        # The operator checks the URL it was given, on its own network (http, a private address); each box
-        # still applies its own fetch policy to the deploy.
-        host = urllib.parse.urlsplit(source).hostname or ""
-        root = fetch_bundle(source, os.path.dirname(os.path.abspath(source)), staging,
-                            FetchPolicy(schemes=("http", "https"), hosts=(host,) if host else ()),
+        # The operator checks the URL it was given, on its own network (http, a private address, its port);
+        # each box still applies its own fetch policy (fetch.ports included) to the deploy.
+        url = urllib.parse.urlsplit(source)
+        policy = FetchPolicy(schemes=("http", "https"), hosts=(url.hostname,) if url.hostname else (),
+                             ports=(url.port,) if url.port else ())
+        root = fetch_bundle(source, os.path.dirname(os.path.abspath(source)), staging, policy,
                             archive_sha256=archive_sha256)
         actual = sha256_file(os.path.join(root, MANIFEST)) if os.path.isfile(os.path.join(root, MANIFEST)) else None
         if actual != sha256:

@@ -8,6 +8,7 @@ The same on a RabbitMQ cluster is tests/system/cluster/test_cluster.py.
 
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -121,3 +122,75 @@ def test_status_and_rollout_find_boxes_by_their_answers_and_treat_a_ghost_as_off
         assert fleet.boxes[2].deploys == 0
     finally:
         fleet.close()
+
+
+SLOTS = {"serving": "a", "slots": {"a": {"name": "m", "version": "1", "manifest_sha256": "a" * 64,
+                                         "state": "confirmed"}}}
+
+
+def _retain(probe, topic, payload):
+    info = probe.client.publish(topic, payload, qos=1, retain=True)
+    info.wait_for_publish(5)
+
+
+def test_a_status_that_cannot_be_read_is_malformed_in_the_group_the_record_gives_it(
+        mosquitto, probe_factory, tmp_path, capsys):
+    prefix = "mal-%s" % os.urandom(3).hex()
+    probe = probe_factory(mosquitto, [])
+    state_dir = str(tmp_path / "rollouts")
+    for device in ("cam-1", "cam-2", "cam-3"):  # first seen well: the operator's record lists them in g
+        body = {"state": "online", "device_id": device, "device": device, "ts": time.time(), "groups": ["g"],
+                "slots": SLOTS}
+        _retain(probe, "%s/%s/status" % (prefix, device), json.dumps(body).encode())
+    code, shown = run_cli(["status", "--broker", mosquitto.url, "--prefix", prefix, "--json", "--listen", "1",
+                           "--state-dir", state_dir], capsys)
+    assert code == EXIT_OK and len(shown["boxes"]) == 3
+    # Then: not an object, nested 40 levels deep, wrong types (groups a string).
+    for device, payload in (("cam-1", b"[1, 2]"), ("cam-2", b"[" * 40 + b"]" * 40),
+                            ("cam-3", json.dumps({"state": "online", "groups": "g", "slots": 7}).encode())):
+        _retain(probe, "%s/%s/status" % (prefix, device), payload)
+    code, report = run_cli(["rollout", "--broker", mosquitto.url, "--prefix", prefix, "--group", "g",
+                            "--bundle", "b.tar.gz", "--sha256", "b" * 64, "--state-dir", state_dir,
+                            "--no-preflight", "--json"], capsys)
+    outcomes = {b["device"]: b["outcome"] for b in report["boxes"]}
+    assert outcomes == {"cam-1": "malformed", "cam-2": "malformed", "cam-3": "malformed"}, report
+    assert code == EXIT_PARTIAL and report["status"] == "partial"  # counted: not every box was reached
+
+
+def test_a_box_that_does_not_answer_the_announce_but_speaks_telemetry_is_reached(
+        mosquitto, probe_factory, tmp_path, capsys):
+    """A box from before the announce: a retained 'online' 41 s old, telemetry every second, no answer."""
+    prefix = "old-%s" % os.urandom(3).hex()
+    probe = probe_factory(mosquitto, ["%s/old-box/cmd/#" % prefix])
+    body = {"state": "online", "device_id": "old-box", "device": "old-box", "ts": time.time() - 41,
+            "groups": ["g"], "telemetry_interval_s": 1.0, "slots": SLOTS}
+    _retain(probe, "%s/old-box/status" % prefix, json.dumps(body).encode())
+    stop = threading.Event()
+    rid = "ro-old.old-box.deploy"
+
+    def speak():  # the box's own cadence (telemetry each second, commands read each 0.1 s), not a synchronisation
+        ticks, answered = 0, 0
+        while not stop.wait(0.1):
+            ticks += 1
+            if ticks % 10 == 0:
+                probe.client.publish("%s/old-box/telemetry" % prefix, json.dumps({"fps": 5.0, "ts": time.time()}))
+            if probe.count("%s/old-box/cmd/deploy" % prefix) > answered:  # each deploy read is answered
+                answered += 1
+                ack = {"request_id": rid, "verb": "deploy", "state": "failed", "ts": time.time(),
+                       "error": {"code": "invalid", "message": "this old box refuses it"}}
+                probe.client.publish("%s/old-box/ack/%s" % (prefix, rid), json.dumps(ack), qos=1)
+
+    speaker = threading.Thread(target=speak, daemon=True)
+    speaker.start()
+    try:
+        code, report = run_cli(["rollout", "--broker", mosquitto.url, "--prefix", prefix, "--group", "g",
+                                "--bundle", "b.tar.gz", "--sha256", "b" * 64, "--state-dir", str(tmp_path),
+                                "--canary", "0", "--waves", "1", "--rollout-id", "ro-old", "--no-preflight",
+                                "--json"], capsys)
+    finally:
+        stop.set()
+        speaker.join(5)
+    [box] = report["boxes"]
+    assert (box["outcome"], box["error"]) == ("failed", "invalid: this old box refuses it"), box  # not 'offline'
+    assert probe.count("%s/old-box/cmd/deploy" % prefix) == 1  # reached: sent its deploy, once
+    assert code == EXIT_PARTIAL  # ran to its end without reaching every box
