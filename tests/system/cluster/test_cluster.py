@@ -8,20 +8,28 @@ model manager; a stand-in backend). A standalone node serves the first test and 
 cluster is formed once for the rest of this module (about 20-30 s; 125-135 MiB per node) and stopped at its end
 with every process it started (agent/devtools/rabbitmq.py).
 
-Order matters: the failover test stops node 2 and is the last one here.
+Nodes are stopped (a clean stop) or killed (SIGKILL of the node's VM: a crash) under boxes and under an operator;
+each test that uses the cluster starts with its three nodes running (the ``whole`` fixture starts again any that an
+earlier test stopped or killed). Besides real daemons, the rollout test uses protocol-only simulated boxes
+(tests/support/fleet_boxes.py), which follow the box's session policy and move through the fleet's brokers.
 """
 
+import json
 import os
+import threading
 import time
 
 import pytest
 from conftest import wait_for
 
 from agent.cli import ctl
-from agent.cli.ctl import EXIT_OK
+from agent.cli import fleet as fleet_cli
+from agent.cli.ctl import EXIT_BROKER, EXIT_OK
 from agent.devtools.broker import BrokerError
 from agent.devtools.rabbitmq import RabbitCluster, describe, find_rabbitmq
+from agent.fleet.report import EXIT_COMPLETED
 from tests.conftest import MqttProbe
+from tests.support.fleet_boxes import BoxFleet, model, random_prefix
 from tests.support.fleet_support import bundles, make_fleet, rollout_args, run_cli, truth  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.fleet_rig  # operator-side rig: run once, in the host lane (Makefile)
@@ -190,3 +198,75 @@ def test_a_box_whose_node_is_killed_publishes_through_another_and_answers_comman
                                           stats["dropped"]))
     finally:
         probe.close()
+
+
+SIM_BUNDLE, SIM_SHA = "shapes-2.0.0.tar.gz", "2" * 64
+ROLLOUT_JOIN_S = 300.0  # a bound for a loaded machine: the rollout's own timeouts (60 s) end it well before
+
+
+@pytest.fixture
+def sim_fleets():
+    made = []
+
+    def make(node, order, name, count, deploy_s):
+        """``count`` simulated boxes starting on ``node``, then trying ``order``'s nodes in turn."""
+        fleet = BoxFleet(node.host, node.port, prefix, {SIM_BUNDLE: model("2.0.0", SIM_SHA)}, deploy_s=deploy_s,
+                         hosts=[(n.host, n.port) for n in order])
+        for index in range(count):
+            fleet.add("%s-%d" % (name, index))
+        made.append(fleet)
+        return fleet.start()
+
+    prefix = random_prefix("killrollout")
+    make.prefix = prefix
+    yield make
+    for fleet in made:
+        fleet.close()
+
+
+def _rollout_in_background(argv):
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.update(code=fleet_cli.main(argv)), name="rollout")
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("victim", ["box", "operator"])
+def test_a_rollout_survives_a_sigkill_of_a_boxs_node_or_of_the_operators(whole, sim_fleets, victim, tmp_path,
+                                                                           capsys):
+    """Issue 30: boxes on nodes 1 and 2, the operator on node 3 (then node 1); one node is killed mid-rollout.
+    The boxes of a killed node come back through another; an operator whose node died stops with its state saved
+    and the same command, re-run, continues through the next ``--broker``. Every box ends confirmed, deployed once.
+    """
+    n1, n2, n3 = whole.nodes
+    deploy_s = 3.0  # long enough for the kill to land while deploys run
+    fleets = [sim_fleets(n1, [n1, n2, n3], "a", 3, deploy_s), sim_fleets(n2, [n2, n1, n3], "b", 3, deploy_s)]
+    boxes = [box for fleet in fleets for box in fleet.boxes]
+    killed = {"box": n2, "operator": n3}[victim]
+    argv = ["rollout", "--broker", n3.url, "--broker", n1.url, "--prefix", sim_fleets.prefix, "--group", "sim",
+            "--bundle", SIM_BUNDLE, "--sha256", SIM_SHA, "--state-dir", str(tmp_path / "rollouts"),
+            "--confirm-timeout", "60", "--canary", "1", "--waves", "1", "--json"]
+    thread, outcome = _rollout_in_background(argv)
+    try:
+        # box: node 2 dies once its boxes are deploying; operator: node 3 dies in the canary's deploy
+        moving = fleets[1].boxes if victim == "box" else boxes
+        assert wait_for(lambda: any(box.commands for box in moving), timeout=120.0)
+        killed.kill()
+    finally:
+        thread.join(ROLLOUT_JOIN_S)
+    assert not thread.is_alive(), "the rollout did not end within %.0f s" % ROLLOUT_JOIN_S
+    runs = [outcome["code"]]
+    if victim == "operator":  # its link died with node 3: state saved, exit 4; the same command continues
+        assert runs[0] == EXIT_BROKER, capsys.readouterr()
+        capsys.readouterr()
+        runs.append(fleet_cli.main(argv))
+    shown = capsys.readouterr()
+    report = json.loads(shown.out)
+    states = {b["device"]: b["outcome"] for b in report["boxes"]}
+    truths = {box.device: box.serving() for box in boxes}
+    print("killed %s's node %s mid-rollout: exits %s, report %s, boxes on %s" % (
+        victim, killed.name, runs, report["counts"], {b.device: b.broker for b in boxes}))
+    assert runs[-1] == EXIT_COMPLETED, (report["counts"], states, truths)
+    assert states == {box.device: "confirmed" for box in boxes}, (states, truths)
+    assert all(t == {"version": "2.0.0", "state": "confirmed"} for t in truths.values()), truths
+    assert {box.device: box.deploys for box in boxes} == {box.device: 1 for box in boxes}  # none ran twice
