@@ -294,6 +294,91 @@ def test_a_cancel_ends_a_connect_that_is_never_answered(tmp_path, monkeypatch):
     assert time.monotonic() - started < CANCEL_S + SLACK_S
 
 
+# --- a seeded fuzz of archives: every hostile archive is a refusal, never an internal error ------------------
+
+ARCHIVE_FUZZ_SEED = 29
+ARCHIVE_FUZZ_COUNT = 300
+NUMERIC_FIELDS = [(100, 8), (108, 8), (116, 8), (124, 12), (136, 12), (148, 8)]  # mode uid gid size mtime chksum
+NUMBERS = [b"-1", b"9" * 11, b"\x80" + b"\xff" * 11, b"0x10", b" 1 2", b"\xff" * 12, b"7" * 12, b"", b"+1",
+           b"1e9", "\u0661".encode()]
+
+
+def _fuzz_case(rng, plain):
+    """One mutation of the bundle's plain tar: header bytes, numbers, PAX records, cuts, gzip damage."""
+    data = bytearray(plain)
+    headers = list(range(0, min(len(data), 64 * 512), 512))
+    kind = rng.choice(["flip", "number", "pax", "cut", "gzip_flip", "gzip_cut", "type", "name"])
+    at = rng.choice(headers)
+    if kind == "flip":
+        for _ in range(rng.randint(1, 8)):
+            data[at + rng.randrange(512)] = rng.randrange(256)
+    elif kind == "number":
+        offset, width = rng.choice(NUMERIC_FIELDS)
+        data[at + offset:at + offset + width] = (rng.choice(NUMBERS) + b"\0" * width)[:width]
+    elif kind == "type":
+        data[at + 156] = rng.choice(b"0123456789xgLKSVMDA\0 ")
+    elif kind == "name":
+        data[at:at + 100] = (rng.choice([b"../x", b"/etc/x", b"a/../../b", b"a\\b", b"\x01", b"./", b"a" * 100])
+                             + b"\0" * 100)[:100]
+    elif kind == "pax":
+        value = rng.choice([b"9" * rng.randint(1, 6000), b"-1", b"", b"\xff", b"1 2", b"0"])
+        record = b"%s=%s\n" % (rng.choice([b"size", b"path", b"GNU.sparse.map", b"x"]), value)
+        length = rng.choice([len(record) + 1 + len(str(len(record) + 4)), rng.randint(0, 10 ** 6), 0])
+        record = str(length).encode() + b" " + record
+        pax = tar_header("pax", len(record), kind=b"x") + record + b"\0" * (-len(record) % 512)
+        data[at:at] = pax
+    elif kind == "cut":
+        del data[rng.randrange(len(data)):]
+    packed = bytes(data)
+    if kind.startswith("gzip") or rng.random() < 0.3:
+        packed = bytearray(gzip_member(packed))
+        if kind == "gzip_flip":
+            for _ in range(rng.randint(1, 4)):
+                packed[rng.randrange(len(packed))] = rng.randrange(256)
+        elif kind == "gzip_cut":
+            del packed[rng.randrange(len(packed)):]
+        packed = bytes(packed)
+    return kind, packed
+
+
+def test_a_seeded_archive_fuzz_finds_only_refusals(tmp_path, base_bundle):
+    """What a deploy from the store does with each (copy_local: unpack under the pin); a refusal is a
+    BundleError (``invalid``) or a CommandError (``sha256_mismatch``); anything else would answer ``internal``."""
+    import random
+    import shutil
+    import tarfile
+
+    from agent.lifecycle.fetch import copy_local
+
+    source = str(tmp_path / "tiny-2")
+    sha = new_version(base_bundle, source, "2.0.0")
+    plain_path = tmp_path / "plain.tar"
+    with tarfile.open(str(plain_path), "w", format=tarfile.GNU_FORMAT) as archive:
+        archive.add(source, arcname="tiny-2")
+    plain = plain_path.read_bytes()
+    rng = random.Random(ARCHIVE_FUZZ_SEED)
+    outcomes, internal = {}, []
+    for i in range(ARCHIVE_FUZZ_COUNT):
+        kind, content = _fuzz_case(rng, plain)
+        archive = write(tmp_path / ("case.tar.gz" if content[:2] == b"\x1f\x8b" else "case.tar"), content)
+        staging = tmp_path / ("s%d" % i)
+        staging.mkdir()
+        try:
+            copy_local(archive, str(staging), check=Pin(sha), deadline_s=30.0)
+            outcome = "accepted"
+        except (BundleError, CommandError) as exc:
+            outcome = getattr(exc, "code", "invalid")
+        except Exception as exc:  # what the dispatcher would answer as internal
+            internal.append((i, kind, repr(exc)[:200]))
+            outcome = "internal"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        shutil.rmtree(str(staging))
+        os.remove(archive)
+    print("archive fuzz: %d cases, outcomes %s" % (ARCHIVE_FUZZ_COUNT, sorted(outcomes.items())))
+    assert internal == [], internal[:5]
+    assert outcomes.get("invalid", 0) > ARCHIVE_FUZZ_COUNT // 2
+
+
 # --- the model manager: a rollback preempts a running deploy -----------------------------------------------
 
 harness = lifecycle.harness  # fixture: a model manager on the tiny bundle
