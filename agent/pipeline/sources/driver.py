@@ -84,6 +84,7 @@ class SourceReader(threading.Thread):
     def _session(self) -> bool:
         """One open-read-close cycle; False when a finite source has ended for good."""
         reader = reader_for(self.config)
+        self._recycle = None  # asked of the process that has just ended, not of the one starting now
         self.reader = reader
         if reader.live or self.health.state != "up":  # a looping folder wraps without a new "up"
             self.health.connecting()
