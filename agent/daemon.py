@@ -213,6 +213,7 @@ class Daemon:
         self.notifier.stopping()
         self.loop.stop_sources()
         self.watchdog.stop()
+        self.models.cancel()  # a running deploy stops at its next check, not at the dispatcher's join timeout
         self.dispatcher.stop()
         self.dispatcher.close()
         flushed = self.transport.flush(timeout)
