@@ -104,8 +104,9 @@ def _add_create_arguments(sub: Any) -> None:
     create.add_argument("--golden", type=int, metavar="N", help="golden cases per tier (default: as qat's)")
     create.add_argument("--int8", action="store_true",
                         help="also an int8 ONNX for onnxruntime, calibrated on --images (every op but the decode); "
-                             "refused when it keeps under 95%% of the float model's detections on held-out images, or "
-                             "finds none there to check")
+                             "refused when it keeps under 95%% of the float model's detections on held-out images "
+                             "(kept: an int8 detection at the same conf, of the same class, overlapping it with IoU "
+                             ">= 0.5), or the float model finds none there to check")
     create.add_argument("--force", action="store_true",
                         help="with --int8: write the int8 ONNX even when its check fails (too few detections "
                              "kept, or none on the held-out images to check)")
@@ -152,10 +153,10 @@ def _print_int8_checks(out: str) -> None:
     with open(path) as handle:
         report = json.load(handle)
     for file, check in sorted(report["checks"].items()):
-        print("  int8: %s keeps %d of %d float detections (%.1f%%, threshold %.0f%%; %d above conf) on %d held-out "
-              "image(s), mean score diff %.4f, mean box diff %.2f px%s" % (
+        print("  int8: %s keeps %d of %d float detections (%.1f%%, threshold %.0f%%; %d int8 detection(s) matching "
+              "none) on %d held-out image(s), mean score diff %.4f, mean box diff %.2f px%s" % (
                   file, check["kept"], check["float_detections"], 100 * check["kept_share"],
-                  100 * check["threshold"], check["kept_at_conf"], check["images"], check["mean_score_diff"],
+                  100 * check["threshold"], check["int8_extra"], check["images"], check["mean_score_diff"],
                   check["mean_box_diff_px"],
                   "; WRITTEN WITH --force ALTHOUGH BELOW THE THRESHOLD" if check["forced"] else ""))
 

@@ -167,3 +167,21 @@ def test_match_detections_pairs_same_class_overlaps_only():
     want = np.array([[0, 0, 10, 10, 0.9, 1], [20, 20, 30, 30, 0.8, 2]], np.float32)
     got = np.array([[1, 1, 10, 10, 0.85, 1], [20, 20, 30, 30, 0.8, 0]], np.float32)
     assert match_detections(want, got) == [(0, 0)]  # the second overlaps exactly but is another class
+
+
+def test_kept_means_the_box_still_reports_it_at_int8(monkeypatch):
+    """The strict rule: an int8 detection that slid under conf is lost, however well it overlaps (the lenient rule
+    this replaced counted a score down to conf/2 as kept). The int8 model's extra detections are counted apart."""
+    outputs = {  # (1, 4 + 1 class, 3 anchors): cx, cy, w, h, score
+        "float": np.array([[[50, 150, 250], [50, 150, 250], [20, 20, 20], [20, 20, 20], [0.30, 0.90, 0.10]]],
+                          np.float32),
+        "int8": np.array([[[50, 151, 250], [50, 150, 250], [20, 20, 20], [20, 20, 20], [0.24, 0.85, 0.40]]],
+                         np.float32),
+    }
+    monkeypatch.setattr(int8_module, "host_inputs", lambda images, spec, tier, model_input: np.zeros((1, 1)))
+    monkeypatch.setattr(int8_module, "_outputs", lambda path, inputs: [outputs[path]])
+    post = {"conf": 0.25, "iou": 0.7, "max_det": 300}
+    check = int8_module.check_int8("float", "int8", None, (256, 256), "detect-yolov8", post, [None])
+    assert (check.float_found, check.kept, check.int8_extra) == (2, 1, 1)
+    assert check.kept_share == 0.5 and "keeps too few detections" in check.refusal()
+    assert abs(check.mean_score_diff - 0.05) < 1e-6 and abs(check.mean_box_diff_px - 0.5) < 1e-6
