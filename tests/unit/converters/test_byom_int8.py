@@ -3,7 +3,9 @@ quantized but the decode (found from the graph), served by onnxruntime with the 
 refused when it keeps too few of the float model's detections.
 
 The model is the YOLOv8 Ultralytics exported for tests/fixtures/byom (make_fixture.py: trained on generated scenes),
-calibrated and checked on generated scenes like the ones it was trained on.
+calibrated and checked on generated scenes like the ones it was trained on. Kept is the strict rule (an int8
+detection at the bundle's conf, same class, IoU >= 0.5); its speed against float is the bench's ``quant`` section's
+figure (tests assert no times).
 """
 
 import json
@@ -63,7 +65,8 @@ def test_int8_artifact_keeps_the_float_detections(int8_bundle):
     with open(os.path.join(int8_bundle, "int8_check.json")) as handle:
         check = json.load(handle)["checks"]["model_256x256.int8.onnx"]
     print("int8 check:", check)
-    assert check["float_detections"] >= 5, "the float model found too little for the check to mean anything"
+    # >= 20: one lost detection is at most 5 %, so the 95 % threshold is a test of every miss, not of one
+    assert check["float_detections"] >= 20, "the float model found too little for the check to mean anything"
     assert check["kept_share"] >= KEEP_THRESHOLD and not check["forced"]
     assert check["mean_box_diff_px"] < 2.0
 
