@@ -23,8 +23,9 @@ What the façade decides, and why:
   order, into the outbox and the dead client is thrown away, so paho does not also resend them. Delivery is at
   least once: a message the broker had taken just before the drop, whose PUBACK was lost, arrives twice, the
   second copy marked historical (``requeued`` counts the moved ones). Sessions are clean
-  (``clean_session=True``): commands sent while the box is offline are not queued by the broker to run
-  hours later.
+  (``clean_session=True``, commands subscribed at QoS 0: :data:`agent.ops.connection.SUBSCRIPTION_QOS`):
+  commands sent while the box is offline are not queued by the broker to run hours later, and no broker node
+  holds a queue for the box that could refuse it once that node crashed; the operator re-sends what it missed.
 """
 
 import logging
