@@ -4,15 +4,26 @@ Same graph as Ultralytics' ``yolov8n.pt`` exported with ``export(format="onnx", 
 backbone and PAN neck at scale n (width 0.25, depth 0.33: Conv+SiLU with BatchNorm folded, C2f, SPPF, nearest
 Upsample, Concat), the Detect head (two 3x3 Convs and a 1x1 per branch, per level) and its export-time decode
 (DFL softmax and 1x1 Conv of arange(16), anchors, strides, class sigmoid), output ``(1, 4 + 80, 8400)`` at 640x640.
-The weights are random (He-scaled, so activations keep their spread through the depth): the figures measured on
-it are speed and the *agreement* between runtimes and precisions, never accuracy, and the JSON says so.
+The weights are those of the tests' trained YOLOv8 (tests/fixtures/byom/yolov8t.onnx: Ultralytics' own export of
+yolov8.yaml at 1/16 width, trained on the generated scenes) *widened* to n width by channel replication
+(Net2Net's function-preserving widening, Chen et al. 2016): every new channel copies an old one, and a
+convolution reading k copies of an old channel divides those weights by k. The stand-in therefore computes
+exactly what the trained network computes (its 3 shape classes first; the other 77 never fire), at YOLOv8n's
+cost: its timings are a YOLOv8n's, and its detections on scenes are real ones, confident like a trained model's,
+so ``bundle create --int8``'s check has objects to keep. Its int8 behaviour is the narrow network's (copies share
+their ranges), not a real YOLOv8n's. ``trained=None`` gives the random (He-scaled) weights instead.
 """
 
-from typing import Any, List, Tuple
+import os
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-STANDIN_NAME = "yolov8n-shaped stand-in (random weights)"
+STANDIN_NAME = "yolov8n-shaped stand-in (the tests' trained 1/16-width YOLOv8, widened)"
+TRAINED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "byom",
+                       "yolov8t.onnx")
+DEAD_CLASS_BIAS = -20.0  # the classes the trained network lacks: sigmoid(-20) = 2e-9, never above any conf
+DEAD_CLASS_STD = 1e-3  # small, not zero: a per-channel int8 weight scale of 0 is degenerate
 IMGSZ = 640
 NUM_CLASSES = 80
 REG_MAX = 16
@@ -144,8 +155,64 @@ def _detect(g: _Graph, features: List[Tuple[str, int]], imgsz: int) -> str:
     return g.node("Concat", [xywh, scores], "/model.22/Concat_3", axis=1)
 
 
-def build_yolov8n(path: str, imgsz: int = IMGSZ, seed: int = SEED) -> str:
-    """Write the stand-in to ``path`` (input ``images`` (1, 3, imgsz, imgsz), output ``output0``); returns path."""
+def _trained_convs(onnx: Any, path: str) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    """(weight, bias) of each Conv of an Ultralytics export, by the stand-in's node name (``/conv/Conv`` ->
+    ``/Conv``: the export names the Conv inside each Conv+BN+SiLU module ``conv``)."""
+    from onnx import numpy_helper
+
+    model = onnx.load(path)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    return {n.name.replace("/conv/Conv", "/Conv"): (inits[n.input[1]], inits[n.input[2]])
+            for n in model.graph.node if n.op_type == "Conv" and len(n.input) == 3 and n.input[1] in inits}
+
+
+def _widen(g: _Graph, trained: Dict[str, Tuple[np.ndarray, np.ndarray]]) -> None:
+    """Replace ``g``'s random weights by ``trained``'s, widened (module docstring). ``maps`` gives each tensor's
+    channel map: new channel -> the old channel it copies; new channels copy old ones in blocks, so that the
+    halves a C2f Split takes stay halves and a Concat's parts stay in order."""
+    from onnx import numpy_helper
+
+    inits = {t.name: i for i, t in enumerate(g.inits)}
+    maps: Dict[str, np.ndarray] = {"images": np.arange(3)}
+    for node in g.nodes:
+        ins = [maps.get(x) for x in node.input]
+        if node.op_type == "Conv" and ins[0] is not None and node.name in trained:
+            w_old, b_old = trained[node.name]
+            w_name, b_name = node.input[1], node.input[2]
+            c_new, c_old = g.inits[inits[w_name]].dims[0], w_old.shape[0]
+            out = _block_map(c_new, c_old) if c_new % c_old == 0 else np.arange(c_new)
+            copies = np.bincount(ins[0], minlength=w_old.shape[1])
+            w = w_old[np.minimum(out, c_old - 1)][:, ins[0]] / copies[ins[0]][None, :, None, None]
+            b = b_old[np.minimum(out, c_old - 1)].copy()
+            if c_new % c_old:  # the class conv: the trained classes first, the rest dead
+                w[c_old:] = g.rng.normal(0, DEAD_CLASS_STD, w[c_old:].shape)
+                b[c_old:] = DEAD_CLASS_BIAS
+            g.inits[inits[w_name]].CopyFrom(numpy_helper.from_array(w.astype(np.float32), w_name))
+            g.inits[inits[b_name]].CopyFrom(numpy_helper.from_array(b.astype(np.float32), b_name))
+            maps[node.output[0]] = out
+        elif node.op_type == "Split" and ins[0] is not None:
+            half_new, half_old = len(ins[0]) // 2, (int(ins[0].max()) + 1) // 2
+            maps[node.output[0]], maps[node.output[1]] = ins[0][:half_new], ins[0][half_new:] - half_old
+        elif node.op_type == "Concat" and all(m is not None for m in ins):
+            offsets = np.cumsum([0] + [int(m.max()) + 1 for m in ins[:-1]])
+            maps[node.output[0]] = np.concatenate([m + o for m, o in zip(ins, offsets)])
+        elif node.op_type in ("Sigmoid", "Mul", "Add", "MaxPool", "Resize") and ins[0] is not None:
+            if not all(m is None or np.array_equal(m, ins[0]) for m in ins):
+                raise ValueError("%s: inputs widened differently" % node.name)
+            maps[node.output[0]] = ins[0]
+    missing = set(trained) - {n.name for n in g.nodes if n.output[0] in maps}
+    if missing:
+        raise ValueError("trained convolutions the stand-in has no place for: %s" % sorted(missing))
+
+
+def _block_map(c_new: int, c_old: int) -> np.ndarray:
+    """New channel -> old channel, each old channel copied c_new / c_old times in a block."""
+    return np.arange(c_new) // (c_new // c_old)
+
+
+def build_yolov8n(path: str, imgsz: int = IMGSZ, seed: int = SEED, trained: Optional[str] = TRAINED) -> str:
+    """Write the stand-in to ``path`` (input ``images`` (1, 3, imgsz, imgsz), output ``output0``); returns path.
+    ``trained``: the Ultralytics export whose weights it carries, widened (None: random weights)."""
     from converters.byom.model_file import import_onnx
 
     onnx = import_onnx()  # MindSpore before onnx in a host process (protobuf's implementation)
@@ -171,6 +238,8 @@ def build_yolov8n(path: str, imgsz: int = IMGSZ, seed: int = SEED) -> str:
     x = g.node("Concat", [g.conv(out4, 128, 128, 3, 2, "/model.19"), p5], "/model.20/Concat", axis=1)
     out5 = g.c2f(x, 384, 256, 1, False, "/model.21")
     y = _detect(g, [(out3, 64), (out4, 128), (out5, 256)], imgsz)
+    if trained:
+        _widen(g, _trained_convs(onnx, trained))
     g.nodes[-1].output[0] = "output0"
     anchors = sum((imgsz // s) ** 2 for s in STRIDES)
     graph = helper.make_graph(

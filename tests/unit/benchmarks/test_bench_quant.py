@@ -1,7 +1,7 @@
 """The ``quant`` bench section's pieces (benchmarks/quant.py, quant_models.py, yolov8_standin.py): the YOLOv8n-shaped
-stand-in is YOLOv8n's graph and runs alike on onnxruntime and cv2.dnn, the headline takes the int8 lane it says,
-and a quick run leaves the section out unless asked. The section itself is timed by ``atlas-edge bench``, never
-here (tests assert no times)."""
+stand-in is YOLOv8n's graph, runs alike on onnxruntime and cv2.dnn and computes what the trained fixture it widens
+computes, the headline takes the int8 lane it says, and a quick run leaves the section out unless asked. The
+section itself is timed by ``atlas-edge bench``, never here (tests assert no times)."""
 
 import json
 
@@ -51,7 +51,31 @@ def test_standin_runs_alike_on_onnxruntime_and_opencv(standin):
     b = net.forward()
     assert a.shape == b.shape == (1, 4 + NUM_CLASSES, 8400)
     np.testing.assert_allclose(a, b, atol=1e-2)
-    assert 0 < a[0, :4].min() and a[0, :4].max() < 2 * IMGSZ
+    assert a[0, 2:4].min() > 0 and -IMGSZ < a[0, :2].min() and a[0, :2].max() < 2 * IMGSZ
+
+
+def test_standin_computes_what_the_trained_fixture_computes(tmp_path):
+    """Widening by channel copies preserves the function: at the fixture's 256x256 the stand-in's boxes and its
+    first 3 class scores are the trained YOLOv8's, its other 77 classes never score, and on a scene it finds the
+    fixture's detections (real ones, not noise at the threshold)."""
+    from agent.devtools.scenes import generate_scenes
+    from agent.pipeline.postprocess import decode
+    from agent.pipeline.preprocess import PreprocessSpec
+    from benchmarks.yolov8_standin import TRAINED
+    from converters.byom.int8 import host_inputs, match_detections
+
+    wide = build_yolov8n(str(tmp_path / "wide.onnx"), imgsz=256)
+    images = [image for image, _boxes, _classes in generate_scenes(3, 2, (256, 256))]
+    x = host_inputs(images, PreprocessSpec(mean=(0.0, 0.0, 0.0), std=(255.0, 255.0, 255.0)), (256, 256), False)
+    post = {"conf": 0.25, "iou": 0.7, "max_det": 300}
+    for xi in x:
+        a = ort.InferenceSession(wide, providers=["CPUExecutionProvider"]).run(None, {"images": xi[None]})[0]
+        b = ort.InferenceSession(TRAINED, providers=["CPUExecutionProvider"]).run(None, {"images": xi[None]})[0]
+        assert a.shape == (1, 4 + NUM_CLASSES, 1344) and b.shape == (1, 4 + 3, 1344)
+        np.testing.assert_allclose(a[:, :7], b, atol=2e-3)
+        assert a[:, 7:].max() < 1e-6
+        want, got = decode("detect-yolov8", b, post)[0], decode("detect-yolov8", a, post)[0]
+        assert len(want) >= 1 and len(match_detections(want, got)) == len(want) == len(got)
 
 
 def _demo(lanes):
