@@ -86,9 +86,10 @@ def add_rollout(sub: Any) -> None:
     rollout.add_argument("--max-failures", type=int, default=None, metavar="N",
                          help="abort once more than N boxes failed")
     rollout.add_argument("--max-failure-rate", type=finite, default=None, metavar="R",
-                         help="abort once failures / executed boxes exceeds R (after --min-executed boxes)")
+                         help="abort once failures / boxes sent a deploy (in flight counted as not failed) "
+                              "exceeds R; see --min-executed")
     rollout.add_argument("--min-executed", type=int, default=1, metavar="N",
-                         help="boxes that must have an outcome before the rate is judged (default 1)")
+                         help="outcomes needed before the rate is judged (default 1; never fewer than --canary)")
     rollout.add_argument("--max-per-type", type=_per_type, action="append", default=[], metavar="TYPE=N",
                          help="abort once more than N boxes ended as TYPE (failed, timed_out, rolled_back, "
                               "malformed, duplicate); repeatable")
