@@ -1,7 +1,8 @@
 """The camera rig: real RTSP cameras on loopback (:mod:`agent.devtools.rtsp_camera`) and the faults cameras have.
 
 :class:`Camera` runs one GStreamer RTSP server process on a free 127.0.0.1 port under the system Python;
-a test kills and restarts it, stalls it (SIGSTOP) and resumes it, or changes its resolution mid-session.
+a test kills and restarts it, stalls it (SIGSTOP) and resumes it, changes its resolution mid-session, or makes its
+clock misbehave (timestamps that jump or run slow).
 :class:`Blackhole` is a port that accepts connections and never answers. :func:`free_port` gives a port where
 nothing listens. Frames carry their capture time; :func:`frame_age_ms` reads it back from a decoded image.
 Used by the tests (``tests/support/camera_rig.py`` skips where :func:`rig_missing` says why) and by the ``sources``
@@ -89,6 +90,18 @@ class Camera:
 
     def resize(self, width: int, height: int) -> None:
         self.proc.stdin.write(b"size %d %d\n" % (width, height))
+        self.proc.stdin.flush()
+
+    def jump_pts(self, seconds: float) -> None:
+        """The camera's timestamps (PTS, RTP time) jump by ``seconds`` (negative: back); its pixels do not."""
+        self._command(b"jump %f\n" % seconds)
+
+    def clock_rate(self, rate: float) -> None:
+        """The camera's timestamps run at ``rate`` times real time from now on (0.95: a clock 5% slow)."""
+        self._command(b"rate %f\n" % rate)
+
+    def _command(self, line: bytes) -> None:
+        self.proc.stdin.write(line)
         self.proc.stdin.flush()
 
     def kill(self) -> None:

@@ -7,7 +7,10 @@ of black and white blocks (:mod:`agent.devtools.framecode` decodes them), so a t
 behind a published result is from the pixels alone.
 
 Commands on stdin, one per line: ``size W H`` changes the resolution in the running session (the encoder
-sends a new SPS). SIGSTOP/SIGCONT stall and resume the whole server; SIGTERM ends it.
+sends a new SPS); ``jump S`` moves the stream's timestamps (PTS, hence RTP time) by S seconds from now on
+(negative: back), ``rate R`` lets them run at R times real time from now on (0.95: a clock 5% slow), as cameras'
+clocks do (:class:`PtsFault`, applied to the encoded frames, so the encoder and the pixels' capture time are
+untouched). SIGSTOP/SIGCONT stall and resume the whole server; SIGTERM ends it.
 One mount, ``/cam``; with ``--password`` it needs ``--user``/``--password`` (RTSP basic auth, 401 otherwise);
 any other path is answered 404 by the server itself.
 """
@@ -32,6 +35,48 @@ PIPELINE = ("( appsrc name=src is-live=true format=time do-timestamp=true ! vide
             " ! rtph264pay name=pay0 pt=96 config-interval=1 )")
 
 
+class PtsFault:
+    """What a misbehaving camera clock does to the stream's timestamps: ``pts' = out0 + (pts - in0) * rate``.
+
+    A jump moves ``out0``; a rate change re-anchors at the current frame so the timestamps stay continuous.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.in0 = self.out0 = None
+        self.rate = 1.0
+        self.pending_jump = 0.0
+        self.pending_rate = None
+
+    def jump(self, seconds):
+        with self.lock:
+            self.pending_jump += seconds * Gst.SECOND
+
+    def set_rate(self, rate):
+        with self.lock:
+            self.pending_rate = rate
+
+    def attach(self, pay):
+        pay.get_static_pad("sink").add_probe(Gst.PadProbeType.BUFFER, self._probe)
+
+    def _probe(self, pad, info):
+        buffer = info.get_buffer()
+        pts = buffer.pts
+        if pts == Gst.CLOCK_TIME_NONE:
+            return Gst.PadProbeReturn.OK
+        with self.lock:
+            if self.in0 is None:
+                self.in0 = self.out0 = pts
+            if self.pending_rate is not None:  # re-anchor here, continuous
+                self.out0 = int(self.out0 + (pts - self.in0) * self.rate)
+                self.in0, self.rate, self.pending_rate = pts, self.pending_rate, None
+            self.out0 += int(self.pending_jump)
+            self.pending_jump = 0.0
+            out = max(0, int(self.out0 + (pts - self.in0) * self.rate))
+        buffer.pts = buffer.dts = out
+        return Gst.PadProbeReturn.OK
+
+
 class Feed:
     """Frames for every session of one mount: drawn at ``fps`` on a thread of their own, pushed to appsrc."""
 
@@ -41,6 +86,7 @@ class Feed:
         self.counter = 0
         self.sources = []
         self.lock = threading.Lock()
+        self.pts_fault = PtsFault()
         threading.Thread(target=self._run, daemon=True).start()
 
     def caps(self):
@@ -50,6 +96,7 @@ class Feed:
     def attach(self, factory, media):
         src = media.get_element().get_by_name_recurse_up("src")
         src.set_property("caps", self.caps())
+        self.pts_fault.attach(media.get_element().get_by_name_recurse_up("pay0"))
         with self.lock:
             self.sources.append(src)
 
@@ -145,6 +192,10 @@ def main():
             parts = line.split()
             if parts[:1] == ["size"]:
                 feed.resize(int(parts[1]), int(parts[2]))
+            elif parts[:1] == ["jump"]:
+                feed.pts_fault.jump(float(parts[1]))
+            elif parts[:1] == ["rate"]:
+                feed.pts_fault.set_rate(float(parts[1]))
         GLib.idle_add(loop.quit)  # stdin closed: the test process is gone
 
     loop = GLib.MainLoop()
