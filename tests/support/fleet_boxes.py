@@ -13,7 +13,7 @@ happens on that thread; other threads act through :meth:`BoxFleet.call`.
 
 Sessions follow the box's policy (docs/architecture.md, "Broker sessions"): clean, commands subscribed at QoS 0,
 the status published on every connect; after a lost connection a box tries the fleet's next broker (``hosts``, a
-cluster's nodes) :data:`RECONNECT_S` later, in turn, as a daemon with ``mqtt.hosts`` does.
+cluster's nodes) ``reconnect_s`` (:data:`RECONNECT_S`) later, in turn, as a daemon with ``mqtt.hosts`` does.
 """
 
 import heapq
@@ -153,7 +153,7 @@ class SimBox:
         self.fleet.later(TELEMETRY_S, self._telemetry)
 
     def _lost(self, client: Any) -> None:
-        """Its broker dropped it (or refused its CONNACK): the next broker, after :data:`RECONNECT_S`."""
+        """Its broker dropped it (or refused its CONNACK): the next broker, ``fleet.reconnect_s`` later."""
         if client is self.client:
             self.drop()
             self._retry()
@@ -161,7 +161,7 @@ class SimBox:
     def _retry(self) -> None:
         self.broker = (self.broker + 1) % len(self.fleet.brokers)
         epoch = self._epoch
-        self.fleet.later(RECONNECT_S, lambda: self.connect() if epoch == self._epoch else None)
+        self.fleet.later(self.fleet.reconnect_s, lambda: self.connect() if epoch == self._epoch else None)
 
     def drop(self) -> None:
         """Lose the connection without a DISCONNECT: the broker publishes the last will (offline)."""
@@ -386,10 +386,11 @@ class BoxFleet:
 
     def __init__(self, host: str, port: int, prefix: str, bundles: Dict[str, Dict[str, Any]],
                  observation_s: float = 0.5, deploy_s: float = 0.2,
-                 hosts: Optional[List[Tuple[str, int]]] = None) -> None:
+                 hosts: Optional[List[Tuple[str, int]]] = None, reconnect_s: float = RECONNECT_S) -> None:
         self.host, self.port, self.prefix = host, port, prefix
         self.url = "mqtt://%s:%d" % (host, port)
         self.brokers = list(hosts) if hosts else [(host, port)]  # each box starts on the first, then in turn
+        self.reconnect_s = reconnect_s  # a longer one keeps a box away while the operator sends (a test's choice)
         self.bundles = bundles
         self.observation_s = observation_s
         self.deploy_s = deploy_s

@@ -208,10 +208,10 @@ ROLLOUT_JOIN_S = 300.0  # a bound for a loaded machine: the rollout's own timeou
 def sim_fleets():
     made = []
 
-    def make(node, order, name, count, deploy_s):
+    def make(node, order, name, count, deploy_s, reconnect_s):
         """``count`` simulated boxes starting on ``node``, then trying ``order``'s nodes in turn."""
         fleet = BoxFleet(node.host, node.port, prefix, {SIM_BUNDLE: model("2.0.0", SIM_SHA)}, deploy_s=deploy_s,
-                         hosts=[(n.host, n.port) for n in order])
+                         hosts=[(n.host, n.port) for n in order], reconnect_s=reconnect_s)
         for index in range(count):
             fleet.add("%s-%d" % (name, index))
         made.append(fleet)
@@ -231,29 +231,38 @@ def _rollout_in_background(argv):
     return thread, outcome
 
 
-@pytest.mark.parametrize("victim", ["box", "operator"])
+@pytest.mark.parametrize("victim", ["box", "box_away_at_send", "operator"])
 def test_a_rollout_survives_a_sigkill_of_a_boxs_node_or_of_the_operators(whole, sim_fleets, victim, tmp_path,
                                                                            capsys):
     """Issue 30: boxes on nodes 1 and 2, the operator on node 3 (then node 1); one node is killed mid-rollout.
     The boxes of a killed node come back through another; an operator whose node died stops with its state saved
     and the same command, re-run, continues through the next ``--broker``. Every box ends confirmed, deployed once.
+
+    ``box``: node 2 dies while its boxes deploy. ``box_away_at_send``: it dies in the canary's deploy and its boxes
+    stay away 6 s, so the wave's deploys to them are published while they have no subscription anywhere (lost:
+    clean sessions); the operator sends them again when they are heard from.
     """
     n1, n2, n3 = whole.nodes
     deploy_s = 3.0  # long enough for the kill to land while deploys run
-    fleets = [sim_fleets(n1, [n1, n2, n3], "a", 3, deploy_s), sim_fleets(n2, [n2, n1, n3], "b", 3, deploy_s)]
+    away_s = 6.0 if victim == "box_away_at_send" else None  # past the canary's deploy and window: the wave goes out
+    fleets = [sim_fleets(n1, [n1, n2, n3], "a", 3, deploy_s, 0.5),
+              sim_fleets(n2, [n2, n1, n3], "b", 3, deploy_s, away_s or 0.5)]
     boxes = [box for fleet in fleets for box in fleet.boxes]
-    killed = {"box": n2, "operator": n3}[victim]
+    killed = n3 if victim == "operator" else n2
     argv = ["rollout", "--broker", n3.url, "--broker", n1.url, "--prefix", sim_fleets.prefix, "--group", "sim",
             "--bundle", SIM_BUNDLE, "--sha256", SIM_SHA, "--state-dir", str(tmp_path / "rollouts"),
             "--confirm-timeout", "60", "--canary", "1", "--waves", "1", "--json"]
+    deploys = MqttProbe(n1, ["%s/+/cmd/deploy" % sim_fleets.prefix])  # what the operator sent, seen on node 1
     thread, outcome = _rollout_in_background(argv)
     try:
-        # box: node 2 dies once its boxes are deploying; operator: node 3 dies in the canary's deploy
+        # box: node 2 dies once its boxes are deploying; the others: in the canary's deploy
         moving = fleets[1].boxes if victim == "box" else boxes
         assert wait_for(lambda: any(box.commands for box in moving), timeout=120.0)
         killed.kill()
+        early = {box.device for box in boxes if box.commands}  # the canary (and the wave's first, for "box")
     finally:
         thread.join(ROLLOUT_JOIN_S)
+        deploys.close()
     assert not thread.is_alive(), "the rollout did not end within %.0f s" % ROLLOUT_JOIN_S
     runs = [outcome["code"]]
     if victim == "operator":  # its link died with node 3: state saved, exit 4; the same command continues
@@ -270,3 +279,7 @@ def test_a_rollout_survives_a_sigkill_of_a_boxs_node_or_of_the_operators(whole, 
     assert states == {box.device: "confirmed" for box in boxes}, (states, truths)
     assert all(t == {"version": "2.0.0", "state": "confirmed"} for t in truths.values()), truths
     assert {box.device: box.deploys for box in boxes} == {box.device: 1 for box in boxes}  # none ran twice
+    if victim == "box_away_at_send":  # the premise: the wave reached b's boxes only by a re-send after their return
+        sent = {box.device: [m["request_id"] for m in deploys.on("%s/%s/cmd/deploy" % (sim_fleets.prefix, box.device))]
+                for box in fleets[1].boxes if box.device not in early}
+        assert sent and all(len(ids) >= 2 and len(set(ids)) == 1 for ids in sent.values()), sent
