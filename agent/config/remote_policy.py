@@ -10,8 +10,10 @@ file is the policy; nothing here can be changed over MQTT):
 * it may carry no userinfo (``user:password@``), no ``@`` at all, and no ``cred:``/``env:`` reference: those
   would make the box resolve its own secrets and send them to the URI's host. A remotely set source gets a
   credential only from ``remote_config.credentials`` (pattern → ``USER:cred:NAME`` or ``USER:env:VAR``);
-* its host must resolve, and to no loopback, link-local, unspecified, multicast or reserved address, nor one of
-  the box's own (an address this box can bind): the box never becomes a client of itself;
+* its host must resolve, and to no loopback, link-local, unspecified, multicast or reserved address (an IPv6
+  address that embeds an IPv4 one judged by it, as :mod:`agent._util.netaddr` classifies every address; a
+  private address is allowed: cameras live there), nor one of the box's own (an address this box can bind):
+  the box never becomes a client of itself;
 * new or changed ``input_options`` keys must be in :data:`REMOTE_INPUT_OPTIONS` (timeouts, transport, buffer
   sizes, with decimal values): anything else can make FFmpeg connect elsewhere (``http_proxy``), listen
   (``rtsp_flags``, RTSP's ``timeout``), read files or other protocols (``protocol_whitelist``,
@@ -22,12 +24,12 @@ A name is resolved again by FFmpeg when the source opens: a host name listed in 
 """
 
 import fnmatch
-import ipaddress
 import re
 import socket
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+from agent._util import netaddr
 from agent.config.schema import FieldError
 from agent.config.secrets import CRED_PREFIX, ENV_PREFIX
 
@@ -44,6 +46,9 @@ REMOTE_INPUT_OPTIONS: Dict[str, Callable[[str], bool]] = {
     "analyzeduration": _DIGITS.fullmatch,
     "fpsprobesize": _DIGITS.fullmatch,
 }
+# Address classes a remotely set source may never reach; private is not one of them (cameras live there).
+NON_ROUTABLE = frozenset((netaddr.LOOPBACK, netaddr.LINK_LOCAL, netaddr.UNSPECIFIED, netaddr.MULTICAST,
+                          netaddr.RESERVED))
 DEFAULT_PORTS = {"rtsp": 554, "rtsps": 322, "http": 80, "https": 443}
 _URI = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)"
                   r"(?::(?P<port>[0-9]{1,5}))?(?P<path>/[^?#@\s]*)?(?:\?(?P<query>[^#@\s]*))?")
@@ -106,20 +111,7 @@ def _matches(uri: UriParts, pattern: UriParts) -> bool:
     return uri.query is None if pattern.query is None else fnmatch.fnmatchcase(uri.query or "", pattern.query)
 
 
-def _embedded_ipv4(ip: Any) -> Any:
-    """The IPv4 address a mapped (``::ffff:a.b.c.d``), 6to4 (``2002::/16``) or NAT64 (``64:ff9b::/96``) one
-    stands for; the address itself otherwise."""
-    if ip.version == 6:
-        if ip.ipv4_mapped is not None:
-            return ip.ipv4_mapped
-        if ip.sixtofour is not None:
-            return ip.sixtofour
-        if ip in ipaddress.ip_network("64:ff9b::/96"):
-            return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    return ip
-
-
-def _is_own(ip: Any) -> bool:
+def _is_own(ip: netaddr.IPAddress) -> bool:
     """Whether ``ip`` is one of this box's addresses: only those can be bound."""
     family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     try:
@@ -137,8 +129,8 @@ def address_problem(host: str, port: int) -> Optional[str]:
     except (OSError, UnicodeError):
         return "its host does not resolve"
     for _family, _type, _proto, _name, sockaddr in infos:
-        ip = _embedded_ipv4(ipaddress.ip_address(str(sockaddr[0]).split("%")[0]))
-        if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast or ip.is_reserved:
+        ip = netaddr.parse(str(sockaddr[0]))
+        if netaddr.classes(ip) & NON_ROUTABLE:
             return "its host resolves to a loopback, link-local or other non-routable address"
         if _is_own(ip):
             return "its host resolves to one of this box's own addresses"

@@ -10,7 +10,8 @@ The policy is enforced where it cannot be dodged:
   checked (no second lookup a DNS server could answer differently): loopback, private, link-local and other
   non-global addresses are refused unless the name, the address or its network is listed in ``fetch.hosts``.
   An address that embeds an IPv4 address is judged by it: IPv4-mapped (``::ffff:127.0.0.1``), NAT64
-  (``64:ff9b::7f00:1``, RFC 6052) and 6to4 (``2002:7f00:1::``, RFC 3056);
+  (``64:ff9b::7f00:1``, RFC 6052) and 6to4 (``2002:7f00:1::``, RFC 3056), as :mod:`agent._util.netaddr`
+  classifies every address;
 - every redirect: never to another scheme, to another host only if that host is listed, and to a port only if
   the policy allows it (a redirect on the same host to another port included).
 
@@ -32,14 +33,13 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Union
 
+from agent._util import netaddr
 from agent._util.compat import Protocol
 from agent.config.daemon_config import FetchConfig
 
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
-IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 MAX_REDIRECTS = 5
 SCHEME_PORTS = {"http": 80, "https": 443}
-NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: the IPv4 address is the last 32 bits
 
 
 CONNECT_POLL_S = 0.2  # a connect in progress looks at the download's watch this often (cancel within 2 s)
@@ -102,7 +102,7 @@ class FetchPolicy:
                 port, ", ".join(str(p) for p in self.ports) or "only the scheme's own, %d" % SCHEME_PORTS[
                     parts.scheme]))
 
-    def listed(self, host: str, address: Optional[IPAddress] = None) -> bool:
+    def listed(self, host: str, address: Optional[netaddr.IPAddress] = None) -> bool:
         """Whether ``host`` (or the address it resolved to) is named in ``fetch.hosts``."""
         for entry in self.hosts:
             network = _network(entry)
@@ -119,8 +119,8 @@ class FetchPolicy:
         infos = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
         allowed = []
         for info in infos:
-            ip = _unmapped(ipaddress.ip_address(info[4][0].split("%", 1)[0]))
-            if ip.is_global or self.listed(host.lower(), ip):
+            ip = netaddr.parse(info[4][0])
+            if netaddr.GLOBAL in netaddr.classes(ip) or self.listed(host.lower(), ip):
                 allowed.append(info)
         if not allowed:
             raise Refused("%s resolves to a loopback, private or link-local address (list it in fetch.hosts to "
@@ -145,27 +145,12 @@ def _network(entry: str) -> Optional[IPNetwork]:
         return None
 
 
-def _address(host: str) -> Optional[IPAddress]:
+def _address(host: str) -> Optional[netaddr.IPAddress]:
+    """The address a literal ``host`` names, judged by the IPv4 address it embeds; None for a name."""
     try:
-        return _unmapped(ipaddress.ip_address(host))
+        return netaddr.parse(host)
     except ValueError:
         return None
-
-
-def _unmapped(ip: IPAddress) -> IPAddress:
-    """An IPv6 address that carries an IPv4 address is judged as that address: ``::ffff:127.0.0.1``
-    (mapped), ``64:ff9b::7f00:1`` (NAT64: a gateway connects to the last 32 bits) and ``2002:7f00:1::``
-    (6to4: bits 16-47), all as ``127.0.0.1``."""
-    if ip.version == 4:
-        return ip
-    assert isinstance(ip, ipaddress.IPv6Address)
-    if ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    if ip in NAT64:
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    if ip.sixtofour is not None:
-        return ip.sixtofour
-    return ip
 
 
 def _connect(policy: FetchPolicy, watch: Watch, address: Tuple[str, int],
