@@ -1,4 +1,6 @@
-"""``atlas-edge fleet status|rollout|resume|cancel|forget``: every box at a glance, and staged rollouts.
+"""``atlas-edge fleet status|rollout|resume|cancel|forget|metrics``: every box at a glance, staged rollouts.
+
+``metrics`` is the fleet's MQTT-to-Prometheus bridge (agent/fleet/metrics_bridge.py, docs/metrics.md).
 
 Exit codes of a rollout (``agent.fleet.report``): 0 completed, 1 aborted, 5 partial (ran to its end without
 reaching every box), 6 paused after its canary, 7 cancelled; for every action :data:`EXIT_USAGE` (2: bad
@@ -25,6 +27,7 @@ from agent.cli.ctl import (
 from agent.cli.fleet_options import (
     add_cancel,
     add_forget,
+    add_metrics,
     add_resume,
     add_revert,
     add_rollout,
@@ -46,13 +49,13 @@ from agent.protocol.envelope import CommandEnvelope
 from agent.protocol.topics import name_problem, status_topic
 
 EXIT_INTERRUPTED = 130
-ACTIONS = ("status", "rollout", "resume", "revert", "cancel", "forget")
+ACTIONS = ("status", "rollout", "resume", "revert", "cancel", "forget", "metrics")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One sub-command per action; their options are in :mod:`agent.cli.fleet_options`."""
     sub = parser.add_subparsers(dest="fleet_command", metavar="ACTION")
-    for add in (add_status, add_rollout, add_resume, add_revert, add_cancel, add_forget):
+    for add in (add_status, add_rollout, add_resume, add_revert, add_cancel, add_forget, add_metrics):
         add(sub)
 
 
@@ -118,6 +121,8 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[Te
             rollout_id = check_rollout_id(args.rollout_id or spec.default_id())
             if command == "rollout" and args.expect is not None and args.expect < 1:
                 raise RolloutError("--expect must be >= 1")
+        if command == "metrics":
+            return _metrics(args, err)
         link = _link(args, "fleet")
         if command == "status":
             return _status(args, link, out)
@@ -163,6 +168,43 @@ def _status(args: argparse.Namespace, link: FleetLink, out: TextIO) -> int:
               file=out)
     else:
         print(render_table(boxes), file=out)
+    return EXIT_OK
+
+
+def _metrics(args: argparse.Namespace, err: TextIO) -> int:
+    """``fleet metrics``: bind, connect (a broker refusing the first connection is exit 4), then serve until
+    SIGTERM or Ctrl-C; later losses of the broker are the bridge's to retry (agent/fleet/metrics_bridge.py)."""
+    import signal
+    import threading
+
+    from agent.config.daemon_config import parse_listen
+    from agent.fleet.metrics_bridge import BridgeState, MetricsServer, registry_for, run_bridge
+
+    if args.forget_after <= 0:
+        raise RolloutError("--forget-after must be > 0")
+    host, port = parse_listen(args.listen)
+    try:
+        import prometheus_client  # noqa: F401 - the 'metrics' extra
+    except ImportError:
+        raise RolloutError("fleet metrics needs prometheus_client: pip install 'atlas-edge[metrics]'") from None
+    bridge = BridgeState(args.prefix, args.group, _state_dir(args), args.forget_after)
+    try:
+        server = MetricsServer(host, port, registry_for(bridge))
+    except OSError as exc:
+        raise RolloutError("--listen %s: %s" % (args.listen, exc.strerror or exc)) from None
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        links = [_link(args, "fleet-metrics")]  # the first connection: a wrong --broker ends the command here
+
+        def connect() -> FleetLink:
+            return links.pop() if links else _link(args, "fleet-metrics")
+
+        print("fleet metrics: serving http://%s:%d/metrics" % server.address, file=err, flush=True)
+        run_bridge(bridge, connect, stop)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.close()
     return EXIT_OK
 
 

@@ -165,6 +165,28 @@ def add_forget(sub: Any) -> None:
                         "%s)" % default_state_dir())
 
 
+def add_metrics(sub: Any) -> None:
+    """``fleet metrics``: the MQTT-to-Prometheus bridge (agent/fleet/metrics_bridge.py, docs/metrics.md)."""
+    from agent.fleet.metrics_bridge import DEFAULT_FORGET_AFTER_S, DEFAULT_PORT
+
+    metrics = sub.add_parser(
+        "metrics", help="serve every box's status and telemetry (and the rollouts in --state-dir) to Prometheus",
+        description="An MQTT-to-Prometheus bridge for boxes Prometheus cannot reach: it listens to every box's "
+        "retained status and its telemetry and serves them as atlas_edge_fleet_* series on GET /metrics "
+        "(docs/metrics.md). Runs until stopped (SIGTERM, Ctrl-C); a lost broker is retried every few seconds.")
+    add_broker_arguments(metrics)
+    metrics.add_argument("--listen", default="127.0.0.1:%d" % DEFAULT_PORT, metavar="HOST:PORT",
+                         help="where Prometheus scrapes (default 127.0.0.1:%d; a bare PORT is loopback too: "
+                         "give 0.0.0.0:PORT or an address to be reached from elsewhere)" % DEFAULT_PORT)
+    metrics.add_argument("--group", action="append", default=[], metavar="G",
+                         help="only boxes of this group (repeat for several; default every box)")
+    metrics.add_argument("--state-dir", default=None, help="rollouts whose progress is served (read only; "
+                         "default %s)" % default_state_dir())
+    metrics.add_argument("--forget-after", type=finite, default=DEFAULT_FORGET_AFTER_S, metavar="S",
+                         help="drop a box from the series after S seconds without a word from it (default "
+                         "%.0f: a day)" % DEFAULT_FORGET_AFTER_S)
+
+
 def rollout_spec(args: argparse.Namespace) -> RolloutSpec:
     """The rollout the options of ``fleet rollout`` describe (checked by :meth:`RolloutSpec.check`)."""
     per_type: Dict[str, int] = {}

@@ -64,6 +64,7 @@ class BoxView:
     telemetry_interval_s: Optional[float] = None
     heard_live: bool = False  # a message from it arrived live during this run (not a retained copy)
     kind: Optional[str] = None  # its device kind (the status's ``device_kind``: a device_configs/ name)
+    precision: Optional[str] = None  # of the serving model's artifacts (the status's ``precision``: int8, float32)
     duplicate: bool = False  # another box answers as this device id (a row per identity: FleetView.rows)
 
     @property
@@ -202,8 +203,7 @@ class FleetView:
     def unconfirmed(self, now: float) -> List[BoxView]:
         """Online boxes not heard live whose status is old enough that :meth:`judge_stale` would mark them."""
         return [box for box in self.boxes.values() if box.state == ONLINE and not box.heard_live and
-                box.last_seen is not None and now - box.last_seen > STALE_INTERVALS * (
-                    box.telemetry_interval_s or DEFAULT_TELEMETRY_INTERVAL_S)]
+                too_quiet(box.last_seen, box.telemetry_interval_s, now)]
 
     def judge_stale(self, now: Optional[float] = None) -> int:
         """Mark ``stale`` each online box not heard live whose newest word is too old; returns how many.
@@ -226,6 +226,14 @@ class FleetView:
                 any(group in twin.groups for twin in self.identities.get(d, {}).values())]
 
 
+def too_quiet(last_word: Optional[float], interval_s: Optional[float], now: float) -> bool:
+    """The stale rule: silent for more than :data:`STALE_INTERVALS` of the box's telemetry interval since
+    ``last_word`` (its newest time; None, a status without ``ts``, is never judged). ``fleet metrics`` asks it
+    of every online box at each scrape."""
+    return last_word is not None and now - last_word > STALE_INTERVALS * (
+        interval_s or DEFAULT_TELEMETRY_INTERVAL_S)
+
+
 def _fill(box: BoxView, body: Dict[str, Any], status: Any) -> None:
     """Fold a status that parsed (``status``: its :class:`BoxStatus`; ``body``: its JSON) into ``box``."""
     box.malformed = None
@@ -237,6 +245,7 @@ def _fill(box: BoxView, body: Dict[str, Any], status: Any) -> None:
         box.model = body.get("model", box.model)
         box.backend = body.get("backend", box.backend)
         box.kind = status.device_kind or box.kind
+        box.precision = status.precision or box.precision
         if isinstance(body.get("slots"), dict):
             box.slots = body["slots"]
     box.reason = body.get("reason")
