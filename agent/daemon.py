@@ -144,6 +144,19 @@ class Daemon:
                                             freshness=freshness_of(cfg.commands),
                                             group_verbs=cfg.commands.group_verbs,
                                             rate_per_s=cfg.commands.rate_per_s, burst=cfg.commands.burst)
+        self.metrics = self._build_metrics()
+
+    def _build_metrics(self) -> Any:
+        """The Prometheus endpoint when ``metrics.listen`` is set (bound here: a taken port fails start-up)."""
+        address = self.config.metrics.address()
+        if address is None:
+            return None
+        from agent.ops.metrics import BoxCollector, EventCounts, MetricsServer
+
+        self.metric_events = EventCounts()
+        collector = BoxCollector(self.config.device_id, self._status, self.loop.stats.histograms,
+                                 self.dispatcher.acks, self.metric_events)
+        return MetricsServer(address, collector)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 
@@ -164,6 +177,8 @@ class Daemon:
         self.notifier.ready()
         self.notifier.status("serving %s on %s" % (model.label, self.backend))
         self.watchdog.start()
+        if self.metrics is not None:
+            self.metrics.start()
         log.info("serving %s with %s; device %s (%s)", model.label, self.backend, self.config.device_id,
                  self.device.name)
 
@@ -220,6 +235,8 @@ class Daemon:
         if not flushed:
             log.warning("broker did not confirm every result within %.1fs; the rest is in the outbox", timeout)
         self.transport.stop(timeout)
+        if self.metrics is not None:  # before the parts its collector reads are closed
+            self.metrics.stop()
         self.outbox.close()
         published = self.loop.status()["published"]  # the view names the serving model: read it before its release
         self.models.close()
@@ -287,6 +304,8 @@ class Daemon:
     def _publish_event(self, event: Dict[str, Any]) -> None:
         event = dict(event, ts=time.time())
         log.info("event: %s", event)
+        if self.metrics is not None:
+            self.metric_events.observe(event)
         self.transport.publish(self.transport.topic("events"), event)
         if self._announced and event.get("event") in SLOT_EVENTS:
             self.transport.set_status(self._presence())

@@ -10,7 +10,7 @@ recorded, published and counted alike."""
 
 import logging
 import threading
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from agent._util.compat import Protocol
 from agent._util.ratelog import LogLimiter
@@ -45,6 +45,7 @@ class Answers:
         self._dropped: Dict[str, int] = {}
         self._failed: Dict[str, int] = {}
         self._counters = dict.fromkeys(COUNTERS, 0)
+        self._acks: Dict[Tuple[str, str], int] = {}  # (verb, ack state) -> acks published (the metrics endpoint)
         self._drop_log = LogLimiter(logger, DROP_LOG_FIRST, DROP_LOG_EVERY)
 
     @staticmethod
@@ -73,6 +74,9 @@ class Answers:
         self.publish(self.ack(job, FAILED, error=error))
 
     def publish(self, ack: Dict[str, Any]) -> None:
+        key = (str(ack.get("verb")), str(ack.get("state")))
+        with self._lock:
+            self._acks[key] = self._acks.get(key, 0) + 1
         self.transport.publish_ack(ack["request_id"], ack)
 
     def answer_duplicate(self, recorded: Dict[str, Any], request_id: str, verb: str) -> None:
@@ -121,3 +125,8 @@ class Answers:
             result["failed"] = dict(self._failed)
             result["dropped"] = dict(self._dropped)
         return result
+
+    def acks(self) -> Dict[Tuple[str, str], int]:
+        """Acks published, by (verb, state): accepted, succeeded, failed... (the metrics endpoint's commands)."""
+        with self._lock:
+            return dict(self._acks)

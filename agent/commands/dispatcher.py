@@ -403,3 +403,7 @@ class CommandDispatcher:
         result["queued"] = self._jobs.qsize() + self._control.qsize() + self._long.qsize()
         result["record_in_memory"] = self._record.in_memory
         return result
+
+    def acks(self) -> Dict[Tuple[str, str], int]:
+        """Acks published by (verb, state), for the metrics endpoint."""
+        return self._answers.acks()

@@ -6,6 +6,7 @@ one passes them all. Secrets (MQTT password, TLS key) may come from the environm
 credentials (``$CREDENTIALS_DIRECTORY``) instead of the file: see :mod:`agent.config.secrets`.
 """
 
+import importlib.util
 import ipaddress
 import os
 from dataclasses import dataclass, replace
@@ -275,6 +276,57 @@ class CommandsConfig:
                                                "box of a group); default: status, pause, resume, cancel")
 
 
+# What the metrics endpoint needs (agent/ops/metrics.py), named in every refusal for its absence.
+METRICS_PACKAGE = "prometheus_client (pip install 'atlas-edge[metrics]')"
+DEFAULT_METRICS_HOST = "127.0.0.1"  # a bare port binds loopback: the endpoint is for a local scraper or a tunnel
+
+
+def parse_listen(text: str) -> Tuple[str, int]:
+    """The metrics endpoint's ``HOST:PORT`` (or ``[v6]:PORT``), or a bare ``PORT`` on 127.0.0.1; HOST must be an IP
+    address or ``localhost``, since it is bound exactly as written. ValueError says what is wrong."""
+    text = str(text).strip()
+    if text.isdigit():
+        text = "%s:%s" % (DEFAULT_METRICS_HOST, text)
+    host, port = parse_host_port(text, 0)
+    if port == 0 or text.rpartition(":")[2] != str(port):
+        raise ValueError("expected HOST:PORT or PORT, got %r" % text)
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError("HOST must be an IP address or localhost (it is bound as written), got %r"
+                             % host) from None
+    return host, port
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The Prometheus endpoint (docs/metrics.md): off unless ``listen`` is set; needs prometheus_client."""
+
+    listen: Optional[str] = setting(None, doc="HOST:PORT (or PORT: 127.0.0.1) of the Prometheus metrics endpoint; "
+                                    "unset: no endpoint. Needs the 'metrics' extra (prometheus_client)")
+    allow_remote: bool = setting(False, doc="let listen bind an address that is not loopback (0.0.0.0, a LAN "
+                                 "address): the series name sources and the model; firewall it (IPAddressAllow)")
+
+    def check(self) -> List[Tuple[str, str]]:
+        if self.listen is None:
+            return []
+        try:
+            host, _port = parse_listen(self.listen)
+        except ValueError as exc:
+            return [("listen", str(exc))]
+        if not _is_loopback(host) and not self.allow_remote:
+            return [("listen", "%s is not loopback: anyone who reaches it reads the box's figures; set "
+                     "metrics.allow_remote: true to bind it anyway" % host)]
+        if importlib.util.find_spec("prometheus_client") is None:  # found, not imported: the box never loads it idle
+            return [("listen", "the metrics endpoint needs %s, which is not installed" % METRICS_PACKAGE)]
+        return []
+
+    def address(self) -> Optional[Tuple[str, int]]:
+        """(host, port) to bind, or None when the endpoint is off."""
+        return None if self.listen is None else parse_listen(self.listen)
+
+
 # A camera worker measured 56 MiB RSS decoding 640x360 H.264 (issue 31): a worker several times that is leaking
 # or holding a backlog, and is recycled before it costs the box its MemoryMax.
 DEFAULT_WORKER_MAX_RSS_MB = 256.0
@@ -313,6 +365,7 @@ class DaemonConfig:
     commands: CommandsConfig = setting(factory=CommandsConfig, doc="command freshness, signing and group verbs")
     remote_config: RemoteConfigPolicy = setting(factory=RemoteConfigPolicy,
                                                 doc="what remote set-config may change beyond live fields")
+    metrics: MetricsConfig = setting(factory=MetricsConfig, doc="Prometheus metrics endpoint (off by default)")
     log_level: str = setting("INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), doc="log level")
 
     def check(self) -> List[Tuple[str, str]]:

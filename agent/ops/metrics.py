@@ -1,0 +1,270 @@
+"""The Prometheus endpoint (``metrics: {listen: HOST:PORT}``): the daemon's own figures as ``atlas_edge_*`` series.
+
+A custom collector reads what status and telemetry already hold at scrape time (the serving loop's counters and
+cumulative histograms, each source's health, the transport's and the dispatcher's counters, the watchdog's last
+memory sample): the serving path pays nothing per frame for the endpoint. docs/metrics.md lists every series; it
+is the one list, and tests/unit/ops/test_metrics.py checks this module against it.
+
+No label carries a secret or an unbounded value: sources are named by their config ``name`` (never their URI,
+which may hold a password), brokers by ``host:port``, commands by a verb of the protocol's table (anything else
+is ``other``), never a frame or request id.
+
+prometheus_client is imported here only, and only when the endpoint is configured (the ``metrics`` extra); the
+config refuses ``metrics.listen`` where it is not installed (:class:`agent.config.daemon_config.MetricsConfig`).
+"""
+
+import logging
+import socket
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from agent.config.daemon_config import METRICS_PACKAGE
+from agent.protocol.verbs import verb_names
+
+log = logging.getLogger(__name__)
+
+PREFIX = "atlas_edge_"
+# The serving loop's stage names (agent/pipeline/inflight.py, serving.py) -> the ``stage`` label.
+STAGES = {"queue": "queue", "preprocess": "preprocess", "wait_backend": "wait", "infer": "infer",
+          "postprocess": "postprocess", "publish": "publish", "total": "total"}
+SOURCE_STATES = ("connecting", "up", "stalled", "down", "failed")  # agent/pipeline/sources/health.py
+WATCHDOG_STATES = ("ok", "no_input", "restart_requested")
+# SourceHealth counters of frames a source read and did not serve -> the ``reason`` label.
+SOURCE_DROPS = {"skipped": "skipped", "stale_dropped": "stale", "dropped_queue_full": "queue_full",
+                "decode_errors": "decode_error"}
+MB = 1024 * 1024
+JOIN_S = 5.0  # bound on the server thread's end at shutdown
+
+Status = Callable[[], Mapping[str, Any]]
+
+
+class EventCounts:
+    """Model swaps and rollbacks, counted from the daemon's events (rare: a lock is cheap here)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.swaps = 0
+        self.rollbacks = 0
+
+    def observe(self, event: Mapping[str, Any]) -> None:
+        kind = event.get("event")
+        with self._lock:
+            if kind == "switched":
+                self.swaps += 1
+            elif kind == "rollback":
+                self.rollbacks += 1
+
+
+def import_client() -> Any:
+    """prometheus_client, or a RuntimeError naming the package and the extra that provides it."""
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise RuntimeError("the metrics endpoint needs %s: %s" % (METRICS_PACKAGE, exc)) from exc
+    return prometheus_client
+
+
+class BoxCollector:
+    """Builds every box series from ``status()`` (the daemon's status answer), ``histograms()``
+    (:meth:`agent.pipeline.stats.StageStats.histograms`), ``acks()`` (the dispatcher's) and ``events``."""
+
+    def __init__(self, device_id: str, status: Status, histograms: Status,
+                 acks: Callable[[], Mapping[Tuple[str, str], int]], events: EventCounts) -> None:
+        self.device_id = device_id
+        self._status, self._histograms, self._acks, self.events = status, histograms, acks, events
+        self._verbs = frozenset(verb_names())
+
+    def describe(self) -> List[Any]:
+        return []  # registering must not run a collection; the families are known at scrape time
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            families = self.families(self._status(), self._histograms(), self._acks())
+        except Exception:  # a scrape must never hurt the daemon; say why and answer what is always known
+            log.exception("metrics: collecting the box's series failed")
+            up = GaugeMetricFamily(PREFIX + "collect_ok", "1 when the last scrape read every figure", labels=["device"])
+            up.add_metric([self.device_id], 0)
+            families = [up]
+        return iter(families)
+
+    def families(self, status: Mapping[str, Any], histograms: Mapping[str, Any],
+                 acks: Mapping[Tuple[str, str], int]) -> List[Any]:
+        b = _Builder(self.device_id)
+        _sources(b, status.get("sources") or {})
+        _serving(b, status, histograms)
+        _model(b, status, self.events)
+        _commands(b, acks, self._verbs)
+        _transport(b, status.get("mqtt") or {})
+        _health(b, status)
+        b.gauge("collect_ok", "1 when the last scrape read every figure", {}, 1)
+        return b.done()
+
+
+class _Builder:
+    """Families by name, each sample with the ``device`` label first."""
+
+    def __init__(self, device_id: str) -> None:
+        from prometheus_client import core
+
+        self.core, self.device_id = core, device_id
+        self._families: Dict[str, Any] = {}
+
+    def _family(self, kind: str, name: str, doc: str, labels: List[str], prefix: str = PREFIX) -> Any:
+        family = self._families.get(name)
+        if family is None:
+            cls = {"gauge": self.core.GaugeMetricFamily, "counter": self.core.CounterMetricFamily,
+                   "histogram": self.core.HistogramMetricFamily}[kind]
+            family = self._families[name] = cls(prefix + name, doc, labels=["device"] + labels)
+        return family
+
+    def gauge(self, name: str, doc: str, labels: Mapping[str, str], value: Optional[float],
+              prefix: str = PREFIX) -> None:
+        family = self._family("gauge", name, doc, list(labels), prefix)
+        if value is not None:
+            family.add_metric([self.device_id] + [str(v) for v in labels.values()], float(value))
+
+    def counter(self, name: str, doc: str, labels: Mapping[str, str], value: Optional[float]) -> None:
+        """``name`` without ``_total``: the client library adds it to the exposed series."""
+        family = self._family("counter", name, doc, list(labels))
+        if value is not None:
+            family.add_metric([self.device_id] + [str(v) for v in labels.values()], float(value))
+
+    def histogram(self, name: str, doc: str, labels: Mapping[str, str], snapshot: Mapping[str, Any],
+                  scale: float = 1.0) -> None:
+        from prometheus_client.utils import floatToGoString
+
+        family = self._family("histogram", name, doc, list(labels))
+        buckets = [(floatToGoString(bound * scale), count) for bound, count in snapshot["buckets"]]
+        family.add_metric([self.device_id] + [str(v) for v in labels.values()], buckets,
+                          snapshot["sum"] * scale)
+
+    def done(self) -> List[Any]:
+        return list(self._families.values())
+
+
+def _sources(b: _Builder, sources: Mapping[str, Mapping[str, Any]]) -> None:
+    for name, health in sorted(sources.items()):
+        src = {"source": name}  # the config's name: never the URI (it may carry a password)
+        b.counter("frames_read", "frames a source handed to the frame queue", src, health.get("frames"))
+        b.counter("frames_served", "frames of a source whose result was handed over", src, health.get("served"))
+        for key, reason in SOURCE_DROPS.items():
+            b.counter("frames_dropped", "frames a source read and did not serve, by reason",
+                      dict(src, reason=reason), health.get(key))
+        age = health.get("frame_age_ms") or {}
+        b.gauge("frame_age_seconds", "median capture-to-result age of a source's recent results (seconds)", src,
+                None if age.get("p50") is None else age["p50"] / 1e3)
+        for state in SOURCE_STATES:
+            b.gauge("source_state", "1 for the state a source is in, 0 for the others", dict(src, state=state),
+                    1 if health.get("state") == state else 0)
+        b.counter("source_reconnects", "times a source was reopened", src, health.get("reopens"))
+
+
+def _serving(b: _Builder, status: Mapping[str, Any], histograms: Mapping[str, Any]) -> None:
+    b.counter("results_published", "results handed to the broker or the outbox", {}, status.get("published"))
+    b.counter("results_discarded", "results not handed over, by reason", {"reason": "publish_error"},
+              status.get("publish_errors"))
+    for reason, count in sorted(((status.get("mqtt") or {}).get("dropped_by_reason") or {}).items()):
+        b.counter("results_discarded", "results not handed over, by reason", {"reason": "outbox_" + reason}, count)
+    for stage, snapshot in sorted((histograms.get("stages_ms") or {}).items()):
+        if stage in STAGES:
+            b.histogram("stage_seconds", "per-frame latency of each serving stage (seconds)",
+                        {"stage": STAGES[stage]}, snapshot, scale=1e-3)
+    if histograms.get("batch"):
+        b.histogram("batch_size", "frames per batch handed to the backend", {}, histograms["batch"])
+    b.gauge("backend_busy_ratio", "fraction of recent time the backend was running a call",
+            {"backend": status.get("backend") or ""}, status.get("backend_busy_fraction"))
+
+
+def _model(b: _Builder, status: Mapping[str, Any], events: EventCounts) -> None:
+    model = status.get("model") or {}
+    slot = (status.get("slots") or {}).get("serving") or ""
+    for tier, artifact in sorted((model.get("artifacts") or {}).items()):
+        labels = {"model": model.get("name") or "", "version": model.get("version") or "", "slot": slot,
+                  "artifact": artifact, "precision": model.get("precision") or "",
+                  "backend": model.get("backend") or "", "tier": tier}
+        b.gauge("model_info", "the serving model, one series per input tier", labels, 1)
+    b.counter("model_swaps", "models switched to since start", {}, events.swaps)
+    b.counter("model_rollbacks", "rollbacks since start", {}, events.rollbacks)
+
+
+def _commands(b: _Builder, acks: Mapping[Tuple[str, str], int], verbs: frozenset) -> None:
+    counts: Dict[Tuple[str, str], int] = {}
+    for (verb, state), count in acks.items():
+        key = (verb if verb in verbs else "other", state)
+        counts[key] = counts.get(key, 0) + count
+    for (verb, outcome), count in sorted(counts.items()):
+        b.counter("commands", "command acks published, by verb and outcome (the ack's state)",
+                  {"verb": verb, "outcome": outcome}, count)
+
+
+def _transport(b: _Builder, mqtt: Mapping[str, Any]) -> None:
+    b.gauge("outbox_messages", "messages waiting in the outbox", {}, mqtt.get("outbox_messages"))
+    b.gauge("outbox_bytes", "bytes waiting in the outbox", {}, mqtt.get("outbox_bytes"))
+    broker = mqtt.get("broker")
+    b.gauge("broker_connected", "1 while connected to the broker named (host:port)",
+            {"broker": _broker_label(broker)}, 1 if mqtt.get("connected") else 0)
+
+
+def _broker_label(broker: Any) -> str:
+    """``host:port`` of the broker the transport is or was last on (never a user or password)."""
+    if isinstance(broker, (list, tuple)) and len(broker) == 2:
+        return "%s:%s" % (broker[0], broker[1])
+    return "" if broker is None else str(broker).rpartition("@")[2]
+
+
+def _health(b: _Builder, status: Mapping[str, Any]) -> None:
+    doc = "resident memory of the daemon and of each source's worker process (bytes)"
+    if status.get("rss_mb") is not None:
+        b.gauge("resident_memory_bytes", doc, {"process": "daemon"}, status["rss_mb"] * MB)
+    for name, mb in sorted((status.get("workers_rss_mb") or {}).items()):
+        b.gauge("resident_memory_bytes", doc, {"process": name}, mb * MB)
+    watchdog = status.get("watchdog") or {}
+    slope = watchdog.get("rss_slope_mb_per_hour")
+    b.gauge("memory_growth_bytes_per_hour", "the leak detector's RSS trend over its window", {},
+            None if slope is None else slope * MB)
+    state = "restart_requested" if watchdog.get("restart_requested") else (
+        "no_input" if watchdog.get("no_input") else "ok")
+    for name in WATCHDOG_STATES:
+        b.gauge("watchdog_state", "1 for the watchdog's current state, 0 for the others", {"state": name},
+                1 if name == state else 0)
+    npu = status.get("npu_memory_mb")
+    if npu:  # npu-exporter's names and units (MB), so its dashboards read these too
+        for key, name in (("used", "npu_chip_info_hbm_used_memory"), ("total", "npu_chip_info_hbm_total_memory")):
+            b.gauge(name, "NPU HBM memory %s (MB), as npu-exporter names it" % key, {}, npu.get(key), prefix="")
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        log.debug("metrics: %s", format % args)
+
+
+class MetricsServer:
+    """The endpoint's HTTP server on its own thread: ``/metrics`` (and any path) answers the registry."""
+
+    def __init__(self, address: Tuple[str, int], collector: BoxCollector) -> None:
+        client = import_client()
+        from prometheus_client.exposition import ThreadingWSGIServer
+
+        self.registry = client.CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        host, port = address
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._httpd = make_server(host, port, client.make_wsgi_app(self.registry), Server,
+                                  handler_class=_QuietHandler)
+        self.address = self._httpd.server_address[:2]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("metrics endpoint on http://%s:%d/metrics", *self.address)
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(JOIN_S)
