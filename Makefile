@@ -7,7 +7,7 @@ MINDSPORE_GS := mindspore-gs==1.3.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: venv demo test lint imports pycompat mosquitto rabbitmq camera-rig demo-bundle bench bench-quick \
-	install-service clean lite test-lite test-wheel systemd-tools test-systemd
+	install-service clean lite test-lite test-wheel systemd-tools test-systemd prometheus
 
 # The Lite lane: a Python 3.7 venv with mindspore-lite 2.0.0 (PyPI's only wheel of it is for CPython 3.7), the
 # box package and the test runner. The box's oldest Python is 3.7 (CANN on the Atlas 200 DK), so the whole
@@ -25,7 +25,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[edge,host,dev,ort]'
+	$(PY) -m pip install -q -e '.[edge,host,dev,ort,metrics]'
 	$(PY) -m pip install -q --no-deps $(MINDSPORE_GS)
 	touch $@
 
@@ -36,7 +36,7 @@ $(LITE_VENV)/.installed: pyproject.toml
 		"Install one (e.g. 'pyenv install 3.7') or pass PYTHON37=/path/to/python3.7." >&2; exit 2; }
 	$(PYTHON37) -m venv $(LITE_VENV)
 	$(LITE_PY) -m pip install -q --upgrade pip
-	$(LITE_PY) -m pip install -q -e '.[edge,lite,test,ort]'
+	$(LITE_PY) -m pip install -q -e '.[edge,lite,test,ort,metrics]'
 	touch $@
 
 # The embedded broker of the demo and the tests' broker are a real Mosquitto from the system packages.
@@ -50,6 +50,12 @@ mosquitto:
 rabbitmq:
 	@[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends rabbitmq-server)
+
+# The metrics tests' scraper (tests/support/prometheus.py): a real Prometheus from Debian's package. The tests start
+# their own server (a temporary config and TSDB, a free loopback port), never the system service.
+prometheus:
+	@[ -x /usr/bin/prometheus ] || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus)
 
 # The camera rig of the tests and benchmarks (agent/devtools/camera_rig.py) is a real RTSP server: GStreamer's gst-rtsp-server with x264,
 # scripted from the system Python through PyGObject (the venvs do not carry gi; the box never needs it).
@@ -82,7 +88,7 @@ pycompat: venv
 HOST_MARKS = not slow$(if $(PYTHON37), and not camera_rig)
 LITE_MARKS = not slow and not fleet_rig
 
-test: venv mosquitto rabbitmq camera-rig lint imports pycompat $(if $(PYTHON37),lite)
+test: venv mosquitto rabbitmq camera-rig prometheus lint imports pycompat $(if $(PYTHON37),lite)
 	$(BIN)/pytest -m "$(HOST_MARKS)" -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; [ $$rc -eq 0 ] || exit $$rc
 	@if [ -n "$(PYTHON37)" ]; then $(MAKE) --no-print-directory test-lite; \

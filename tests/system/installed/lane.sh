@@ -18,7 +18,8 @@ unset PYTHONPATH
 export ATLAS_EDGE_WHEEL_LANE=1
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 CACHE=${ATLAS_EDGE_CACHE:-$HOME/.cache/atlas-edge}
-BOX_TESTS=(tests/system/installed tests/system/daemon/test_e2e.py tests/unit/health/test_sdnotify.py)
+BOX_TESTS=(tests/system/installed tests/system/daemon/test_e2e.py tests/unit/health/test_sdnotify.py
+           tests/system/daemon/test_metrics_endpoint.py)
 WORK=$(mktemp -d /tmp/atlas-edge-wheel.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
@@ -37,7 +38,8 @@ fill() { "$V/pip" download -q --disable-pip-version-check --dest "$WHEELHOUSE" "
 install "${REQS[@]}" 2>/dev/null || { fill "${REQS[@]}" && install "${REQS[@]}"; }
 "$V/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src"
 WHEEL=$(ls "$WORK/dist"/atlas_edge-*.whl)
-install "$WHEEL[edge]" 2>/dev/null || { fill "$WHEEL[edge]" && install "$WHEEL[edge]"; }
+# The metrics extra too: the Prometheus endpoint test scrapes the installed daemon (docs/metrics.md)
+install "$WHEEL[edge,metrics]" 2>/dev/null || { fill "$WHEEL[edge,metrics]" && install "$WHEEL[edge,metrics]"; }
 # The onnxruntime backend as a box installs it: the wheel's own `ort` requirement for this Python, without its
 # dependencies (inference needs numpy only); the box's tests then serve on it (cpu-dev prefers it).
 ORT=$("$V/python" "$WORK/src/tests/system/installed/ort_requirement.py" "$WHEEL")
@@ -45,6 +47,7 @@ install --no-deps "$ORT" 2>/dev/null || { fill --no-deps "$ORT" && install --no-
 
 mkdir "$WORK/t"
 cp -a "$WORK/src/tests" "$WORK/t/tests"
+cp -a "$WORK/src/docs" "$WORK/t/docs"  # the metrics test checks the series docs/metrics.md lists
 cat > "$WORK/t/pytest.ini" <<'EOF'
 [pytest]
 # the copy's own tests package (tests.lite_support, conftest), never the checkout: agent comes from site-packages
