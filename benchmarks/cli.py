@@ -28,6 +28,7 @@ SECTIONS = {
     "preprocess": "benchmarks.preprocessing",
     "postprocess": "benchmarks.postprocessing",
     "pipeline": "benchmarks.pipeline",
+    "metrics": "benchmarks.metrics_cost",
     "batching": "benchmarks.batching",
     "mqtt": "benchmarks.mqtt_publish",
     "memory": "benchmarks.memory",
@@ -36,7 +37,7 @@ SECTIONS = {
     "sources": "benchmarks.sources",
     "quant": "benchmarks.quant",
 }
-NEEDS_MODEL = ("pipeline", "batching", "memory", "startup", "sources", "quant")
+NEEDS_MODEL = ("pipeline", "metrics", "batching", "memory", "startup", "sources", "quant")
 # Not in a --quick run unless named with --only: the quant section builds, quantizes, converts and times a
 # 640x640 YOLOv8n-shaped model besides the demo (minutes on 2 cores), more than the quick budget allows.
 NOT_QUICK = ("quant",)
@@ -52,6 +53,7 @@ REQUIRED_KEYS = (
     "pipeline.overhead_fraction_b1",
     "pipeline.throughput_ratio_to_backend",
     "pipeline.backend_busy_fraction",
+    "metrics.cost",
     "mqtt.ratio_to_paho",
     "memory.rss_mb_per_10k_frames",
     "startup.seconds_to_ready",

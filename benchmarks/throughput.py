@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from benchmarks.harness import summarize
 
@@ -69,8 +69,11 @@ class _OneModel:
         pass
 
 
-def serve_frames(model: Any, images: List[Any], count: int, max_batch: int = 1) -> Dict[str, float]:
-    """``count`` frames (cycling through ``images``) through a fresh ServingLoop; frames/s and busy fraction."""
+def serve_frames(model: Any, images: List[Any], count: int, max_batch: int = 1,
+                 attach: Optional[Callable[[Any], Callable[[], None]]] = None) -> Dict[str, float]:
+    """``count`` frames (cycling through ``images``) through a fresh ServingLoop; frames/s and busy fraction.
+    ``attach(loop)``, when given, starts something beside the loop (the metrics endpoint and its scraper,
+    benchmarks/metrics_cost.py) before the clock starts and returns what stops it after the run."""
     from agent.config.daemon_config import PublishConfig
     from agent.pipeline.handover import BetweenBatches
     from agent.pipeline.serving import ServingLoop
@@ -85,9 +88,14 @@ def serve_frames(model: Any, images: List[Any], count: int, max_batch: int = 1) 
     loop = ServingLoop(frames, SourceSet([], frames), _OneModel(model), sink, _NoProgress(), BetweenBatches(),
                        threading.Event(), max_batch, 0.0, PublishConfig(telemetry_interval_s=3600.0),
                        on_event=lambda event: None)
+    detach = attach(loop) if attach is not None else None
     started = time.perf_counter()
-    loop.serve(max_frames=count)
-    elapsed = time.perf_counter() - started
+    try:
+        loop.serve(max_frames=count)
+    finally:
+        elapsed = time.perf_counter() - started
+        if detach is not None:
+            detach()
     if sink.results != count:
         raise RuntimeError("the serving loop published %d of %d frames" % (sink.results, count))
     return {"fps": count / elapsed, "busy_fraction": loop.backend.busy_s / elapsed}

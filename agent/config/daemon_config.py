@@ -10,7 +10,7 @@ import importlib.util
 import ipaddress
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from agent.config.device_config import BACKEND_FORMATS, MODEL_PRECISIONS, device_config_path, unknown_device
 from agent.config.names import name_problem
@@ -303,8 +303,9 @@ def parse_listen(text: str) -> Tuple[str, int]:
 class MetricsConfig:
     """The Prometheus endpoint (docs/metrics.md): off unless ``listen`` is set; needs prometheus_client."""
 
-    listen: Optional[str] = setting(None, doc="HOST:PORT (or PORT: 127.0.0.1) of the Prometheus metrics endpoint; "
-                                    "unset: no endpoint. Needs the 'metrics' extra (prometheus_client)")
+    listen: Optional[Union[str, int]] = setting(None, doc="HOST:PORT (or PORT: 127.0.0.1) of the Prometheus "
+                                                "metrics endpoint; unset: no endpoint. Needs the 'metrics' extra "
+                                                "(prometheus_client)")
     allow_remote: bool = setting(False, doc="let listen bind an address that is not loopback (0.0.0.0, a LAN "
                                  "address): the series name sources and the model; firewall it (IPAddressAllow)")
 
