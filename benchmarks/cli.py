@@ -34,6 +34,7 @@ SECTIONS = {
     "memory": "benchmarks.memory",
     "startup": "benchmarks.startup",
     "fleet": "benchmarks.fleet",
+    "fleet_metrics": "benchmarks.fleet_metrics",
     "sources": "benchmarks.sources",
     "quant": "benchmarks.quant",
 }

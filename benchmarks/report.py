@@ -90,6 +90,8 @@ HEADLINES: Tuple[Tuple[str, str, str], ...] = (
     ("fleet.light.msgs_per_box", "{:.1f}", "broker messages per box during that rollout (all kinds)"),
     ("fleet.light.operator_peak_rss_mb", "{:.0f} MiB", "peak RSS of the operator for those 1,000 boxes"),
     ("fleet.light.state_bytes_written", "{:,.0f} B", "bytes the operator wrote to its state files for them"),
+    ("fleet_metrics.scrape_cpu_s", "{:.3f} s", "CPU of 'atlas-edge fleet metrics' to answer one scrape of 1,000 boxes"),
+    ("fleet_metrics.rss_mb", "{:.1f} MiB", "RSS of that bridge holding 1,000 boxes (status + telemetry each)"),
     ("sources.latency_p50_ratio_to_bare", "{:.2f}",
      "camera-to-result p50 of the daemon / a bare one-thread OpenCV reader's age at read, same stream"),
     ("sources.latency_p50_over_bound_ms", "{:+.1f} ms", "daemon p50 minus (1.2 x bare p50 + 30 ms); <= 0 meets"),
