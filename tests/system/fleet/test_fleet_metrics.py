@@ -6,6 +6,8 @@ of the exposition itself.)
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -16,9 +18,10 @@ import pytest
 from agent.cli.ctl import EXIT_BROKER
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from agent.devtools.broker import free_port
-from tests.conftest import MqttProbe, wait_for
+from tests.conftest import REPO_ROOT, MqttProbe, wait_for
 from tests.support.daemon_rig import start_daemon, write_config
 from tests.support.fleet_boxes import BoxFleet, random_prefix
+from tests.support.prometheus import Prometheus, prometheus_problem
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser", reason="prometheus_client (the 'metrics' extra)")
 
@@ -30,6 +33,7 @@ BOUND_S = 120  # a daemon starting on a loaded machine; a bound, never asserted 
 BRIDGE_SECRET = "bridge-pass-7f3a"
 DAEMON_SECRET = "daemon-pass-91c2"
 STATES = ("online", "stale", "offline", "malformed", "unknown")
+ROLLOUT_FIXTURE = os.path.join(REPO_ROOT, "tests", "fixtures", "fleet_journal", "in_progress")
 
 
 class Bridge:
@@ -86,6 +90,32 @@ def totals(samples):
     return {s: value(samples, "atlas_edge_fleet_boxes", state=s) for s in STATES}
 
 
+def documented_series():
+    """{series: label names} of docs/metrics.md's fleet bridge table: the one list of what the bridge serves."""
+    with open(os.path.join(REPO_ROOT, "docs", "metrics.md"), encoding="utf-8") as handle:
+        section = handle.read().split("## The fleet bridge", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `atlas_edge_fleet_")]
+    return {row[0].strip("`"): set(re.findall(r"`([a-z_]+)`", row[2])) for row in rows}
+
+
+def check_through_prometheus(bridge):
+    """A real Prometheus scrapes the bridge: every documented series is there with its labels (one left empty,
+    as sim-ok's precision, is no label at all to Prometheus: each series has a subset, together all of them)."""
+    series = documented_series()
+    assert len(series) >= 14, series
+    with Prometheus(["127.0.0.1:%d" % bridge.port]) as prom:
+        def complete():
+            return all(prom.query(name) for name in series)
+
+        assert wait_for(complete, timeout=60, interval=0.5), [n for n in series if not prom.query(n)]
+        for name, labels in series.items():
+            found = [set(f["metric"]) - {"__name__", "job", "instance"} for f in prom.query(name)]
+            assert all(each <= labels for each in found) and set().union(*found) == labels, (name, found)
+        boxes = prom.query("sum(atlas_edge_fleet_boxes)")
+        assert float(boxes[0]["value"][1]) == 4
+
+
 @pytest.fixture
 def daemon(mosquitto, tmp_path):
     """One real cpu-dev daemon ``real-1`` in group ``real`` (telemetry every second), up once its status is."""
@@ -130,6 +160,10 @@ def test_series_labels_and_totals_over_a_real_daemon_and_simulated_boxes(mosquit
     try:
         fleet.start()
         fleet.call(lambda: fleet.box("sim-gone").stop())  # a clean stop: its retained status says offline
+        rollouts = tmp_path / "rollouts"  # a rollout in flight, as the engine left it (snapshot and journal)
+        rollouts.mkdir()
+        for suffix in (".json", ".journal"):
+            shutil.copy(os.path.join(ROLLOUT_FIXTURE, "ro-today" + suffix), str(rollouts))
         bridge = Bridge(mosquitto, prefix, tmp_path)
 
         def settled():
@@ -162,6 +196,9 @@ def test_series_labels_and_totals_over_a_real_daemon_and_simulated_boxes(mosquit
                                                                                      mosquitto.port)) == 1
         text = bridge.text()
         assert BRIDGE_SECRET not in text and DAEMON_SECRET not in text and "password" not in text
+        assert value(samples, "atlas_edge_fleet_rollout_status", rollout="ro-today", status="running") == 1
+        if prometheus_problem() is None:
+            check_through_prometheus(bridge)
         assert bridge.close() == 0  # SIGTERM: a clean stop
     finally:
         if bridge is not None and bridge.proc.poll() is None:
