@@ -256,3 +256,40 @@ def test_bare_port_binds_loopback_and_a_refused_broker_is_exit_4(mosquitto, tmp_
         assert totals(bridge.samples()) == dict.fromkeys(STATES, 0)
     finally:
         bridge.close()
+
+
+def test_the_bridge_reconnects_after_its_broker_comes_back(tmp_path):
+    """One owner of reconnecting: the bridge. The broker stops (the series stay, connected says 0) and starts
+    again on its port: the bridge is back, and so is what the boxes say."""
+    from agent.devtools.broker import EmbeddedBroker
+
+    prefix = random_prefix("metrics")
+    with EmbeddedBroker() as broker:
+        fleet = BoxFleet(broker.host, broker.port, prefix, {})
+        box = fleet.add("sim-1", ["sim"])
+        bridge = None
+        try:
+            fleet.start()
+            bridge = Bridge(broker, prefix, tmp_path)
+            where = "%s:%d" % (broker.host, broker.port)
+
+            def connected():
+                return value(bridge.samples(), "atlas_edge_fleet_bridge_connected", broker=where)
+
+            assert wait_for(lambda: connected() == 1 and totals(bridge.samples())["online"] == 1, timeout=30)
+            heard = value(bridge.samples(), "atlas_edge_fleet_bridge_messages_total")
+            broker.kill()
+            assert wait_for(lambda: connected() == 0, timeout=30), bridge.text()
+            assert totals(bridge.samples())["online"] == 1  # what was heard stays served
+            broker.start()  # the boxes come back on their own (their reconnect), the bridge on its own
+            assert wait_for(lambda: box.connected, timeout=30)
+            assert wait_for(lambda: connected() == 1, timeout=60), bridge.output()[-2000:]
+            fleet.call(lambda: box.send(box.topic("telemetry"), {"ts": time.time(), "frames": 99}))
+            assert wait_for(lambda: value(bridge.samples(), "atlas_edge_fleet_box_frames_served_total",
+                                          device="sim-1", group="sim") == 99, timeout=30), bridge.text()
+            assert value(bridge.samples(), "atlas_edge_fleet_bridge_messages_total") > heard
+            assert bridge.proc.poll() is None
+        finally:
+            if bridge is not None:
+                bridge.close()
+            fleet.close()
