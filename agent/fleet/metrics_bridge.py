@@ -265,11 +265,12 @@ class RolloutReader:
     def __init__(self, state_dir: str, recent_s: float) -> None:
         self.state_dir = state_dir
         self.recent_s = recent_s
-        self._cache: Dict[str, Tuple[Any, Tuple[str, Dict[str, int]]]] = {}
+        self._cache: Dict[str, Tuple[Any, Optional[Tuple[str, Dict[str, int]]]]] = {}
 
     def progress(self, now: float) -> Dict[str, Tuple[str, Dict[str, int]]]:
         """rollout id -> (its status, boxes by state), for rollouts whose files changed within ``recent_s``."""
         found: Dict[str, Tuple[str, Dict[str, int]]] = {}
+        recent = set()
         for path in glob.glob(os.path.join(glob.escape(self.state_dir), "*.json")):
             name = os.path.basename(path)[:-len(".json")]
             if name.endswith(".report") or name.startswith("inventory-"):
@@ -279,14 +280,12 @@ class RolloutReader:
             if now - newest > self.recent_s:
                 continue
             cached = self._cache.get(name)
-            if cached is None or cached[0] != stamp:
-                read = _read_rollout(path)
-                if read is None:
-                    continue
-                cached = (stamp, read)
-                self._cache[name] = cached
-            found[name] = cached[1]
-        for gone in set(self._cache) - set(found):
+            if cached is None or cached[0] != stamp:  # an unreadable file too: logged once per change
+                cached = self._cache[name] = (stamp, _read_rollout(path))
+            if cached[1] is not None:
+                found[name] = cached[1]
+            recent.add(name)
+        for gone in set(self._cache) - recent:
             del self._cache[gone]
         return found
 

@@ -170,7 +170,7 @@ def test_group_filter_and_a_cleared_status(clock):
     assert "gone" not in bridge.view.boxes and "gone" not in bridge.figures
 
 
-def test_rollout_progress_from_the_state_directory(tmp_path, clock):
+def test_rollout_progress_from_the_state_directory(tmp_path, clock, caplog):
     fixture = os.path.join(REPO_ROOT, "tests", "fixtures", "fleet_journal", "in_progress")
     for suffix in (".json", ".journal"):
         shutil.copy(os.path.join(fixture, "ro-today" + suffix), str(tmp_path))
@@ -190,6 +190,10 @@ def test_rollout_progress_from_the_state_directory(tmp_path, clock):
     assert value(samples, "atlas_edge_fleet_rollout_status", rollout="ro-today", status=str(state.status)) == 1
     assert not [k for k in samples if ("rollout", "broken") in k[1] or ("rollout", "ro-today.report") in k[1]]
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # read only
+    scrape(bridge)  # an unchanged file is not read again: the damaged one is reported once, not every scrape
+    assert [r.getMessage() for r in caplog.records if "broken.json" in r.getMessage()] == [
+        r.getMessage() for r in caplog.records if "not read" in r.getMessage()] and len(
+        [r for r in caplog.records if "broken.json" in r.getMessage()]) == 1
     clock.now += bridge.forget_after_s + 1  # finished long ago: no longer served
     _, samples = scrape(bridge)
     assert not [k for k in samples if k[0].startswith("atlas_edge_fleet_rollout")]
