@@ -286,7 +286,7 @@ class RolloutReader:
                 found[name] = cached[1]
             recent.add(name)
         for gone in set(self._cache) - recent:
-            del self._cache[gone]
+            self._cache.pop(gone, None)  # two scrapes at once may both see it gone
         return found
 
 
