@@ -30,6 +30,8 @@ def preflight(bundle: str, sha256: str, local: Optional[str], progress: Callable
               archive_sha256: Optional[str] = None) -> Optional[Check]:
     """Fetch and check the bundle now; the returned check runs against the boxes once they are gathered."""
     source = local or bundle
+    if local is not None and not os.path.exists(local):  # named to be checked: an operator error, not a skip
+        raise RolloutError("pre-flight: --bundle-file %s does not exist" % local)
     if not (source.startswith(URL_SCHEMES) or os.path.exists(source)):
         progress("pre-flight: %s is not reachable from here (a path in the boxes' bundle store?): not checked; "
                  "--bundle-file LOCAL checks a copy" % bundle)

@@ -1,7 +1,7 @@
 """Every operator error of ``fleet rollout`` is exit 2 with a message, never a traceback (issue 30, item 7):
-an ``--archive-sha256`` that is not the archive's, for a URL and for a ``--bundle-file``; a state file whose
-fields have the wrong types. Nothing is sent in either case. (Damaged state files are unit-tested in
-tests/unit/fleet/test_fleet_rules.py; here the command's exit code.)"""
+an ``--archive-sha256`` that is not the archive's, for a URL and for a ``--bundle-file``; a ``--bundle-file``
+that does not exist; a state file whose fields have the wrong types. Nothing is sent in any case. (Damaged
+state files are unit-tested in tests/unit/fleet/test_fleet_rules.py; here the command's exit code.)"""
 
 import json
 import os
@@ -36,6 +36,8 @@ def test_an_archive_sha256_mismatch_is_exit_2_for_a_url_and_a_bundle_file(mosqui
     _v1, archive, _sha = build_bundles(str(tmp_path / "local"))
     code, err = run(base + ["--bundle", "incoming/fleet-2.0.0.tar.gz", "--bundle-file", archive], capsys)
     assert code == EXIT_USAGE and "pre-flight: %s" % archive in err and "archive_sha256" in err, err
+    code, err = run(base + ["--bundle", "incoming/fleet-2.0.0.tar.gz", "--bundle-file", archive + ".gone"], capsys)
+    assert code == EXIT_USAGE and "--bundle-file %s.gone does not exist" % archive in err, err
     assert not os.path.exists(str(tmp_path / "s"))  # refused before any state was written
 
 
