@@ -76,7 +76,8 @@ def test_a_real_prometheus_scrapes_every_documented_series_without_a_secret(tmp_
     try:
         with Prometheus(["127.0.0.1:%d" % port]) as prometheus:
             results = lambda: [m for t, m in probe.json(PREFIX + "/results/")]  # noqa: E731
-            assert wait_for(lambda: len(results()) >= FRAMES, timeout=120), log_path.read_text()[-3000:]
+            served = wait_for(lambda: len(results()) >= FRAMES or proc.poll() is not None, timeout=120)
+            assert served and proc.poll() is None, log_path.read_text()[-3000:]
             probe.publish(PREFIX + "/cmd/status", json.dumps({"request_id": "m1"}).encode())
             assert wait_for(lambda: any(a["state"] == "succeeded" for a in probe.on(PREFIX + "/ack/m1")), 30)
 
