@@ -231,9 +231,10 @@ def _health(b: _Builder, status: Mapping[str, Any]) -> None:
         b.gauge("watchdog_state", "1 for the watchdog's current state, 0 for the others", {"state": name},
                 1 if name == state else 0)
     npu = status.get("npu_memory_mb")
-    if npu:  # npu-exporter's names and units (MB), so its dashboards read these too
-        for key, name in (("used", "npu_chip_info_hbm_used_memory"), ("total", "npu_chip_info_hbm_total_memory")):
-            b.gauge(name, "NPU HBM memory %s (MB), as npu-exporter names it" % key, {}, npu.get(key), prefix="")
+    if npu:  # npu-exporter's names and unit (MB) for a 310-class part's memory, so its dashboards read these too
+        for key, name in (("used", "npu_chip_info_used_memory"), ("total", "npu_chip_info_total_memory")):
+            b.gauge(name, "NPU memory %s (MB) as npu-smi reports it: DDR on 310-class parts, HBM on 910-class" % key,
+                    {}, npu.get(key), prefix="")
 
 
 class _QuietHandler(WSGIRequestHandler):

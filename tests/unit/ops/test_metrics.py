@@ -129,7 +129,7 @@ def test_the_collector_exposes_the_box_series_with_device_and_bounded_labels():
     assert 'atlas_edge_model_rollbacks_total{device="box-1"} 1.0' in text
     assert 'atlas_edge_commands_total{device="box-1",outcome="failed",verb="other"} 3.0' in text
     assert 'atlas_edge_resident_memory_bytes{device="box-1",process="gate"} 5.24288e+07' in text
-    assert 'npu_chip_info_hbm_used_memory{device="box-1"} 300.0' in text
+    assert 'npu_chip_info_used_memory{device="box-1"} 300.0' in text
     assert 'atlas_edge_watchdog_state{device="box-1",state="ok"} 1.0' in text
     assert "rtsp" not in text and "viewer" not in text and "bogus" not in text  # no URI, no unknown verb
 
