@@ -5,9 +5,12 @@ One thread per source opens its reader, moves captured pictures into the shared 
 handles everything that goes wrong the same way for every kind: a failure is classified, shown in the
 source's health, alerted once, and retried with exponential backoff (to ``reopen_max_s`` at once for causes
 a retry cannot fix). A live source that sends no new picture for ``stall_timeout_s`` is ``stalled`` and
-reopened; a frame older than half that when it arrives is dropped, never served as fresh. A folder or file ends
-(or loops, without announcing "up" again at each wrap); its ``max_fps`` paces reading, where a live source's
-skips frames in its worker (which also reopens a stream that changed resolution in place, :mod:`.worker`).
+reopened; a frame older than half that when it arrives is dropped, never served as fresh (its age from the
+stream's clock model, :mod:`.clock`, which dates a frame by its read time while the stream's timestamps are in
+doubt); a live source whose frames arrive but none goes out for the stall timeout is ``degraded``, not ``up``.
+A folder or file ends (or loops, without announcing "up" again at each wrap); its ``max_fps`` paces reading,
+where a live source's skips frames in its worker (which also reopens a stream that changed resolution in
+place, :mod:`.worker`).
 
 Each reader has its own stop event, so a config change stops and starts only the sources it touches
 (:meth:`SourceSet.update`), and the memory watchdog can recycle one worker (:meth:`SourceReader.recycle`).
@@ -125,7 +128,7 @@ class SourceReader(threading.Thread):
         """Move pictures from an open reader to the queue until stopped; raises when the session ends."""
         interval = 1.0 / self.config.max_fps if self.config.max_fps > 0 and not reader.live else 0.0
         stall_s = self.config.stall_timeout_s
-        newest = last_emit = time.monotonic()  # capture time of the newest picture, on the monotonic clock
+        newest = last_emit = served = time.monotonic()  # newest capture (monotonic), last pace slot, last served
         while not self.stop_event.is_set():
             recycle, self._recycle = self._recycle, None
             if recycle is not None:
@@ -143,15 +146,20 @@ class SourceReader(threading.Thread):
             self.health.frame_in(captured.skipped, captured.decode_errors)
             self._collect_decode_errors(reader)
             if self.paused.is_set():
+                served = now  # paused is not degraded
                 continue  # a live source keeps reading, so resume starts fresh
             if reader.live and age > stall_s * STALE_FRACTION:
                 self.health.stale_dropped += 1
+                if now - served > stall_s and self.health.state != "degraded":
+                    self.health.failure("clock", "frames arrive but none served for %.1f s: the last one %.1f s "
+                                        "old by the stream's timestamps" % (now - served, age), 0.0)
                 continue
             if interval:
                 if self.stop_event.wait(max(0.0, last_emit + interval - time.monotonic())):
                     return
                 last_emit = time.monotonic()
             self._emit(captured)
+            served = time.monotonic()
             self._delay = self.config.reopen_min_s  # a frame went through: the source is healthy
 
     def _collect_decode_errors(self, reader: Reader) -> None:

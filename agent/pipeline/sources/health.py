@@ -1,10 +1,12 @@
 """A source's health as operators see it: its state, its rates, how old its frames are, and why it is not up.
 
-States: ``connecting`` (opening), ``up`` (frames arrive), ``stalled`` (no new picture for the stall timeout),
+States: ``connecting`` (opening), ``up`` (frames go out), ``stalled`` (no new picture for the stall timeout),
 ``down`` (a failure retrying may fix: refused, timeout, ended, a decoder crash), ``failed`` (one it cannot:
-``auth``, ``not_found``, a bad reference; retried only every ``reopen_max_s``). One alert when a source stops
-delivering (``source_down``, whatever the state), one when it delivers again (``source_up``); the error is
-cleared on recovery. Every text here has passed :func:`agent._util.redact.redact`.
+``auth``, ``not_found``, a bad reference; retried only every ``reopen_max_s``), ``degraded`` (frames arrive and
+none can be served: :data:`DEGRADED_CAUSES`, e.g. ``clock``, the stream's timestamps call every frame stale; the
+reader stays open). A source is ``up`` only while frames go out, never merely because they come in. One alert
+when a source stops delivering (``source_down``, whatever the state), one when it delivers again
+(``source_up``); the error is cleared on recovery. Every text here has passed :func:`agent._util.redact.redact`.
 
 ``last_error`` and the alerts say what failed in the project's words (:data:`CAUSE_WORDS`: "connection
 refused", "timed out", ...), never FFmpeg's text: that names hosts and ports ("Successfully connected to
@@ -32,8 +34,11 @@ CAUSE_WORDS = {"auth": "authentication failed", "not_found": "not found", "refus
                "timeout": "timed out", "unavailable": "unreachable", "stalled": "no new picture (stalled)",
                "frozen": "the picture froze", "resized": "the stream changed resolution", "ended": "the source ended",
                "decode": "the decoder crashed", "killed": "the reader process was killed",
-               "memory": "the reader process used too much memory", "config": "a credential reference cannot be "
+               "memory": "the reader process used too much memory",
+               "clock": "frames arrive but none is served: their timestamps say they are stale (the camera's clock)",
+               "config": "a credential reference cannot be "
                "resolved (see the log)"}
+DEGRADED_CAUSES = ("clock",)  # frames arrive and none is served; the reader stays open (no retry)
 _SIGNAL = re.compile(r"\bkilled by (SIG[A-Z0-9]+)")
 
 
@@ -57,7 +62,6 @@ class SourceHealth:
         self.state = "connecting"
         self.since = time.time()
         self.frames = 0  # handed to the frame queue
-        self.served = 0  # results handed over (published, rate-limited or refused by the sink): frames served
         self.skipped = 0  # decoded and not handed over: rate limit, backlog at (re)connect, repeated pictures
         self.stale_dropped = 0  # older than the stall timeout when read
         self.decode_errors = 0
@@ -100,15 +104,16 @@ class SourceHealth:
     def failure(self, cause: str, message: str, retry_in_s: float) -> None:
         """An open failed or a session ended: ``stalled`` / ``down`` / ``failed`` by its cause."""
         detail, message = redact(message), public_message(cause, message)
-        state = "stalled" if cause in ("stalled", "frozen") else "failed" if cause in PERMANENT_CAUSES else "down"
+        state = "stalled" if cause in ("stalled", "frozen") else "failed" if cause in PERMANENT_CAUSES else \
+            "degraded" if cause in DEGRADED_CAUSES else "down"
         same = self.last_error is not None and self.last_error["detail"] == detail
         if not same:
             self.last_error = {"cause": cause, "message": message, "since": round(time.time(), 3),
                                "detail": detail}  # the log's, never reported
             hint = " (a retry cannot fix this: retrying every %.0f s)" % retry_in_s if state == "failed" else ""
-            log.error("source %s %s: %s [%s]; retrying in %.1f s%s", self.name, state, detail, cause,
-                      retry_in_s, hint)
-        self.retry_in_s = round(retry_in_s, 3)
+            retry = "reading on" if state == "degraded" else "retrying in %.1f s" % retry_in_s
+            log.error("source %s %s: %s [%s]; %s%s", self.name, state, detail, cause, retry, hint)
+        self.retry_in_s = None if state == "degraded" else round(retry_in_s, 3)
         self._set(state)
         if not self._down_alerted:
             self._down_alerted = True
@@ -117,7 +122,6 @@ class SourceHealth:
     def published(self, age_ms: float) -> None:
         """A result of this source was handed over ``age_ms`` after its frame was captured."""
         with self._lock:
-            self.served += 1
             self._ages.append(age_ms)
 
     # --- reading (any thread) ------------------------------------------------------------------------------
@@ -133,7 +137,7 @@ class SourceHealth:
         return {
             "uri": self.uri, "state": self.state, "since": round(self.since, 3),
             "fps_in": round(fps_in, 2), "fps_out": round(fps_out, 2),
-            "frames": self.frames, "served": self.served, "skipped": self.skipped, "stale_dropped": self.stale_dropped,
+            "frames": self.frames, "skipped": self.skipped, "stale_dropped": self.stale_dropped,
             "decode_errors": self.decode_errors, "open_failures": self.open_failures, "reopens": self.reopens,
             "dropped_queue_full": self.dropped_queue_full,
             "frame_age_ms": {"p50": round(ages[len(ages) // 2], 1), "max": round(ages[-1], 1)} if ages else None,

@@ -17,8 +17,9 @@ Freshness rules, all here, next to the decoder:
   stderr, writes ``reopen`` on our stdin; the capture is released and opened again in this process (no new
   Python, no new OpenCV import) without FFmpeg's stream probing (:data:`QUICK_REOPEN_OPTIONS`), and ``OPEN``
   is sent again;
-* the capture time comes from the stream's timestamps (PTS) mapped onto the box's clock by the smallest
-  read-minus-PTS offset seen (the frame that arrived fastest), else the read time.
+* the capture time comes from the stream's timestamps (PTS) mapped onto the box's clock by a model of the
+  camera's clock that follows drift and jumps (:mod:`.clock`), else the read time; every grabbed frame, handed
+  over or not, feeds the model.
 
 Wire format on stdout: a header ``<4sII`` (kind, JSON length, payload length), the JSON, the payload. Kinds:
 ``OPEN`` (opened; fps), ``FRAM`` (a frame: shape, capture time, counters; payload = BGR pixels), ``FAIL``
@@ -32,9 +33,10 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from agent.pipeline.sources.base import QUICK_REOPEN_OPTIONS, WORKER_HEADER, DecoderError
+from agent.pipeline.sources.clock import StreamClock
 
 # A grab that returns faster than this (or half a frame interval, if smaller) came from FFmpeg's buffer, not
 # from the camera: the backlog of an open. Draining stops after MAX_DRAIN_S whatever happens.
@@ -56,23 +58,6 @@ def send(kind: bytes, meta: Dict[str, Any], payload: Any = b"") -> None:
     if payload:
         out.write(payload)
     out.flush()
-
-
-class StreamClock:
-    """Capture times from PTS: ``pts + offset``, the offset being the smallest ``read - pts`` seen so far."""
-
-    def __init__(self) -> None:
-        self.offset: Optional[float] = None
-        self.last_pts = -1.0
-
-    def capture_time(self, pts_ms: float, read_ts: float) -> Tuple[float, str]:
-        if pts_ms <= 0 or pts_ms <= self.last_pts:  # no timestamps, or ones that do not advance
-            return read_ts, "read"
-        self.last_pts = pts_ms
-        offset = read_ts - pts_ms / 1000.0
-        if self.offset is None or offset < self.offset:
-            self.offset = offset
-        return pts_ms / 1000.0 + self.offset, "stream"
 
 
 class Pacer:

@@ -181,22 +181,6 @@ def test_the_pacer_skips_to_max_fps_without_piling_up_slots():
     assert late.due(0.0) and late.due(5.0) and not late.due(5.1)  # after a gap: one frame, not a burst
 
 
-def test_stream_clock_maps_pts_by_the_fastest_arrival_and_says_when_it_cannot():
-    from agent.pipeline.sources.worker import StreamClock
-
-    clock = StreamClock()
-    # Backlog at open: frames captured 0.1 s apart, all read at once at t=10.0; the newest is the live edge.
-    backlog = [clock.capture_time(pts, 10.0) for pts in (100.0, 200.0, 300.0, 400.0, 500.0)]
-    assert [source for _t, source in backlog] == ["stream"] * 5
-    # Each backlog frame is the fastest arrival so far, so the clock alone cannot call it old: the worker drops
-    # the backlog by how fast its grabs return instead (worker.BACKLOG_GRAB_S).
-    assert [round(10.0 - t, 3) for t, _s in backlog] == [0.0] * 5
-    live, source = clock.capture_time(600.0, 10.12)  # next frame read 20 ms after its slot
-    assert source == "stream" and abs(live - 10.1) < 1e-9
-    assert clock.capture_time(600.0, 10.3) == (10.3, "read")  # PTS not advancing: the read time, said so
-    assert clock.capture_time(0.0, 42.0) == (42.0, "read")
-
-
 def test_health_alerts_once_down_once_up_clears_the_error_and_redacts():
     from agent.pipeline.sources.health import SourceHealth
 
