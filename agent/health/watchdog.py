@@ -67,6 +67,7 @@ class Watchdog:
         self.memory = memory
         self.input_states = input_states
         self.no_input = False
+        self.degraded = 0  # sources whose frames arrive and none is served (a camera's clock): said in the status
         self.progress = progress
         self.notifier = notifier
         self.on_alert = on_alert
@@ -156,13 +157,17 @@ class Watchdog:
         states = self.input_states()
         total = sum(states.values())
         no_input = total > 0 and not states.get("up")
-        if no_input == self.no_input:
+        degraded = states.get("degraded", 0)
+        if (no_input, degraded) == (self.no_input, self.degraded):
             return
-        self.no_input = no_input
+        self.no_input, self.degraded = no_input, degraded
         if no_input:
             text = "serving, no input: no source up (%s)" % ", ".join(
                 "%d %s" % (n, state) for state, n in sorted(states.items()))
             log.warning("%s; alive and pinging (a restart does not fix a camera)", text)
+        elif degraded:
+            text = "serving; %d of %d sources degraded (frames arrive, none served)" % (degraded, total)
+            log.warning("%s", text)
         else:
             text = "serving"
             log.info("input is back: %d of %d sources up", states.get("up", 0), total)

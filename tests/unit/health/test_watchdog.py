@@ -597,3 +597,6 @@ def test_no_source_up_is_alive_without_input_not_stuck(listener):
     states.update(up=1, stalled=1)
     watchdog.tick(clock.advance(1.0))
     assert listener.wait_for("STATUS=serving", 1) and watchdog.no_input is False
+    states.update(up=1, stalled=0, degraded=1)  # reads frames, serves none (issue 31): not up, and said so
+    watchdog.tick(clock.advance(1.0))
+    assert listener.wait_for("STATUS=serving; 1 of 2 sources degraded (frames arrive, none served)", 1)
