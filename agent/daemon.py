@@ -147,16 +147,22 @@ class Daemon:
         self.metrics = self._build_metrics()
 
     def _build_metrics(self) -> Any:
-        """The Prometheus endpoint when ``metrics.listen`` is set (bound here: a taken port fails start-up)."""
+        """The Prometheus endpoint when ``metrics.listen`` is set. Bound here, before anything starts: an address
+        that cannot be bound (taken, not this box's) is a config error (exit 78), named, like a bad bundle."""
         address = self.config.metrics.address()
         if address is None:
             return None
+        from agent.config.schema import FieldError
         from agent.ops.metrics import BoxCollector, EventCounts, MetricsServer
 
         self.metric_events = EventCounts()
         collector = BoxCollector(self.config.device_id, self._status, self.loop.stats.histograms,
                                  self.dispatcher.acks, self.metric_events)
-        return MetricsServer(address, collector)
+        try:
+            return MetricsServer(address, collector)
+        except OSError as exc:
+            raise ConfigError([FieldError("metrics.listen", "cannot listen on %s:%d: %s" % (
+                address[0], address[1], exc.strerror or exc))]) from exc
 
     # --- lifecycle ----------------------------------------------------------------------------------------
 

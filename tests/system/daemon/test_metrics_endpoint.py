@@ -135,3 +135,25 @@ def _check_values(prometheus, value, probe):
     assert value('atlas_edge_resident_memory_bytes{process="daemon"}') > 20 * 1024 * 1024
     assert value("atlas_edge_collect_ok") == 1
     assert value("sum(atlas_edge_watchdog_state)") == 1
+
+
+def test_a_listen_address_already_taken_stops_the_start_naming_the_field(tmp_path, mosquitto):
+    import socket
+
+    from agent.cli.main import EXIT_CANNOT_START
+
+    frames = tmp_path / "frames"
+    write_sample_frames(str(frames), sizes_hw=((240, 320),), seed=3)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        config = write_config(tmp_path, mosquitto, frames, metrics={"listen": "127.0.0.1:%d" % port})
+        done = subprocess.run([sys.executable, "-m", "agent", "run", "--config", config], capture_output=True,
+                              text=True, timeout=120)
+    finally:
+        taken.close()
+    assert done.returncode == EXIT_CANNOT_START, done.stdout + done.stderr
+    assert "metrics.listen: cannot listen on 127.0.0.1:%d" % port in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
