@@ -19,6 +19,7 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
+from agent._util.ratelog import LogLimiter
 from agent.config.daemon_config import METRICS_PACKAGE
 from agent.protocol.verbs import verb_names
 
@@ -74,6 +75,7 @@ class BoxCollector:
         self.device_id = device_id
         self._status, self._histograms, self._acks, self.events = status, histograms, acks, events
         self._verbs = frozenset(verb_names())
+        self._failures = LogLimiter(log)  # a fault that lasts fails every scrape: said a few times, then counted
 
     def describe(self) -> List[Any]:
         return []  # registering must not run a collection; the families are known at scrape time
@@ -83,8 +85,9 @@ class BoxCollector:
 
         try:
             families = self.families(self._status(), self._histograms(), self._acks())
-        except Exception:  # a scrape must never hurt the daemon; say why and answer what is always known
-            log.exception("metrics: collecting the box's series failed")
+        except Exception as exc:  # a scrape must never hurt the daemon; say why and answer what is always known
+            self._failures.log(logging.ERROR, type(exc).__name__, "metrics: collecting the box's series failed: "
+                               "%s: %s", type(exc).__name__, exc)
             up = GaugeMetricFamily(PREFIX + "collect_ok", "1 when the last scrape read every figure", labels=["device"])
             up.add_metric([self.device_id], 0)
             families = [up]
