@@ -10,7 +10,10 @@ that was sent a deploy is followed until it is back or *proven unmoved*, whateve
   to announce itself every :data:`ASK_EVERY_S`), and is rolled back when none comes within
   :data:`STATUS_WAIT_S` (half ``--revert-timeout`` if less): its own ack says it switched;
 - is proven unmoved when a live, well-formed status serves its old model with nothing pending *and* its deploy
-  is over: a final ack to it, the deploy missed (:mod:`agent.fleet.delivery`), or the step timeout passed.
+  is over: a final ack to it, or, when this run saw no ack to it at all, the deploy missed
+  (:mod:`agent.fleet.delivery`) or the step timeout passed. A box that acked its deploy (``accepted``,
+  ``in_progress``) without a final answer is still running it, past any timeout (a late ack): it is followed
+  until that answer or a status showing the switch (then rolled back), or until ``--revert-timeout``.
 
 A rollback never goes to an unmoved box: with nothing pending a box's rollback restores its standby, an older
 model. The rollback request is journaled before it is sent, so a re-run after a kill sends the same request id
@@ -149,8 +152,9 @@ class Reverter:
             return None
         rid = box.request_id or ""
         ack = intake.acks.get((device, rid))
-        ended = (ack is not None and ack.state in FINAL_STATES) or self.delivery.missed(device, rid) or \
-            intake.clock() - (box.sent_at or 0.0) > self.spec.step_timeout
+        if ack is not None:  # it read the deploy: it runs until its final answer, however late (never the timeout)
+            return False if ack.state in FINAL_STATES else None
+        ended = self.delivery.missed(device, rid) or intake.clock() - (box.sent_at or 0.0) > self.spec.step_timeout
         return False if ended else None
 
     def _record(self, device: str, outcome: RevertState, error: Optional[str], result: Any) -> bool:

@@ -13,8 +13,14 @@ import pytest
 
 from agent.cli import fleet as fleet_cli
 from agent.cli.ctl import EXIT_OK
+from agent.fleet.link import Message
+from agent.fleet.plan import RolloutSpec
+from agent.fleet.records import RevertState, RolloutStatus
 from agent.fleet.report import EXIT_ABORTED, EXIT_CANCELLED, EXIT_COMPLETED, EXIT_PARTIAL
+from agent.fleet.rollout import Rollout
+from agent.protocol.messages import FAILED, SUCCEEDED
 from tests.conftest import wait_for
+from tests.support.fleet_link_support import SIM_PREFIX, SIM_SHA, SimulatedLink, _ack, _online
 from tests.support.fleet_support import box_fleet, sim_rollout_args  # noqa: F401 - box_fleet is a fixture
 
 pytestmark = pytest.mark.fleet_rig  # operator-side rig: run once, in the host lane (Makefile)
@@ -129,6 +135,55 @@ def test_a_finished_rollout_can_still_be_reverted(box_fleet, tmp_path, capsys):
                             capsys)  # ...and 'fleet revert' again finds nothing left to do
     assert code == EXIT_CANCELLED and [b.rollbacks for b in fleet.boxes] == [1, 1, 1], err
     assert mismatches(report, fleet) == []
+
+
+def test_a_deploy_acked_before_the_abort_and_answered_after_the_step_timeout_is_rolled_back(tmp_path):
+    # Simulated time, no broker. box-0 fails at once (--max-failures 0 aborts). box-1 acks 'accepted', stays
+    # silent past --step-timeout and answers 'succeeded' 10 s later with a status showing the switch: its deploy
+    # was running all along, so the revert pass may not call it unmoved at the step timeout (the 1,000-box
+    # run's 5 late-ack boxes stayed on 2.0.0 so). Failed on the engine before the fix: no rollback was sent.
+    rollbacks = []
+    link = None
+
+    def answer(topic, payload):
+        device, verb = topic.split("/")[1], topic.rsplit("/", 1)[1]
+        if verb == "announce":  # live answers: each box was heard serving its old model
+            return [status_of(d, OLD_MODEL, "a", "confirmed") for d in ("box-0", "box-1")]
+        if verb == "rollback":
+            rollbacks.append(device)
+            body = dict(request_id=payload["request_id"], verb="rollback", state=SUCCEEDED,
+                        result={"model": OLD_MODEL})
+            return [Message(topic.replace("/cmd/rollback", "/ack/" + payload["request_id"]),
+                            json.dumps(body).encode(), False), status_of(device, OLD_MODEL, "a", "confirmed")]
+        if verb != "deploy":
+            return []
+        if device == "box-0":
+            return [_ack(device, payload, FAILED, error={"code": "golden_mismatch", "message": "off"})]
+        link.later.append((link.mono + 10.0, _ack(device, payload, SUCCEEDED, result={"model": NEW_MODEL})))
+        link.later.append((link.mono + 10.0, status_of(device, NEW_MODEL, "b", "pending")))
+        return [_ack(device, payload, "accepted")]
+
+    link = SimulatedLink({"box-0": _online("box-0"), "box-1": _online("box-1")}, answer=answer)
+    spec = RolloutSpec(group="sim", bundle="b.tar.gz", sha256=SIM_SHA, prefix=SIM_PREFIX, canary=0, waves=1,
+                       max_failures=0, rollback_on_abort=True, step_timeout_s=3.0, revert_timeout_s=60.0)
+    state = Rollout(spec, spec.default_id(), str(tmp_path), link, progress=link.progress, clock=link.wall,
+                    monotonic=lambda: link.mono, settle_s=0.3).run()
+    assert state.status == RolloutStatus.ABORTED and rollbacks == ["box-1"], rollbacks
+    assert state.boxes["box-1"].revert.state == RevertState.SUCCEEDED
+    assert state.boxes["box-0"].revert.state == RevertState.NOTHING  # failed at once: proven unmoved
+
+
+OLD_MODEL = {"name": "m", "version": "1", "manifest_sha256": "a" * 64}
+NEW_MODEL = {"name": "m", "version": "2", "manifest_sha256": SIM_SHA}
+
+
+def status_of(device, model, slot, slot_state):
+    """A live status of a simulated-link box serving ``model`` from ``slot``."""
+    slots = {"a": dict(OLD_MODEL, state="confirmed" if slot == "a" else "standby")}
+    if slot == "b":
+        slots["b"] = dict(model, state=slot_state)
+    body = {"state": "online", "groups": ["sim"], "slots": {"serving": slot, "slots": slots}}
+    return Message("%s/%s/status" % (SIM_PREFIX, device), json.dumps(body).encode(), False)
 
 
 # --- the acceptance fleet: 1,000 boxes, one in ten misbehaving ---------------------------------------------------
