@@ -151,8 +151,8 @@ def test_a_deploy_acked_before_the_abort_and_answered_after_the_step_timeout_is_
             return [status_of(d, OLD_MODEL, "a", "confirmed") for d in ("box-0", "box-1")]
         if verb == "rollback":
             rollbacks.append(device)
-            body = dict(request_id=payload["request_id"], verb="rollback", state=SUCCEEDED,
-                        result={"model": OLD_MODEL})
+            body = {"request_id": payload["request_id"], "verb": "rollback", "state": SUCCEEDED,
+                    "result": {"model": OLD_MODEL}}
             return [Message(topic.replace("/cmd/rollback", "/ack/" + payload["request_id"]),
                             json.dumps(body).encode(), False), status_of(device, OLD_MODEL, "a", "confirmed")]
         if verb != "deploy":
