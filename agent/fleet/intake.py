@@ -17,11 +17,16 @@ from agent.fleet.link import FleetLink, Message
 from agent.fleet.plan import RolloutSpec, request_id
 from agent.fleet.records import BoxRecord, Outcome, Phase, RevertWish, RolloutStatus
 from agent.fleet.status import FleetView
-from agent.protocol.messages import FINAL_STATES, Ack, ProtocolError, parse_ack
+from agent.protocol.messages import FAILED, FINAL_STATES, Ack, ProtocolError, parse_ack
 from agent.protocol.topics import ACK, STATUS, device_topic, split_device_topic
 
 POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
 ANOMALIES_KEPT = 5
+# What a box answers, without recording it, to a message it refuses before reading it as a command: a missing or
+# wrong signature (agent/commands/freshness.py) and a payload it cannot parse (dispatcher.py, reject_unparsed).
+# Anyone on the broker can draw such an answer on a predictable fleet request id; a signed, well-formed command
+# of the fleet's own never gets one (bad_signature also means a box with another key: it then times out).
+FORGEABLE_REFUSALS = ("unsigned", "bad_signature", "bad_json", "too_large", "retained")
 
 
 def one_line(text: str) -> str:
@@ -33,8 +38,10 @@ class Intake:
     """The fleet view, the acks that count, and the per-box timing the engine judges by; see the module doc."""
 
     def __init__(self, spec: RolloutSpec, rollout_id: str, link: FleetLink, progress: Callable[[str], None],
-                 clock: Callable[[], float], monotonic: Callable[[], float], cancel_path: str) -> None:
+                 clock: Callable[[], float], monotonic: Callable[[], float], cancel_path: str,
+                 signed: bool = False) -> None:
         self.spec = spec
+        self.signed = signed  # the fleet signs its commands: a refusal in FORGEABLE_REFUSALS is not their answer
         self.rollout_id = rollout_id
         self.link = link
         self.progress = progress
@@ -51,6 +58,7 @@ class Intake:
         self.status_heard: Dict[str, float] = {}  # device -> monotonic time of its latest live status
         self.acked_at: Dict[Tuple[str, str], float] = {}  # (device, request id) -> when its final ack arrived
         self._subscribed: Set[str] = set()
+        self._forged_seen: Set[Tuple[str, str, str]] = set()  # (device, request id, code) logged this run
 
     def finish(self, state: RolloutState, device: str, outcome: Outcome, error: Optional[str],
                **extra: Any) -> bool:
@@ -142,6 +150,8 @@ class Intake:
                 self._anomaly(state, device, "ack on %s names request %s" % (message.topic, ack.request_id))
             return
         key = (device, topic_rid)
+        if self._forged(state, device, ack):
+            return
         previous = self.acks.get(key)
         if previous is not None and previous.state in FINAL_STATES:
             if ack.state in FINAL_STATES and ack.state != previous.state:
@@ -153,6 +163,20 @@ class Intake:
             self.acked_at[key] = self.monotonic()
         if device in self.anchor and ack.state not in FINAL_STATES and box.phase == Phase.SENT:
             self.anchor[device] = self.monotonic()  # progress restarts the step timeout
+
+    def _forged(self, state: RolloutState, device: str, ack: Ack) -> bool:
+        """A refusal the fleet's own signed command cannot get (someone else's unsigned command under its
+        request id, refused unrecorded by the box, whose signed one still runs): ignored, logged once per id."""
+        code = ack.error.code if ack.state == FAILED and ack.error is not None else None
+        if not self.signed or code not in FORGEABLE_REFUSALS:
+            return False
+        what = "ignored a forged answer to %s: failed %s (someone else's command under this request id; or this " \
+               "box holds another command key)" % (ack.request_id, code)
+        if (device, ack.request_id, code) not in self._forged_seen:
+            self._forged_seen.add((device, ack.request_id, code))
+            self._anomaly(state, device, what)
+            self.progress("  %-24s %s" % (device, what))
+        return True
 
     def _duplicate(self, state: RolloutState, device: str, why: str) -> None:
         self._anomaly(state, device, why)

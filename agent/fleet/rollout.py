@@ -100,7 +100,7 @@ class Rollout:
         self.clock = clock  # wall time: what the state file and report record
         self.monotonic = monotonic  # deadlines within this run
         self.intake = Intake(spec, self.rollout_id, link, progress, clock, monotonic,
-                             self.path[:-len(".json")] + ".cancel")
+                             self.path[:-len(".json")] + ".cancel", signed=self.envelope.signs)
         self.view = self.intake.view  # filled by the intake from the messages
         self.judge = Judge(self.intake)
         self.delivery = Delivery(self.intake)  # what each box was sent this run, and whether it missed it
