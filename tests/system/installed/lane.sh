@@ -38,6 +38,9 @@ fill() { "$V/pip" download -q --disable-pip-version-check --dest "$WHEELHOUSE" "
 install "${REQS[@]}" 2>/dev/null || { fill "${REQS[@]}" && install "${REQS[@]}"; }
 "$V/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src"
 WHEEL=$(ls "$WORK/dist"/atlas_edge-*.whl)
+# `pip download` of the wheel copies it into the wheelhouse, and a later fill reuses that copy by its name: an
+# older tree's wheel (same version, other extras) must never stand in for this one
+rm -f "$WHEELHOUSE"/atlas_edge-*.whl
 # The metrics extra too: the Prometheus endpoint test scrapes the installed daemon (docs/metrics.md)
 install "$WHEEL[edge,metrics]" 2>/dev/null || { fill "$WHEEL[edge,metrics]" && install "$WHEEL[edge,metrics]"; }
 # The onnxruntime backend as a box installs it: the wheel's own `ort` requirement for this Python, without its
