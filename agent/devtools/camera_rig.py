@@ -24,6 +24,7 @@ from agent.devtools.broker import free_port
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rtsp_camera.py")
+BODY_TOLERANCE = 12  # grey levels: the body levels are 48 apart
 READY_S = 20.0  # bound on a server's start (GStreamer's registry scan on a cold, loaded CI box)
 PROBE = ("import gi; gi.require_version('GstRtspServer', '1.0'); from gi.repository import Gst; Gst.init(None); "
          "assert Gst.ElementFactory.find('x264enc')")
@@ -57,9 +58,9 @@ class Camera:
     """One RTSP camera: ``url()`` is its open stream, ``url(user=..., password=...)`` with credentials."""
 
     def __init__(self, size: Tuple[int, int] = (640, 360), fps: int = 10, password: str = "",
-                 kbps: int = 2000) -> None:
+                 kbps: int = 2000, moving: bool = False) -> None:
         require_rig()
-        self.size, self.fps, self.password, self.kbps = size, fps, password, kbps
+        self.size, self.fps, self.password, self.kbps, self.moving = size, fps, password, kbps, moving
         self.port = free_port("127.0.0.1")
         self.proc: Optional[subprocess.Popen] = None
         self.start()
@@ -69,6 +70,8 @@ class Camera:
                "--fps", str(self.fps), "--kbps", str(self.kbps)]
         if self.password:
             cmd += ["--password", self.password]
+        if self.moving:
+            cmd += ["--moving"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         line: List[bytes] = []
         reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
@@ -99,6 +102,10 @@ class Camera:
     def clock_rate(self, rate: float) -> None:
         """The camera's timestamps run at ``rate`` times real time from now on (0.95: a clock 5% slow)."""
         self._command(b"rate %f\n" % rate)
+
+    def damage(self, frames: int) -> None:
+        """One RTP packet cut out of each of the next ``frames`` frames: truncated frames to the decoder."""
+        self._command(b"damage %d\n" % frames)
 
     def _command(self, line: bytes) -> None:
         self.proc.stdin.write(line)
@@ -160,6 +167,19 @@ def frame_capture(image: np.ndarray, now_ms: Optional[int] = None) -> Optional[T
     if image.shape[1] < framecode.BITS * framecode.BLOCK or image.shape[0] < 3 * framecode.BLOCK:
         return None
     return framecode.read(image, now_ms)
+
+
+def frame_intact(image: np.ndarray, now_ms: Optional[int] = None) -> bool:
+    """Whether a decoded frame of a ``moving`` camera is the picture the rig drew: its code rows read, and every
+    block of its body has the grey its counter says (concealment, or prediction from a damaged frame, leaves
+    another frame's grey behind). x264 at the rig's bitrate keeps flat grey within a few levels."""
+    read = frame_capture(image, now_ms)
+    if read is None:
+        return False
+    body = image[3 * framecode.BLOCK:, :, :].astype(np.int16)
+    h, w = (body.shape[0] // 16) * 16, (body.shape[1] // 16) * 16
+    blocks = body[:h, :w].reshape(h // 16, 16, w // 16, 16, 3).mean(axis=(1, 3, 4))  # (rows, cols) of 16x16
+    return bool(np.abs(blocks - framecode.body_level(read[1])).max() <= BODY_TOLERANCE)
 
 
 def frame_age_ms(image: np.ndarray, at: Optional[float] = None) -> Optional[float]:

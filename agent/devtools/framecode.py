@@ -17,11 +17,18 @@ def _row(value, width):
     return (pixels + bytes([GREY]) * 3 * (width - BITS * BLOCK)) * BLOCK
 
 
-def draw(width, height, time_ms, counter):
-    """One BGR frame (bytes, row-major) carrying ``time_ms`` (wall clock) and ``counter``."""
+def body_level(counter):
+    """The grey of the frame's body below the code rows when it follows the counter (``draw(..., moving=True)``):
+    every frame differs from the one before, so a decoder's concealment (last frame's pixels) shows."""
+    return 48 + 48 * (counter % 4)
+
+
+def draw(width, height, time_ms, counter, moving=False):
+    """One BGR frame (bytes, row-major) carrying ``time_ms`` (wall clock) and ``counter``; its body is
+    :data:`GREY`, or :func:`body_level` of the counter when ``moving``."""
     low = time_ms & 0xFFFFFFFF
     rows = _row(low, width) + _row(counter & 0xFFFFFFFF, width) + _row(~low & 0xFFFFFFFF, width)
-    return rows + bytes([GREY]) * 3 * width * (height - 3 * BLOCK)
+    return rows + bytes([body_level(counter) if moving else GREY]) * 3 * width * (height - 3 * BLOCK)
 
 
 def read(image, now_ms):

@@ -10,7 +10,9 @@ Commands on stdin, one per line: ``size W H`` changes the resolution in the runn
 sends a new SPS); ``jump S`` moves the stream's timestamps (PTS, hence RTP time) by S seconds from now on
 (negative: back), ``rate R`` lets them run at R times real time from now on (0.95: a clock 5% slow), as cameras'
 clocks do (:class:`PtsFault`, applied to the encoded frames, so the encoder and the pixels' capture time are
-untouched). SIGSTOP/SIGCONT stall and resume the whole server; SIGTERM ends it.
+untouched); ``damage N`` cuts one RTP packet out of each of the next N frames (:class:`PacketLoss`); with
+``--moving`` the frames' body changes grey with the counter, so a concealed or mispredicted frame shows.
+SIGSTOP/SIGCONT stall and resume the whole server; SIGTERM ends it.
 One mount, ``/cam``; with ``--password`` it needs ``--user``/``--password`` (RTSP basic auth, 401 otherwise);
 any other path is answered 404 by the server itself.
 """
@@ -77,16 +79,51 @@ class PtsFault:
         return Gst.PadProbeReturn.OK
 
 
+class PacketLoss:
+    """Damaged frames: one RTP packet cut out of each of the next N frames (a truncated frame to the decoder, as
+    UDP loss or a camera's broken write leaves it). Applied to the payloader's output, so the encoder and
+    the frames' pixels are untouched; the packets lost are counted (``lost``)."""
+
+    CUT_AT = 2  # the third packet of a frame: inside its first slice, after any SPS/PPS
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.frames = 0
+        self.index = 0
+        self.lost = 0
+
+    def damage(self, frames):
+        with self.lock:
+            self.frames += frames
+
+    def attach(self, pay):
+        pay.get_static_pad("src").add_probe(Gst.PadProbeType.BUFFER, self._probe)
+
+    def _probe(self, pad, info):
+        buffer = info.get_buffer()
+        with self.lock:
+            index, self.index = self.index, self.index + 1
+            if buffer.has_flags(Gst.BufferFlags.MARKER):  # the frame's last packet: the next one starts a frame
+                self.index = 0
+            if self.frames and index == self.CUT_AT:
+                self.frames -= 1
+                self.lost += 1
+                return Gst.PadProbeReturn.DROP
+        return Gst.PadProbeReturn.OK
+
+
 class Feed:
     """Frames for every session of one mount: drawn at ``fps`` on a thread of their own, pushed to appsrc."""
 
-    def __init__(self, size, fps):
+    def __init__(self, size, fps, moving=False):
         self.size = size  # (w, h)
+        self.moving = moving
         self.fps = fps
         self.counter = 0
         self.sources = []
         self.lock = threading.Lock()
         self.pts_fault = PtsFault()
+        self.loss = PacketLoss()
         threading.Thread(target=self._run, daemon=True).start()
 
     def caps(self):
@@ -97,6 +134,7 @@ class Feed:
         src = media.get_element().get_by_name_recurse_up("src")
         src.set_property("caps", self.caps())
         self.pts_fault.attach(media.get_element().get_by_name_recurse_up("pay0"))
+        self.loss.attach(media.get_element().get_by_name_recurse_up("pay0"))
         with self.lock:
             self.sources.append(src)
 
@@ -118,7 +156,7 @@ class Feed:
                 next_at = time.monotonic()  # resumed after SIGSTOP: no burst of catch-up frames
             w, h = self.size
             self.counter += 1
-            data = draw(w, h, int(time.time() * 1000), self.counter)
+            data = draw(w, h, int(time.time() * 1000), self.counter, self.moving)
             with self.lock:
                 for src in list(self.sources):
                     if src.emit("push-buffer", Gst.Buffer.new_wrapped(data)) != Gst.FlowReturn.OK:
@@ -158,6 +196,7 @@ def main():
     parser.add_argument("--password", default="")
     parser.add_argument("--record", metavar="FILE", help="write --frames frames to FILE (Matroska) and exit")
     parser.add_argument("--frames", type=int, default=100)
+    parser.add_argument("--moving", action="store_true", help="the body's grey follows the counter (framecode)")
     args = parser.parse_args()
     Gst.init(None)
     w, h = (int(v) for v in args.size.split("x"))
@@ -167,7 +206,7 @@ def main():
     server = GstRtspServer.RTSPServer()
     server.set_address("127.0.0.1")
     server.set_service(str(args.port))
-    feed = Feed((w, h), args.fps)
+    feed = Feed((w, h), args.fps, args.moving)
     factory = GstRtspServer.RTSPMediaFactory()
     factory.set_launch(PIPELINE.format(gop=args.fps, kbps=args.kbps))
     factory.set_latency(0)
@@ -196,6 +235,8 @@ def main():
                 feed.pts_fault.jump(float(parts[1]))
             elif parts[:1] == ["rate"]:
                 feed.pts_fault.set_rate(float(parts[1]))
+            elif parts[:1] == ["damage"]:
+                feed.loss.damage(int(parts[1]))
         GLib.idle_add(loop.quit)  # stdin closed: the test process is gone
 
     loop = GLib.MainLoop()

@@ -7,9 +7,10 @@ import time
 import pytest
 
 from agent.devtools import camera_rig
-from agent.devtools.camera_rig import Blackhole, Camera, frame_age_ms, frame_capture, free_port
+from agent.devtools.camera_rig import Blackhole, Camera, frame_age_ms, frame_capture, frame_intact, free_port
 
-__all__ = ["Blackhole", "Camera", "CameraDaemon", "frame_age_ms", "frame_capture", "free_port", "require_rig"]
+__all__ = ["Blackhole", "Camera", "CameraDaemon", "frame_age_ms", "frame_capture", "frame_intact", "free_port",
+           "require_rig"]
 
 
 def require_rig() -> None:
@@ -20,14 +21,18 @@ def require_rig() -> None:
 
 
 class CameraDaemon:
-    """The daemon in a thread; ``results`` holds (published at, age read from the pixels, payload, counter)."""
+    """The daemon in a thread; ``results`` holds (published at, age read from the pixels, payload, counter);
+    with ``check_intact``, ``broken`` lists the counters (None: unreadable) of published frames whose pixels are
+    not the picture a ``moving`` camera drew (:func:`frame_intact`)."""
 
-    def __init__(self, tmp_path, broker, sources, **extra):
+    def __init__(self, tmp_path, broker, sources, check_intact=False, **extra):
         from agent.cli.demo import DEMO_BUNDLE
         from agent.config.daemon_config import parse_daemon_config
         from agent.daemon import Daemon
 
         self.results = []
+        self.broken = []
+        self.check_intact = check_intact
         self.lock = threading.Lock()
         config = parse_daemon_config({
             "device_id": "cams", "state_dir": str(tmp_path / "state"),
@@ -42,6 +47,8 @@ class CameraDaemon:
     def _on_result(self, frame, payload):
         now = time.time()
         read = frame_capture(frame.image, int(now * 1000))
+        if self.check_intact and not frame_intact(frame.image, int(now * 1000)):
+            self.broken.append(None if read is None else read[1])
         with self.lock:
             self.results.append((now, None if read is None else now * 1000 - read[0], payload,
                                  None if read is None else read[1]))

@@ -58,7 +58,8 @@ class Captured:
     ts_source: str = "read"
     name: str = ""
     skipped: int = 0  # frames the reader decoded but did not hand over (rate limit, backlog) since the last one
-    decode_errors: int = 0  # frames it could not decode since the last one
+    decode_errors: int = 0  # frames it could not decode, or the decoder reported damaged, since the last one
+    damaged: int = 0  # frames not handed over as damaged (reported, or after a reported one) since the last one
 
 
 class SourceUnavailable(Exception):

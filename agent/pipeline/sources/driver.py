@@ -143,7 +143,7 @@ class SourceReader(threading.Thread):
             # The stall timer runs from capture, not arrival: a decoder flushed by a read timeout hands over a
             # picture taken before the stall, and that must not restart the timer.
             newest = max(newest, now - age)
-            self.health.frame_in(captured.skipped, captured.decode_errors)
+            self.health.frame_in(captured.skipped, captured.decode_errors, captured.damaged)
             self._collect_decode_errors(reader)
             if self.paused.is_set():
                 served = now  # paused is not degraded

@@ -3,8 +3,9 @@
 States: ``connecting`` (opening), ``up`` (frames go out), ``stalled`` (no new picture for the stall timeout),
 ``down`` (a failure retrying may fix: refused, timeout, ended, a decoder crash), ``failed`` (one it cannot:
 ``auth``, ``not_found``, a bad reference; retried only every ``reopen_max_s``), ``degraded`` (frames arrive and
-none can be served: :data:`DEGRADED_CAUSES`, e.g. ``clock``, the stream's timestamps call every frame stale; the
-reader stays open). A source is ``up`` only while frames go out, never merely because they come in. One alert
+none, or too few, can be served: :data:`DEGRADED_CAUSES`: ``clock``, the stream's timestamps call every frame
+stale; ``damaged``, more than :data:`DAMAGED_SHARE` of the frames damaged; the reader stays open). A source
+is ``up`` only while frames go out, never merely because they come in. One alert
 when a source stops delivering (``source_down``, whatever the state), one when it delivers again
 (``source_up``); the error is cleared on recovery. Every text here has passed :func:`agent._util.redact.redact`.
 
@@ -19,14 +20,15 @@ import re
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 from agent._util.redact import redact
 from agent.pipeline.sources.base import PERMANENT_CAUSES
 
 log = logging.getLogger(__name__)
 
-RATE_WINDOW_S = 5.0  # fps in and out are counted over this trailing window
+RATE_WINDOW_S = 5.0  # fps in and out (and the damaged share) are counted over this trailing window
+DAMAGED_SHARE = 0.25  # more than this share of a source's frames damaged: degraded (cause damaged), alerted
 AGE_SAMPLES = 256  # frame ages kept for p50/max (a minute at 4 results/s)
 Alert = Callable[[Dict[str, Any]], None]
 # What status and alerts say for each cause; a cause not listed is said by its name.
@@ -36,9 +38,10 @@ CAUSE_WORDS = {"auth": "authentication failed", "not_found": "not found", "refus
                "decode": "the decoder crashed", "killed": "the reader process was killed",
                "memory": "the reader process used too much memory",
                "clock": "frames arrive but none is served: their timestamps say they are stale (the camera's clock)",
+               "damaged": "many frames arrive damaged (decoder errors): they are not served",
                "config": "a credential reference cannot be "
                "resolved (see the log)"}
-DEGRADED_CAUSES = ("clock",)  # frames arrive and none is served; the reader stays open (no retry)
+DEGRADED_CAUSES = ("clock", "damaged")  # frames arrive and none is served; the reader stays open (no retry)
 _SIGNAL = re.compile(r"\bkilled by (SIG[A-Z0-9]+)")
 
 
@@ -64,7 +67,8 @@ class SourceHealth:
         self.frames = 0  # handed to the frame queue
         self.skipped = 0  # decoded and not handed over: rate limit, backlog at (re)connect, repeated pictures
         self.stale_dropped = 0  # older than the stall timeout when read
-        self.decode_errors = 0
+        self.decode_errors = 0  # frames the decoder could not decode or reported damaged
+        self.damaged_frames = 0  # frames never handed over as damaged: reported, or predicted from such a frame
         self.open_failures = 0
         self.reopens = 0
         self.dropped_queue_full = 0
@@ -75,24 +79,36 @@ class SourceHealth:
         self._in: Deque[float] = deque()
         self._out: Deque[float] = deque()
         self._ages: Deque[float] = deque(maxlen=AGE_SAMPLES)
+        self._damage: Deque[Tuple[float, int, int]] = deque()  # (when, damaged, frames) per handed-over frame
+        self._damaged_high = False
 
     # --- transitions (the reader thread) -------------------------------------------------------------------
 
     def connecting(self) -> None:
         self._set("connecting")
 
-    def frame_in(self, skipped: int = 0, decode_errors: int = 0) -> None:
+    def frame_in(self, skipped: int = 0, decode_errors: int = 0, damaged: int = 0) -> None:
         with self._lock:
-            self._in.append(self.clock())
+            now = self.clock()
+            self._in.append(now)
             self.skipped += skipped
             self.decode_errors += decode_errors
+            self.damaged_frames += damaged
+            self._damage.append((now, damaged, damaged + skipped + 1))
+            while self._damage and self._damage[0][0] < now - RATE_WINDOW_S:
+                self._damage.popleft()
+            share = sum(d for _t, d, _n in self._damage) / float(sum(n for _t, _d, n in self._damage))
+        if share > DAMAGED_SHARE and self.state != "degraded":
+            self.failure("damaged", "%.0f %% of the frames in the last %.0f s damaged (the decoder's word)" % (
+                100 * share, RATE_WINDOW_S), 0.0)
+        self._damaged_high = share > DAMAGED_SHARE / 2  # hysteresis: up again once under half the bound
 
     def frame_out(self) -> None:
         """A frame went into the queue: the source is up (and recovered, if it was down)."""
         with self._lock:
             self.frames += 1
             self._out.append(self.clock())
-        if self.state != "up":
+        if self.state != "up" and not (self.state == "degraded" and self._damaged_high):
             self._set("up")
             self.retry_in_s = None
             recovered, self.last_error = self.last_error, None
@@ -138,7 +154,8 @@ class SourceHealth:
             "uri": self.uri, "state": self.state, "since": round(self.since, 3),
             "fps_in": round(fps_in, 2), "fps_out": round(fps_out, 2),
             "frames": self.frames, "skipped": self.skipped, "stale_dropped": self.stale_dropped,
-            "decode_errors": self.decode_errors, "open_failures": self.open_failures, "reopens": self.reopens,
+            "decode_errors": self.decode_errors, "damaged_frames": self.damaged_frames,
+            "open_failures": self.open_failures, "reopens": self.reopens,
             "dropped_queue_full": self.dropped_queue_full,
             "frame_age_ms": {"p50": round(ages[len(ages) // 2], 1), "max": round(ages[-1], 1)} if ages else None,
             "last_error": None if self.last_error is None else {

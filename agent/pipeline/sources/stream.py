@@ -151,7 +151,7 @@ class StreamReader:
         if kind == b"FRAM":
             image = np.frombuffer(payload, np.uint8).reshape(meta["h"], meta["w"], -1)
             return Captured(image, meta["capture_ts"], meta["ts_source"], skipped=meta["skipped"],
-                            decode_errors=meta["decode_errors"])
+                            decode_errors=meta["decode_errors"], damaged=meta.get("damaged", 0))
         if kind == b"FROZ":
             raise SourceUnavailable("the picture froze (%s): reopening" % "x".join(map(str, meta["shape"])),
                                     "frozen")

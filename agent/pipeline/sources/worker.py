@@ -13,6 +13,8 @@ Freshness rules, all here, next to the decoder:
 * a picture identical to the previous one for :data:`FROZEN_AFTER_S` is not handed over; the worker ends
   with cause ``frozen`` and is reopened at once (OpenCV keeps returning the old picture after an in-stream
   resolution change);
+* a frame the decoder reported damaged (FFmpeg's log, read after each grab), and every frame after it until
+  a clean keyframe, is never handed over, only counted (:mod:`.damage`);
 * a resolution change is reopened in place: the daemon, which reads FFmpeg's "Reinit context" line on our
   stderr, writes ``reopen`` on our stdin; the capture is released and opened again in this process (no new
   Python, no new OpenCV import) without FFmpeg's stream probing (:data:`QUICK_REOPEN_OPTIONS`), and ``OPEN``
@@ -37,6 +39,7 @@ from typing import Any, Dict, Optional
 
 from agent.pipeline.sources.base import QUICK_REOPEN_OPTIONS, WORKER_HEADER, DecoderError
 from agent.pipeline.sources.clock import StreamClock
+from agent.pipeline.sources.damage import DamageTracker, StderrTap
 
 # A grab that returns faster than this (or half a frame interval, if smaller) came from FFmpeg's buffer, not
 # from the camera: the backlog of an open. Draining stops after MAX_DRAIN_S whatever happens.
@@ -47,10 +50,13 @@ SIGNATURE_STEP = 8  # every 8th pixel of every 8th row tells a frozen picture fr
 
 
 _channel: Any = None  # the pipe to the daemon: the original stdout (OpenCV's FFmpeg log prints to stdout)
+_tap: Optional[StderrTap] = None  # our stdout and stderr (FFmpeg's log), read after each grab, then forwarded
 _reopen = threading.Event()  # the daemon asked for a reopen in place (a resolution change)
 
 
 def send(kind: bytes, meta: Dict[str, Any], payload: Any = b"") -> None:
+    if _tap is not None:
+        _tap.poll()  # the log lines before this message reach the daemon before it
     data = json.dumps(meta).encode()
     out = _channel
     out.write(WORKER_HEADER.pack(kind, len(data), len(payload)))
@@ -119,10 +125,10 @@ def read_frames(spec: Dict[str, Any], capture: Any) -> Optional[int]:
     fps = capture.get(5) or 0.0  # cv2.CAP_PROP_FPS
     send(b"OPEN", {"fps": fps})
     backlog_s = min(BACKLOG_GRAB_S, 0.5 / fps) if fps > 0 else BACKLOG_GRAB_S
-    clock, pacer = StreamClock(), Pacer(spec["max_fps"])
+    clock, pacer, damage = StreamClock(), Pacer(spec["max_fps"]), DamageTracker()
     started = time.monotonic()
     live = False
-    skipped = errors = 0
+    skipped = errors = damaged = 0
     signature, same_since = b"", 0.0
     while not _reopen.is_set():
         before = time.monotonic()
@@ -132,6 +138,12 @@ def read_frames(spec: Dict[str, Any], capture: Any) -> Optional[int]:
         now = time.monotonic()
         read_ts = time.time()
         capture_ts, ts_source = clock.capture_time(capture.get(0), read_ts)  # cv2.CAP_PROP_POS_MSEC
+        reported, broken = damage.frame(_tap.poll() if _tap is not None else "",
+                                        bool(capture.get(67)))  # cv2.CAP_PROP_LRF_HAS_KEY_FRAME
+        errors += reported
+        if broken:  # never handed over: damaged by the decoder's own word, or predicted from such a frame
+            damaged += 1
+            continue
         if not live:
             live = now - before >= backlog_s or now - started >= MAX_DRAIN_S
             if not live:
@@ -154,9 +166,9 @@ def read_frames(spec: Dict[str, Any], capture: Any) -> Optional[int]:
         signature, same_since = sample, now
         height, width = image.shape[:2]
         send(b"FRAM", {"h": height, "w": width, "capture_ts": capture_ts, "ts_source": ts_source,
-                       "read_ts": read_ts, "skipped": skipped, "decode_errors": errors},
+                       "read_ts": read_ts, "skipped": skipped, "decode_errors": errors, "damaged": damaged},
              memoryview(image.reshape(-1)) if image.flags["C_CONTIGUOUS"] else image.tobytes())
-        skipped = errors = 0
+        skipped = errors = damaged = 0
     return None
 
 
@@ -168,9 +180,9 @@ def _exit_with_parent() -> None:
 
 
 def main() -> int:
-    global _channel
+    global _channel, _tap
     _channel = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever a library prints goes to stderr, where the daemon reads causes from
+    _tap = StderrTap()  # whatever a library prints is read here, then goes on to stderr (the daemon's causes)
     spec = json.loads(sys.stdin.readline())
     threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
     try:

@@ -1,0 +1,67 @@
+"""Damaged frames (issue 31 item 2), on the rig: the camera cuts one RTP packet out of a frame (a truncated frame
+to the decoder, as UDP loss or a broken write leaves it); its frames' body changes grey with the counter, so a
+concealed frame, or one predicted from it until the next keyframe, is seen in the pixels of the published frame
+(tests/support/camera_rig.py, ``frame_intact``), and a second decoder on the same stream
+(tests/support/reference_decoder.py) says which frames the decoder reported damaged: the box must publish none
+of them. Every frame is served (``max_fps`` 10 on a 10 fps camera). Measured: on a flat picture FFmpeg's
+concealment often restores the right grey, so the pixels alone miss most damage; the decoder's word does not.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent.cli.demo import DEMO_BUNDLE
+from tests.conftest import wait_for
+from tests.support.camera_rig import Camera, CameraDaemon, require_rig
+
+pytestmark = [
+    pytest.mark.camera_rig,
+    pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
+                       reason="examples/demo-bundle is missing (make demo-bundle)"),
+]
+BURSTS = 4
+GAP_S = 3.0  # between bursts: three keyframes (one a second)
+
+
+@pytest.fixture(scope="module")
+def rig():
+    require_rig()
+
+
+def test_truncated_frames_are_counted_and_never_published(rig, tmp_path, mosquitto):
+    with Camera(fps=10, moving=True) as camera:
+        box = CameraDaemon(tmp_path, mosquitto, [{"name": "dock", "uri": camera.url(), "max_fps": 10}],
+                           check_intact=True)
+        try:
+            assert wait_for(lambda: len(box.of("dock")) >= 20, timeout=30), "no results from the camera"
+            assert box.broken == [], "the clean stream already published frames not as drawn: %s" % box.broken
+            witness = subprocess.Popen([sys.executable, "-m", "tests.support.reference_decoder", camera.url(),
+                                        str(BURSTS * GAP_S + 3)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            assert witness.stdout.readline().strip() == b"ready"
+            start = time.time()
+            for _ in range(BURSTS):
+                camera.damage(2)
+                time.sleep(GAP_S)  # the span between bursts, not synchronisation
+            health = box.health("dock")
+            window = box.of("dock", since=start)
+            seen = [json.loads(line) for line in witness.communicate(timeout=30)[0].splitlines()]
+        finally:
+            box.stop()
+    reported = {f["counter"] for f in seen if f["reported"] and f["counter"] is not None}
+    published = {c for _t, _a, _p, c in window}
+    print("witness: %d frames, reported damaged %s, unreadable %d" % (
+        len(seen), sorted(reported), sum(f["counter"] is None for f in seen)))
+    print("%d results in %.0f s; published not as drawn: %s; decode_errors %d, damaged_frames %d" % (
+        len(window), BURSTS * GAP_S, box.broken, health["decode_errors"], health.get("damaged_frames", 0)))
+    assert len(reported) >= BURSTS - 1, "the witness saw too little damage to judge: %s" % sorted(reported)
+    assert not reported & published, "published frames the decoder reported damaged: %s" % sorted(
+        reported & published)
+    assert box.broken == [], "published frames whose pixels are not the camera's: counters %s" % box.broken
+    assert health["decode_errors"] >= BURSTS, health  # at least one reported frame per burst
+    assert health.get("damaged_frames", 0) >= health["decode_errors"], health
+    assert len(window) >= 0.5 * 10 * BURSTS * GAP_S, "%d results" % len(window)  # the rest still flows

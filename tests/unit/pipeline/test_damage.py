@@ -1,0 +1,52 @@
+"""Damaged frames (agent/pipeline/sources/damage.py, health.py): FFmpeg's log lines tied to the frame whose decoding
+wrote them, the spell until a clean keyframe, and a source whose damaged share passes the bound. Both
+interpreters; no decoder (the rig's test is tests/system/cameras/test_camera_damage.py)."""
+
+from agent.pipeline.sources.damage import DamageTracker
+
+CONCEAL = "[OPENCV:FFMPEG:32] concealing 440 DC, 440 AC, 440 MV errors in P frame\n"
+
+
+def test_a_reported_frame_and_those_after_it_until_a_clean_keyframe_are_damaged():
+    tracker = DamageTracker()
+    frames = [("", True), ("", False), (CONCEAL, False), ("", False), ("", False), ("", True), ("", False)]
+    assert [tracker.frame(text, key) for text, key in frames] == [
+        (False, False), (False, False), (True, True), (False, True), (False, True), (False, False), (False, False)]
+    assert tracker.frame("[h264 @ 0x1] error while decoding MB 3 7, bytestream -5\n", True) == (True, True)
+    assert tracker.frame("", False) == (False, True)  # a keyframe that itself reported damage ends nothing
+
+
+def test_a_line_cut_by_the_pipe_counts_once_complete_and_other_lines_are_not_damage():
+    tracker = DamageTracker()
+    assert tracker.frame("[OPENCV:FFMPEG:32] concealing 44", False) == (False, False)
+    assert tracker.frame("0 DC, 440 AC, 440 MV errors in P frame\n", False) == (True, True)
+    clean = DamageTracker()
+    for line in ("[OPENCV:FFMPEG:40] Reinit context to 640x368, pix_fmt: yuv420p\n",
+                 "[OPENCV:FFMPEG:40] setting jitter buffer size to 0\n", ""):
+        assert clean.frame(line, False) == (False, False)
+    assert DamageTracker().frame("[rtsp @ 0x2] RTP: missed 3 packets\n", False) == (True, True)
+
+
+def test_a_source_whose_damaged_share_passes_the_bound_is_degraded_then_up_again():
+    from agent.pipeline.sources.health import DAMAGED_SHARE, SourceHealth
+
+    now = [0.0]
+    alerts = []
+    health = SourceHealth("dock", "rtsp://10.0.0.5/s", alerts.append, clock=lambda: now[0])
+    for _ in range(10):  # a clean second
+        now[0] += 0.1
+        health.frame_in()
+        health.frame_out()
+    assert health.state == "up"
+    now[0] += 0.1
+    health.frame_in(skipped=0, decode_errors=1, damaged=9)  # 9 of the last 10 frames damaged
+    assert health.state == "degraded" and health.last_error["cause"] == "damaged"
+    assert 9 / 20 > DAMAGED_SHARE and health.report()["damaged_frames"] == 9
+    health.frame_out()
+    assert health.state == "degraded"  # a good frame among many damaged: still degraded
+    for _ in range(60):  # six clean seconds: the window forgets the damage
+        now[0] += 0.1
+        health.frame_in()
+        health.frame_out()
+    assert health.state == "up"
+    assert [(a["kind"], a["figures"]["cause"]) for a in alerts] == [("source_down", "damaged"), ("source_up", None)]
