@@ -159,9 +159,10 @@ def _sources(b: _Builder, sources: Mapping[str, Mapping[str, Any]]) -> None:
         age = health.get("frame_age_ms") or {}
         b.gauge("frame_age_seconds", "median capture-to-result age of a source's recent results (seconds)", src,
                 None if age.get("p50") is None else age["p50"] / 1e3)
-        for state in SOURCE_STATES:
+        current = str(health.get("state"))
+        for state in SOURCE_STATES + (() if current in SOURCE_STATES else (current,)):  # a state added later too
             b.gauge("source_state", "1 for the state a source is in, 0 for the others", dict(src, state=state),
-                    1 if health.get("state") == state else 0)
+                    1 if current == state else 0)
         b.counter("source_reconnects", "times a source was reopened", src, health.get("reopens"))
 
 

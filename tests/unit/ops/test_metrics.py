@@ -144,6 +144,14 @@ def test_every_series_the_collector_exposes_is_in_docs_metrics_and_every_documen
     assert exposed == documented
 
 
+def test_a_source_state_beyond_the_known_ones_is_still_exported_as_the_current_one():
+    status = status_answer()
+    status["sources"]["gate"]["state"] = "degraded"
+    text = collect_text(status)
+    assert 'atlas_edge_source_state{device="box-1",source="gate",state="degraded"} 1.0' in text
+    assert 'atlas_edge_source_state{device="box-1",source="gate",state="up"} 0.0' in text
+
+
 def test_a_failing_figure_costs_the_scrape_its_series_not_the_daemon():
     status = status_answer()
     status["sources"] = {"gate": None}  # not a mapping: reading it raises inside the collector
