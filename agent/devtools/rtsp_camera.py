@@ -11,7 +11,8 @@ sends a new SPS); ``jump S`` moves the stream's timestamps (PTS, hence RTP time)
 (negative: back), ``rate R`` lets them run at R times real time from now on (0.95: a clock 5% slow), as cameras'
 clocks do (:class:`PtsFault`, applied to the encoded frames, so the encoder and the pixels' capture time are
 untouched); ``damage N`` cuts one RTP packet out of each of the next N frames (:class:`PacketLoss`); with
-``--moving`` the frames' body changes grey with the counter, so a concealed or mispredicted frame shows.
+``nokey S`` drops every keyframe for S seconds; with ``--moving`` the frames' body changes grey with the
+counter, so a concealed or mispredicted frame shows.
 SIGSTOP/SIGCONT stall and resume the whole server; SIGTERM ends it.
 One mount, ``/cam``; with ``--password`` it needs ``--user``/``--password`` (RTSP basic auth, 401 otherwise);
 any other path is answered 404 by the server itself.
@@ -49,6 +50,7 @@ class PtsFault:
         self.rate = 1.0
         self.pending_jump = 0.0
         self.pending_rate = None
+        self.no_keyframes_until = 0.0  # time.monotonic() until which keyframes are not sent
 
     def jump(self, seconds):
         with self.lock:
@@ -61,8 +63,14 @@ class PtsFault:
     def attach(self, pay):
         pay.get_static_pad("sink").add_probe(Gst.PadProbeType.BUFFER, self._probe)
 
+    def drop_keyframes(self, seconds):
+        with self.lock:
+            self.no_keyframes_until = time.monotonic() + seconds
+
     def _probe(self, pad, info):
         buffer = info.get_buffer()
+        if not buffer.has_flags(Gst.BufferFlags.DELTA_UNIT) and time.monotonic() < self.no_keyframes_until:
+            return Gst.PadProbeReturn.DROP  # a keyframe lost: the frames after it predict from what is not there
         pts = buffer.pts
         if pts == Gst.CLOCK_TIME_NONE:
             return Gst.PadProbeReturn.OK
@@ -80,11 +88,13 @@ class PtsFault:
 
 
 class PacketLoss:
-    """Damaged frames: one RTP packet cut out of each of the next N frames (a truncated frame to the decoder, as
+    """Damaged frames: RTP packets cut out of each of the next N frames (the third, then every third: a
+    truncated frame to the decoder, as
     UDP loss or a camera's broken write leaves it). Applied to the payloader's output, so the encoder and
     the frames' pixels are untouched; the packets lost are counted (``lost``)."""
 
-    CUT_AT = 2  # the third packet of a frame: inside its first slice, after any SPS/PPS
+    CUT_AT = 2  # from the third packet of a frame on (inside its first slice, after any SPS/PPS) ...
+    CUT_EVERY = 3  # ... every third: a keyframe's many packets lose several, a small frame its third
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -102,11 +112,12 @@ class PacketLoss:
     def _probe(self, pad, info):
         buffer = info.get_buffer()
         with self.lock:
-            index, self.index = self.index, self.index + 1
-            if buffer.has_flags(Gst.BufferFlags.MARKER):  # the frame's last packet: the next one starts a frame
-                self.index = 0
-            if self.frames and index == self.CUT_AT:
+            last = buffer.has_flags(Gst.BufferFlags.MARKER)  # the frame's last packet: the next starts a frame
+            index, self.index = self.index, 0 if last else self.index + 1
+            cut = self.frames and index >= self.CUT_AT and (index - self.CUT_AT) % self.CUT_EVERY == 0
+            if self.frames and last:
                 self.frames -= 1
+            if cut:
                 self.lost += 1
                 return Gst.PadProbeReturn.DROP
         return Gst.PadProbeReturn.OK
@@ -235,6 +246,8 @@ def main():
                 feed.pts_fault.jump(float(parts[1]))
             elif parts[:1] == ["rate"]:
                 feed.pts_fault.set_rate(float(parts[1]))
+            elif parts[:1] == ["nokey"]:
+                feed.pts_fault.drop_keyframes(float(parts[1]))
             elif parts[:1] == ["damage"]:
                 feed.loss.damage(int(parts[1]))
         GLib.idle_add(loop.quit)  # stdin closed: the test process is gone

@@ -21,7 +21,7 @@ from agent.config.source_uri import source_kind
 WORKER_HEADER = struct.Struct("<4sII")
 # Why a source is not delivering, as status and alerts name it.
 CAUSES = ("auth", "not_found", "refused", "timeout", "decode", "stalled", "frozen", "resized", "ended", "config",
-          "unavailable", "killed", "memory")
+          "unavailable", "killed", "memory", "clock", "damaged", "no_keyframe")
 # Causes a retry cannot fix: the source is `failed` and retried only every reopen_max_s.
 PERMANENT_CAUSES = ("auth", "not_found", "config")
 # FFmpeg input options of the reopen that follows a resolution change: the stream is known to work, so the

@@ -27,6 +27,7 @@ DAMAGE_PATTERNS = re.compile(
     r"RTP: missed \d+ packets|no frame!|mmco: unref short failure|non-existing [PS]PS|block unavailable|"
     r"cbp too large|out of range intra chroma pred mode|dquant out of range|Invalid level prefix|"
     r"negative number of zero coeffs|corrupted macroblock|illegal short term buffer state")
+DAMAGE_NOTE_S = 1.0  # while every frame is withheld as damaged, the worker tells the daemon this often
 PIPE_SIZE = 1 << 20  # room for an open's verbose lines while the main thread is inside open()
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named there only from Python 3.10
 

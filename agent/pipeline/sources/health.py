@@ -39,6 +39,7 @@ CAUSE_WORDS = {"auth": "authentication failed", "not_found": "not found", "refus
                "memory": "the reader process used too much memory",
                "clock": "frames arrive but none is served: their timestamps say they are stale (the camera's clock)",
                "damaged": "many frames arrive damaged (decoder errors): they are not served",
+               "no_keyframe": "every frame damaged and no clean keyframe since (reopening)",
                "config": "a credential reference cannot be "
                "resolved (see the log)"}
 DEGRADED_CAUSES = ("clock", "damaged")  # frames arrive and none is served; the reader stays open (no retry)

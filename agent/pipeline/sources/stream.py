@@ -33,6 +33,7 @@ from agent.config.schema import ConfigError
 from agent.config.source_uri import resolve_source_uri, source_kind
 from agent.pipeline.sources.base import WORKER_HEADER as HEADER
 from agent.pipeline.sources.base import Captured, EndOfSource, SourceUnavailable, register
+from agent.pipeline.sources.damage import DAMAGE_NOTE_S
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class StreamReader:
         self._coded: Optional[Tuple[int, int]] = None  # the decoder's frame size (multiples of 16)
         self._resized: Optional[Tuple[int, int]] = None
         self._reopening = False  # a reopen in place was asked for (a resize) and its OPEN has not come yet
+        self._damage_noted = (0, 0)  # (damaged, decode_errors) from DAMG notes, added to the next frame's
 
     # --- the worker process ---------------------------------------------------------------------------
 
@@ -150,8 +152,11 @@ class StreamReader:
             return None  # decoded before the reopen: the old size, frozen or garbled
         if kind == b"FRAM":
             image = np.frombuffer(payload, np.uint8).reshape(meta["h"], meta["w"], -1)
+            (damaged, errors), self._damage_noted = self._damage_noted, (0, 0)
             return Captured(image, meta["capture_ts"], meta["ts_source"], skipped=meta["skipped"],
-                            decode_errors=meta["decode_errors"], damaged=meta.get("damaged", 0))
+                            decode_errors=meta["decode_errors"] + errors, damaged=meta.get("damaged", 0) + damaged)
+        if kind == b"DAMG":
+            return self._damage_note(meta)
         if kind == b"FROZ":
             raise SourceUnavailable("the picture froze (%s): reopening" % "x".join(map(str, meta["shape"])),
                                     "frozen")
@@ -161,6 +166,19 @@ class StreamReader:
                 raise SourceUnavailable("no data for %.1f s (read timeout)" % waited, "stalled")
             raise EndOfSource(redact(self.config.uri))
         raise self._failure(meta)
+
+    def _damage_note(self, meta: Dict[str, Any]) -> None:
+        """Every frame withheld as damaged for a while (:mod:`.damage`): counted; past the stall timeout with no
+        clean keyframe, the session ends with cause ``no_keyframe`` (a new open starts at a keyframe): a note
+        before the driver's stall timer would call it ``stalled``."""
+        damaged, errors = self._damage_noted
+        self._damage_noted = (damaged + int(meta["damaged"]), errors + int(meta["decode_errors"]))
+        broken_s = float(meta["broken_s"])
+        if broken_s + DAMAGE_NOTE_S >= self.config.stall_timeout_s:
+            raise SourceUnavailable("every frame damaged for %.1f s (%d withheld, %d reported by the decoder) and "
+                                    "no clean keyframe since: reopening" % (broken_s, *self._damage_noted),
+                                    "no_keyframe")
+        return None
 
     def _reopen_in_place(self) -> None:
         """A resolution change: the worker releases its capture and opens it again in its own process (about

@@ -26,8 +26,9 @@ Freshness rules, all here, next to the decoder:
 Wire format on stdout: a header ``<4sII`` (kind, JSON length, payload length), the JSON, the payload. Kinds:
 ``OPEN`` (opened; fps), ``FRAM`` (a frame: shape, capture time, counters; payload = BGR pixels), ``FAIL``
 (open failed; message), ``ENDS`` (no more frames; how long the last read waited), ``FROZ`` (the picture
-froze). The spec comes as one JSON line on stdin, then ``reopen`` lines; stdin closing (the daemon stopped or
-died) ends the worker at once.
+froze), ``DAMG`` (once a second while frames are withheld as damaged: counts, how long since the damage
+began with no clean keyframe). The spec comes as one JSON line on stdin, then ``reopen`` lines; stdin
+closing (the daemon stopped or died) ends the worker at once.
 """
 
 import json
@@ -39,7 +40,7 @@ from typing import Any, Dict, Optional
 
 from agent.pipeline.sources.base import QUICK_REOPEN_OPTIONS, WORKER_HEADER, DecoderError
 from agent.pipeline.sources.clock import StreamClock
-from agent.pipeline.sources.damage import DamageTracker, StderrTap
+from agent.pipeline.sources.damage import DAMAGE_NOTE_S, DamageTracker, StderrTap
 
 # A grab that returns faster than this (or half a frame interval, if smaller) came from FFmpeg's buffer, not
 # from the camera: the backlog of an open. Draining stops after MAX_DRAIN_S whatever happens.
@@ -130,6 +131,7 @@ def read_frames(spec: Dict[str, Any], capture: Any) -> Optional[int]:
     live = False
     skipped = errors = damaged = 0
     signature, same_since = b"", 0.0
+    broken_since = noted = 0.0
     while not _reopen.is_set():
         before = time.monotonic()
         if not capture.grab():
@@ -143,7 +145,13 @@ def read_frames(spec: Dict[str, Any], capture: Any) -> Optional[int]:
         errors += reported
         if broken:  # never handed over: damaged by the decoder's own word, or predicted from such a frame
             damaged += 1
+            broken_since = broken_since or now
+            if now - max(noted, broken_since) >= DAMAGE_NOTE_S:  # no frame goes out: say why, with the counts
+                send(b"DAMG", {"damaged": damaged, "decode_errors": errors, "broken_s": now - broken_since})
+                damaged = errors = 0
+                noted = now
             continue
+        broken_since = 0.0
         if not live:
             live = now - before >= backlog_s or now - started >= MAX_DRAIN_S
             if not live:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from agent.cli.demo import DEMO_BUNDLE
-from tests.conftest import wait_for
+from tests.conftest import MqttProbe, wait_for
 from tests.support.camera_rig import Camera, CameraDaemon, require_rig
 
 pytestmark = [
@@ -65,3 +65,27 @@ def test_truncated_frames_are_counted_and_never_published(rig, tmp_path, mosquit
     assert health["decode_errors"] >= BURSTS, health  # at least one reported frame per burst
     assert health.get("damaged_frames", 0) >= health["decode_errors"], health
     assert len(window) >= 0.5 * 10 * BURSTS * GAP_S, "%d results" % len(window)  # the rest still flows
+
+
+def test_a_source_mostly_damaged_is_degraded_alerted_and_up_again(rig, tmp_path, mosquitto):
+    alerts = MqttProbe(mosquitto, ["atlas-edge/cams/telemetry/alert"])
+    with Camera(fps=10, moving=True) as camera:
+        box = CameraDaemon(tmp_path, mosquitto, [{"name": "dock", "uri": camera.url(), "max_fps": 10}],
+                           check_intact=True)
+        try:
+            assert wait_for(lambda: len(box.of("dock")) >= 20, timeout=30), "no results from the camera"
+            camera.damage(10 * 8)  # packets cut from every frame for 8 s
+            assert wait_for(lambda: box.health("dock")["state"] == "degraded", timeout=15), box.health("dock")
+            health = box.health("dock")
+            assert wait_for(lambda: box.health("dock")["state"] == "up", timeout=30), box.health("dock")
+            after = time.time()
+            assert wait_for(lambda: box.of("dock", since=after), timeout=10)
+        finally:
+            box.stop()
+            alerts.close()
+    print("while damaged: %s" % {k: health[k] for k in ("state", "decode_errors", "damaged_frames", "fps_out")})
+    assert health["last_error"]["cause"] == "damaged" and health["damaged_frames"] >= 20, health
+    kinds = [(a["kind"], a["figures"]["cause"]) for a in alerts.on("atlas-edge/cams/telemetry/alert")
+             if a.get("source") == "dock"]
+    assert kinds == [("source_down", "damaged"), ("source_up", None)], kinds
+    assert box.broken == [], "published frames whose pixels are not the camera's: counters %s" % box.broken

@@ -50,3 +50,19 @@ def test_a_source_whose_damaged_share_passes_the_bound_is_degraded_then_up_again
         health.frame_out()
     assert health.state == "up"
     assert [(a["kind"], a["figures"]["cause"]) for a in alerts] == [("source_down", "damaged"), ("source_up", None)]
+
+
+def test_damage_notes_are_counted_and_a_spell_past_the_stall_timeout_is_named_no_keyframe():
+    import pytest
+
+    from agent.config.daemon_config import SourceConfig
+    from agent.pipeline.sources.base import SourceUnavailable
+    from agent.pipeline.sources.damage import DAMAGE_NOTE_S
+    from agent.pipeline.sources.stream import StreamReader
+
+    reader = StreamReader(SourceConfig(name="dock", uri="rtsp://10.0.0.5/s", stall_timeout_s=5.0))
+    assert reader._damage_note({"damaged": 10, "decode_errors": 3, "broken_s": 1.0}) is None
+    assert reader._damage_noted == (10, 3)  # added to the next frame's counts
+    with pytest.raises(SourceUnavailable) as raised:  # a note before the stall timer would say "stalled"
+        reader._damage_note({"damaged": 10, "decode_errors": 0, "broken_s": 5.0 - DAMAGE_NOTE_S})
+    assert raised.value.cause == "no_keyframe" and "20 withheld, 3 reported" in str(raised.value)
