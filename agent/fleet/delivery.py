@@ -3,7 +3,8 @@
 A clean session loses what was published while the box was disconnected, and a broker node that dies fires no
 last will (RabbitMQ), so an ``offline`` status cannot be what triggers the re-send. The trigger is the box
 itself: a command that got no word at all on its ack topic (a box acks ``accepted`` the moment it reads a
-command) while the box was heard from (a live status, an answer to an announce, telemetry) at least
+command) while the box was heard from (a live status other than ``offline``, which a last will also is, an
+answer to an announce, telemetry) at least
 :data:`RESEND_AFTER_S` after the send was not received. It goes out again, dated and signed afresh by the
 engine's ``send``; the request id keeps a box that did receive it from running it twice (it answers from its
 record). Deploys (``rollout.py``) and rollbacks (``revert.py``) both go through :meth:`Delivery.missed`.

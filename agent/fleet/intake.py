@@ -17,7 +17,7 @@ from agent.fleet.link import FleetLink, Message
 from agent.fleet.plan import RolloutSpec, request_id
 from agent.fleet.records import BoxRecord, Outcome, Phase, RevertWish, RolloutStatus
 from agent.fleet.status import FleetView
-from agent.protocol.messages import FAILED, FINAL_STATES, Ack, ProtocolError, parse_ack
+from agent.protocol.messages import FAILED, FINAL_STATES, OFFLINE, Ack, ProtocolError, parse_ack
 from agent.protocol.topics import ACK, STATUS, device_topic, split_device_topic
 
 POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
@@ -95,13 +95,18 @@ class Intake:
             self._on_ack(state, parts[0], parts[1][1], message)
             return
         device = self.view.apply(message)
-        if device is not None and not message.retain:  # a retained copy says nothing about the box now
+        view = self.view.boxes.get(device) if device is not None else None
+        status = parts is not None and len(parts[1]) == 1 and parts[1][0] == STATUS
+        # A retained copy says nothing about the box now, and neither does an 'offline' status: a last will is
+        # the broker's word for a box that is gone (a re-send it triggered would reach nobody; a box that flaps
+        # every 4 s had each of its rollback's re-sends timed by its will into its next absence), a clean stop
+        # the box's last word before it leaves.
+        if view is not None and not message.retain and not (status and view.state == OFFLINE):
             self.heard[device] = self.monotonic()
-            if parts is not None and len(parts[1]) == 1 and parts[1][0] == STATUS:
+            if status:
                 self.status_heard[device] = self.heard[device]
         if device is None or state is None:
             return
-        view = self.view.boxes.get(device)
         online = view is not None and view.online
         was = self.online.get(device)
         self.online[device] = online
