@@ -96,9 +96,24 @@ class FinalCheck:
                 if changes:
                     intake.progress("  %-24s final check: %s" % (device, changes["error"]))
             serving = serving_now(view, intake.heard.get(device, float("-inf")) >= start, device not in quiet)
+            serving = self._rolled_back_since(device, box, serving) or serving
             if changes or serving != box.serving:
                 state.set(device, serving=serving, **changes)
         state.save()
+
+    def _rolled_back_since(self, device: str, box: BoxRecord, serving: Optional[Dict[str, Any]]
+                           ) -> Optional[Dict[str, Any]]:
+        """What a box went back to, when its rollback's success came after its latest status: the status it
+        published after the rollback was lost (a broker drops QoS 1 messages past a slow subscriber's queue:
+        Mosquitto's max_queued_messages), and a box that does not answer an announce sends no other. A
+        rollback leaves the model it restores confirmed."""
+        revert = box.revert
+        if revert is None or revert.state != RevertState.SUCCEEDED or not revert.to or serving is None:
+            return None
+        acked = self.intake.acked_at.get((device, revert.request_id or ""))
+        if acked is None or self.intake.status_heard.get(device, float("-inf")) > acked:
+            return None
+        return dict(serving, **dict(identity(revert.to), state="confirmed"))
 
     def _settled(self, device: str, start: float) -> bool:
         """Heard since the check began, no deploy of its running, nothing pending in its slot table."""
