@@ -66,6 +66,7 @@ class SourceHealth:
         self.state = "connecting"
         self.since = time.time()
         self.frames = 0  # handed to the frame queue
+        self.served = 0  # results handed over (published, rate-limited or refused by the sink): frames served
         self.skipped = 0  # decoded and not handed over: rate limit, backlog at (re)connect, repeated pictures
         self.stale_dropped = 0  # older than the stall timeout when read
         self.decode_errors = 0  # frames the decoder could not decode or reported damaged
@@ -139,6 +140,7 @@ class SourceHealth:
     def published(self, age_ms: float) -> None:
         """A result of this source was handed over ``age_ms`` after its frame was captured."""
         with self._lock:
+            self.served += 1
             self._ages.append(age_ms)
 
     # --- reading (any thread) ------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ class SourceHealth:
         return {
             "uri": self.uri, "state": self.state, "since": round(self.since, 3),
             "fps_in": round(fps_in, 2), "fps_out": round(fps_out, 2),
-            "frames": self.frames, "skipped": self.skipped, "stale_dropped": self.stale_dropped,
+            "frames": self.frames, "served": self.served, "skipped": self.skipped, "stale_dropped": self.stale_dropped,
             "decode_errors": self.decode_errors, "damaged_frames": self.damaged_frames,
             "open_failures": self.open_failures, "reopens": self.reopens,
             "dropped_queue_full": self.dropped_queue_full,
