@@ -13,6 +13,7 @@ record). Deploys (``rollout.py``) and rollbacks (``revert.py``) both go through 
 from typing import Dict, Tuple
 
 from agent.fleet.intake import Intake
+from agent.protocol.messages import FINAL_STATES
 
 # A box acks a command within milliseconds of reading it; a box heard this long after the send without a word
 # on its ack topic did not read it. Generous for a loaded broker: a needless re-send costs one message.
@@ -31,6 +32,17 @@ class Delivery:
 
     def was_sent(self, device: str, rid: str) -> bool:
         return (device, rid) in self._sent
+
+    def unanswered(self, device: str, rid: str) -> bool:
+        """Sent this run, no *final* ack since, and the box heard from :data:`RESEND_AFTER_S` after the send: for a
+        rollback, whose answer (or the status after it) a broker may drop on the way to a slow operator
+        (Mosquitto's ``max_queued_messages``); sent again, the box answers from its record."""
+        at = self._sent.get((device, rid))
+        ack = self.intake.acks.get((device, rid))
+        if at is None or (ack is not None and ack.state in FINAL_STATES):
+            return False
+        heard = self.intake.heard.get(device)
+        return heard is not None and heard - at >= RESEND_AFTER_S
 
     def missed(self, device: str, rid: str) -> bool:
         """Sent this run, no ack of any state since, and the box heard from :data:`RESEND_AFTER_S` after."""

@@ -109,8 +109,9 @@ class Reverter:
             if ack is not None and ack.state in FINAL_STATES:
                 return self._record(device, RevertState(ack.state), ack.error.code + ": " + str(ack.error.message)
                                     if ack.error is not None else None, ack.result)
+            self._ask()  # an unanswered rollback: the box's answer to the announce shows it is there
             if not self.delivery.was_sent(device, revert.request_id) or \
-                    self.delivery.missed(device, revert.request_id):
+                    self.delivery.unanswered(device, revert.request_id):
                 if self.delivery.was_sent(device, revert.request_id):
                     intake.progress("  %-24s heard from again: rollback sent again" % device)
                 self._send(device, revert.request_id)  # same request id: a box that ran it answers once
