@@ -135,7 +135,7 @@ class RawPahoPublisher:
 
 
 def _transport(host: str, port: int, outbox_path: str, device_id: str, replay_rate_hz: float) -> Any:
-    from agent.config.daemon_config import MqttConfig
+    from agent.config.mqtt_config import MqttConfig
     from agent.ops.outbox import Outbox
     from agent.ops.transport import MqttTransport
 

@@ -19,7 +19,7 @@ import uuid
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 from urllib.parse import urlsplit
 
-from agent.config.daemon_config import DEFAULT_PREFIX
+from agent.config.mqtt_config import DEFAULT_PREFIX
 from agent.config.schema import ConfigError
 from agent.config.secrets import resolve_secret
 from agent.protocol.envelope import DEFAULT_SIGNED_TTL_S, CommandEnvelope, group_target

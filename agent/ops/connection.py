@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from agent.config.daemon_config import MqttConfig, TlsConfig
+from agent.config.mqtt_config import MqttConfig, TlsConfig
 from agent.config.schema import ConfigError, FieldError
 from agent.config.secrets import credential_path, resolve_secret
 from agent.ops.inflight import InFlight

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from paho.mqtt.enums import MQTTErrorCode
 
 from agent._util.ratelog import LogLimiter
-from agent.config.daemon_config import MqttConfig
+from agent.config.mqtt_config import MqttConfig
 from agent.config.schema import ConfigError, FieldError
 from agent.ops.connection import CLOSE_TIMEOUT_S, ConnectionSupervisor, MessageHandler, Payload, encode_payload
 from agent.ops.inflight import InFlight

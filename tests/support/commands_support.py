@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional
 import pytest
 
 from agent.commands.dispatcher import CommandDispatcher
-from agent.config.daemon_config import MqttConfig
+from agent.config.mqtt_config import MqttConfig
 from agent.errors import CommandError
 from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport

@@ -13,7 +13,7 @@ from conftest import REPO_ROOT, WAIT_S, wait_for
 
 from agent.cli import ctl
 from agent.commands.dispatcher import CommandDispatcher
-from agent.config.daemon_config import MqttConfig
+from agent.config.mqtt_config import MqttConfig
 from agent.devtools.broker import free_port
 from agent.errors import CommandError
 from agent.ops.outbox import Outbox

@@ -17,7 +17,7 @@ from conftest import REPO_ROOT, WAIT_S, MqttProbe, wait_for
 
 from agent.cli import ctl
 from agent.commands.dispatcher import CommandDispatcher
-from agent.config.daemon_config import MqttConfig, TlsConfig
+from agent.config.mqtt_config import MqttConfig, TlsConfig
 from agent.devtools.broker import BrokerTls, EmbeddedBroker, find_mosquitto
 from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 from conftest import WAIT_S, wait_for
 
-from agent.config.daemon_config import MqttConfig
+from agent.config.mqtt_config import MqttConfig
 from agent.ops.outbox import Outbox
 from agent.ops.outbox_budget import DISK_FULL, MIN_RESERVE_BYTES
 from agent.ops.transport import LOST, OUTBOXED, SENT, MqttTransport

@@ -13,7 +13,8 @@ from typing import List
 import pytest
 from conftest import WAIT_S, wait_for
 
-from agent.config.daemon_config import MqttConfig, parse_daemon_config
+from agent.config.daemon_config import parse_daemon_config
+from agent.config.mqtt_config import MqttConfig
 from agent.config.schema import ConfigError
 from agent.devtools.broker import EmbeddedBroker, free_port
 from agent.ops.outbox import Outbox

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, WAIT_S, wait_for
 
-from agent.config.daemon_config import MqttConfig, TlsConfig
+from agent.config.mqtt_config import MqttConfig, TlsConfig
 from agent.config.schema import ConfigError
 from agent.ops.outbox import Outbox
 from agent.ops.replay import mark_historical
@@ -290,7 +290,7 @@ def test_lost_pubacks_give_marked_duplicates_not_silent_ones(mosquitto, tmp_path
 
 CHILD_PUBLISHER = """
 import json, sys, time
-from agent.config.daemon_config import MqttConfig
+from agent.config.mqtt_config import MqttConfig
 from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport
 port, path, device, count = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])

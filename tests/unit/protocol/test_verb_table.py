@@ -13,7 +13,7 @@ from agent.cli.main import EXIT_CANNOT_START
 from agent.cli.main import main as atlas_edge
 from agent.commands.dispatcher import CommandDispatcher, handlers_of
 from agent.commands.handlers import CommandHandlers
-from agent.config.daemon_config import MqttConfig
+from agent.config.mqtt_config import MqttConfig
 from agent.config.schema import ConfigError
 from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport
