@@ -62,3 +62,12 @@ def test_the_wheelhouse_pins_satisfy_every_box_requirement_for_python_3_7():
         assert name in pins, "%s has no pin in constraints/box-py37.txt" % requirement
         assert requirement.specifier.contains(pins[name]), (requirement, pins[name])
 
+
+
+def test_opencv_4_11_is_excluded_and_not_installed():
+    """OpenCV 4.11.0 discards OPENCV_FFMPEG_CAPTURE_OPTIONS whenever it is set (docs/sources.md): a source's
+    transport and input_options would silently never reach FFmpeg."""
+    cv2 = pytest.importorskip("cv2")
+    opencv = [r for r in _box_requirements() if r.name.lower() == "opencv-python-headless"]
+    assert opencv and not opencv[0].specifier.contains("4.11.0.86"), opencv
+    assert not cv2.__version__.startswith("4.11."), cv2.__version__

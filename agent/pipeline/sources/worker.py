@@ -100,7 +100,7 @@ def open_capture(spec: Dict[str, Any]) -> Any:
 
 def quick_options() -> None:
     """Add :data:`QUICK_REOPEN_OPTIONS` to this process's FFmpeg options (the operator's own keep their values).
-    OpenCV 4.14 reads the variable at each open; 4.11 does not honour these options (docs/sources.md)."""
+    OpenCV reads the variable at each open; 4.11.0 discards it (excluded by pyproject.toml; docs/sources.md)."""
     given = [kv for kv in os.environ.get("OPENCV_FFMPEG_CAPTURE_OPTIONS", "").split("|") if kv]
     keys = {kv.split(";", 1)[0] for kv in given}
     given += ["%s;%s" % kv for kv in QUICK_REOPEN_OPTIONS.items() if kv[0] not in keys]
