@@ -207,6 +207,8 @@ def _commands(b: _Builder, acks: Mapping[Tuple[str, str], int], verbs: frozenset
 def _transport(b: _Builder, mqtt: Mapping[str, Any]) -> None:
     b.gauge("outbox_messages", "messages waiting in the outbox", {}, mqtt.get("outbox_messages"))
     b.gauge("outbox_bytes", "bytes waiting in the outbox", {}, mqtt.get("outbox_bytes"))
+    b.gauge("outbox_oldest_age_seconds", "age of the oldest message waiting in the outbox (0 when empty)", {},
+            mqtt.get("outbox_oldest_age_s"))
     broker = mqtt.get("broker")
     b.gauge("broker_connected", "1 while connected to the broker named (host:port)",
             {"broker": _broker_label(broker)}, 1 if mqtt.get("connected") else 0)

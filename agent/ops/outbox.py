@@ -336,6 +336,16 @@ class Outbox:
         found = [OutboxMessage(int(r[0]), r[1], bytes(r[2]), int(r[3]), bool(r[4])) for r in rows]
         return [m for m in found if m.id not in acked][:int(n)]
 
+    def oldest_age_s(self, now: Optional[float] = None) -> float:
+        """Seconds since the oldest undelivered message was put (its ``created`` column, wall clock: kept across
+        restarts); 0 when none waits or the clock went back. One indexed read of a few rows, under the lock."""
+        with self._lock:
+            acked = set(self._acked)
+            rows = self._conn.execute("SELECT id, created FROM messages ORDER BY id LIMIT ?",
+                                      (len(acked) + 1,)).fetchall()
+        created = next((float(c) for row_id, c in rows if int(row_id) not in acked), None)
+        return 0.0 if created is None else max(0.0, (time.time() if now is None else now) - created)
+
     def pending_for(self, topic: str) -> int:
         """Undelivered messages on ``topic``: while any wait, newer ones on it must queue behind them.
 

@@ -319,6 +319,7 @@ class MqttTransport:
         result["dropped_by_reason"] = drops
         result["outbox_messages"] = len(outbox)
         result["outbox_bytes"] = outbox.bytes
+        result["outbox_oldest_age_s"] = round(outbox.oldest_age_s(), 3)  # 0 when empty
         result["disk_pressure"] = outbox.disk_pressure
         result["outbox_in_memory"] = outbox.in_memory
         result["connected"] = self._link.connected

@@ -87,7 +87,8 @@ def status_answer():
         "model": {"name": "shapes-det", "version": "1.0.0", "backend": "onnxruntime", "precision": "int8",
                   "artifacts": {"256x256": "model_256x256.int8.onnx"}},
         "slots": {"serving": "a"},
-        "mqtt": {"outbox_messages": 4, "outbox_bytes": 512, "connected": True, "broker": ["10.0.0.9", 1883],
+        "mqtt": {"outbox_messages": 4, "outbox_bytes": 512, "outbox_oldest_age_s": 42.5, "connected": True,
+                 "broker": ["10.0.0.9", 1883],
                  "dropped_by_reason": {"dropped_oldest": 2}},
         "rss_mb": 100.0, "workers_rss_mb": {"gate": 50.0}, "npu_memory_mb": {"used": 300.0, "total": 8192.0},
         "watchdog": {"rss_slope_mb_per_hour": 1.5, "restart_requested": None, "no_input": False},
@@ -122,6 +123,7 @@ def test_the_collector_exposes_the_box_series_with_device_and_bounded_labels():
     assert 'atlas_edge_stage_seconds_bucket{device="box-1",le="0.025",stage="infer"} 1.0' in text
     assert "not_a_stage" not in text
     assert 'atlas_edge_results_discarded_total{device="box-1",reason="outbox_dropped_oldest"} 2.0' in text
+    assert 'atlas_edge_outbox_oldest_age_seconds{device="box-1"} 42.5' in text
     assert 'atlas_edge_broker_connected{broker="10.0.0.9:1883",device="box-1"} 1.0' in text
     assert ('atlas_edge_model_info{artifact="model_256x256.int8.onnx",backend="onnxruntime",device="box-1",'
             'model="shapes-det",precision="int8",slot="a",tier="256x256",version="1.0.0"} 1.0') in text

@@ -106,6 +106,27 @@ def test_contents_and_counters_survive_reopen(tmp_path):
                                 "disk_pressure": False, "in_memory": False}
 
 
+def test_oldest_age_follows_the_oldest_undelivered_message_and_survives_reopen(tmp_path):
+    path = str(tmp_path / "o.sqlite")
+    box = Outbox(path, max_bytes=10000)
+    assert box.oldest_age_s() == 0.0  # nothing waits
+    first = box.put(TOPIC, payload(0))
+    box.put(TOPIC, payload(1))
+    with sqlite3.connect(path) as conn:  # as if put an hour and a minute ago
+        conn.execute("UPDATE messages SET created = created - 3600 WHERE id = ?", (first,))
+        conn.execute("UPDATE messages SET created = created - 60 WHERE id != ?", (first,))
+    assert 3600 <= box.oldest_age_s() < 3600 + WAIT_S
+    box.remove([first])  # delivered: the next one is the oldest
+    assert 60 <= box.oldest_age_s() < 60 + WAIT_S
+    box.close()
+    again = Outbox(path, max_bytes=10000)
+    assert 60 <= again.oldest_age_s() < 60 + WAIT_S
+    assert again.oldest_age_s(now=0.0) == 0.0  # the clock went back: not a negative age
+    again.remove([m.id for m in again.peek(10)])
+    assert again.oldest_age_s() == 0.0
+    again.close()
+
+
 def test_a_killed_writer_loses_nothing_it_committed(tmp_path):
     """SIGKILL right after the puts (no close, no atexit): a new process finds every message, in order."""
     path = str(tmp_path / "o.sqlite")
