@@ -33,7 +33,7 @@ from agent.config.schema import ConfigError
 from agent.config.source_uri import resolve_source_uri, source_kind
 from agent.pipeline.sources.base import WORKER_HEADER as HEADER
 from agent.pipeline.sources.base import Captured, EndOfSource, SourceUnavailable, register
-from agent.pipeline.sources.damage import DAMAGE_NOTE_S
+from agent.pipeline.sources.damage import DAMAGE_NOTE_S, DAMAGE_PATTERNS, SizeWatch, reinit_size
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ _NOISE = "can't be used to capture by name"
 # Signals a process raises on itself when it faults: the decoder crashed. Any other signal killed it from outside.
 CRASH_SIGNALS = tuple(int(getattr(signal, n)) for n in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
                       if hasattr(signal, n))
-_REINIT = re.compile(r"Reinit context to (\d+)x(\d+)")
 
 
 def classify(text: str) -> str:
@@ -77,7 +76,7 @@ class StreamReader:
         self._buffer = bytearray()
         self._err_buffer = b""
         self.fps = 0.0
-        self._coded: Optional[Tuple[int, int]] = None  # the decoder's frame size (multiples of 16)
+        self.sizes = SizeWatch()  # the decoder's frame size: a resolution change, or a damaged SPS
         self._resized: Optional[Tuple[int, int]] = None
         self._reopening = False  # a reopen in place was asked for (a resize) and its OPEN has not come yet
         self._damage_noted = (0, 0)  # (damaged, decode_errors) from DAMG notes, added to the next frame's
@@ -139,6 +138,7 @@ class StreamReader:
 
     def read(self, timeout: float) -> Optional[Captured]:
         message = self._next_message(timeout)
+        self._resized = self._resized or self.sizes.due()
         if self._resized is not None:
             self._reopen_in_place()
         if message is None:
@@ -185,7 +185,8 @@ class StreamReader:
         0.5 s; a new worker would first spend a second importing OpenCV)."""
         log.info("source %s: the stream changed resolution to about %dx%d: reopening in place", self.config.name,
                  *self._resized)
-        self._resized = self._coded = None  # the reopened decoder says its size again
+        self._resized = None
+        self.sizes.reset()  # the reopened decoder says its size again
         self._reopening = True
         try:
             assert self.proc is not None and self.proc.stdin is not None
@@ -254,17 +255,25 @@ class StreamReader:
             return
         lines = (self._err_buffer + chunk).split(b"\n")
         self._err_buffer = lines.pop()
+        batch = b"\n".join(lines).decode("utf-8", "replace")  # the lines read together: errors beside a Reinit
         for line in lines:
             text = redact(_PREFIX.sub("", line.decode("utf-8", "replace").strip()))
-            reinit = _REINIT.search(text)
-            if reinit:
-                size = (int(reinit.group(1)), int(reinit.group(2)))
-                if self._coded is not None and size != self._coded:
-                    self._resized = size
-                self._coded = size
+            self._size_line(text, batch)
             if text and _NOISE not in text:
                 self.stderr.append(text)
                 log.debug("source %s worker: %s", self.config.name, text)
+
+    def _size_line(self, text: str, batch: str) -> None:
+        """A "Reinit context to WxH" line: a new size asks for a reopen, a damaged SPS does not
+        (:class:`.damage.SizeWatch`; errors are looked for among the lines read with it)."""
+        size = reinit_size(text)
+        if size is None:
+            return
+        before, suspect = self.sizes.damaged, self.sizes.suspect
+        self._resized = self.sizes.seen(size, bool(DAMAGE_PATTERNS.search(batch))) or self._resized
+        if before == 0 and self.sizes.damaged:  # once a session: a camera that keeps doing it must not flood
+            log.info("source %s: the decoder's size %dx%d was a damaged parameter set, not a resolution change: "
+                     "counted as damage, not reopened", self.config.name, *(suspect[0] if suspect else size))
 
     def _drain_stderr(self, timeout: float) -> None:
         if self.proc is None or self.proc.stderr is None:

@@ -66,3 +66,54 @@ def test_damage_notes_are_counted_and_a_spell_past_the_stall_timeout_is_named_no
     with pytest.raises(SourceUnavailable) as raised:  # a note before the stall timer would say "stalled"
         reader._damage_note({"damaged": 10, "decode_errors": 0, "broken_s": 5.0 - DAMAGE_NOTE_S})
     assert raised.value.cause == "no_keyframe" and "20 withheld, 3 reported" in str(raised.value)
+
+
+OPEN_SIZE = "[OPENCV:FFMPEG:40] Reinit context to 640x368, pix_fmt: yuv420p\n"  # the worker's lines, as forwarded
+BAD_SPS = "[OPENCV:FFMPEG:40] Reinit context to 240x96, pix_fmt: yuv420p\n"  # the issue's damaged SPS
+
+
+def _reader_fed(*chunks):
+    """A StreamReader whose worker's stderr gave ``chunks`` (each one read), and what it made of them."""
+    import os
+
+    from agent.config.daemon_config import SourceConfig
+    from agent.pipeline.sources.stream import StreamReader
+
+    reader = StreamReader(SourceConfig(name="dock", uri="rtsp://10.0.0.5/s"))
+    for chunk in chunks:
+        read, write = os.pipe()
+        os.write(write, chunk.encode())
+        os.close(write)
+        reader._read_stderr(read)
+        os.close(read)
+    return reader
+
+
+def test_a_size_below_the_floor_is_damage_counted_by_the_worker_and_never_a_reopen():
+    tracker = DamageTracker()
+    assert tracker.frame(OPEN_SIZE, True) == (False, False)
+    assert tracker.frame(BAD_SPS, False) == (True, True)  # reported: counted and withheld
+    assert tracker.frame("", False) == (False, True)
+    assert tracker.frame(OPEN_SIZE, True) == (False, False)  # the camera's SPS back on a clean keyframe
+    reader = _reader_fed(OPEN_SIZE, BAD_SPS, OPEN_SIZE)
+    assert reader._resized is None and reader.sizes.damaged == 1 and reader.sizes.coded == (640, 368)
+    assert _reader_fed(OPEN_SIZE, "[OPENCV:FFMPEG:40] Reinit context to 1280x720, pix_fmt: yuv420p\n")._resized \
+        == (1280, 720)  # a plausible change, no errors: reopened for, as before
+
+
+def test_a_new_size_logged_with_decoder_errors_is_damage_if_it_flips_back_within_a_second():
+    from agent.pipeline.sources.damage import FLIP_BACK_S, SizeWatch
+
+    errors = "[OPENCV:FFMPEG:16] [h264 @ 0x1] error while decoding MB 3 7, bytestream -5\n"
+    big = "[OPENCV:FFMPEG:40] Reinit context to 1920x1088, pix_fmt: yuv420p\n"
+    reader = _reader_fed(OPEN_SIZE, big + errors, OPEN_SIZE)  # read with errors, then back: damage
+    assert reader._resized is None and reader.sizes.damaged == 1 and reader.sizes.suspect is None
+    now = [0.0]
+    sizes = SizeWatch(clock=lambda: now[0])
+    assert sizes.seen((640, 368), False) is None and sizes.coded == (640, 368)
+    assert sizes.seen((1920, 1088), True) is None and sizes.due() is None  # a suspect, not yet believed
+    now[0] += FLIP_BACK_S - 0.1
+    assert sizes.due() is None
+    now[0] += 0.1
+    assert sizes.due() == (1920, 1088) and sizes.damaged == 0  # it held: a resolution change after all
+    assert sizes.seen((1920, 1088), False) is None  # the size it has: nothing to do
