@@ -3,8 +3,8 @@ or run slow while the frames' pixels keep their true capture time (tests/support
 and say how old their frame really is; a source that reads and publishes nothing is never ``up``.
 
 Each case: a 10 fps camera served at ``max_fps`` 2 (2 results/s from a healthy one), the fault, then a span
-measured (30 s after a jump; 60 s of a clock 5 % slow, where the old minimum-offset clock went blind after 50 s
-and read 0.5 s too old after 10 s: the issue's 120 s shortened to what shows it). Frame ages are read from the
+measured (30 s after a jump; 120 s of a clock 5 % slow, the issue's acceptance: the old minimum-offset clock read
+0.5 s too old after 10 s, went blind after 50 s and called a false stall at 97 s). Frame ages are read from the
 pixels of the frame behind each result and compared with the result's own ``frame_age_ms``.
 """
 
@@ -34,7 +34,7 @@ def rig():
 
 
 FAULTS = {"back_2s": (lambda cam: cam.jump_pts(-2.0), 30), "back_4s": (lambda cam: cam.jump_pts(-4.0), 30),
-          "slow_5pc": (lambda cam: cam.clock_rate(0.95), 60)}
+          "slow_5pc": (lambda cam: cam.clock_rate(0.95), 120)}
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
