@@ -1,4 +1,5 @@
-"""Read NPU memory from Huawei's ``npu-smi`` tool: parsers for its two text formats and a sampling probe.
+"""Read NPU memory, utilisation, temperature and power from Huawei's ``npu-smi`` tool: parsers for its two text
+formats and a sampling probe.
 
 ``npu-smi info`` prints a table with two rows per chip::
 
@@ -7,8 +8,11 @@
     | 0       310P3     | OK              | 15.8         42                0    / 0              |
     | 0       0         | 0000:82:00.0    | 0            1074 / 21534                            |
 
-The first row names the NPU (the id ``npu-smi -i`` takes) and its chip; the second carries the memory
-figures as ``used / total`` in MB. 910-class parts show ``Memory-Usage(MB)`` (often ``0 / 0``) and
+The first row names the NPU (the id ``npu-smi -i`` takes) and its chip, with its power (W) and temperature
+(C); the second carries the AI Core utilisation (%) and the memory figures as ``used / total`` in MB. Power,
+temperature and utilisation are read where the header names them and the cell holds a number: ``NA``, ``-``
+or a missing cell is "not reported" (None), never 0 (310B boards print a power of 0.0: kept as printed).
+910-class parts show ``Memory-Usage(MB)`` (often ``0 / 0``) and
 ``HBM-Usage(MB)``; 310, 310B and 310P parts show ``Memory-Usage(MB)`` only. The ``Device`` column (logical
 id, what pyACL and mindspore_lite call ``device_id``) is absent on some versions. ``npu-smi info -t usages
 -i N`` prints ``Key : value`` lines whose names vary by version, hence the alias lists.
@@ -37,6 +41,7 @@ _USAGE_COLUMN = re.compile(r"\b(Memory|HBM)-Usage\(MB\)", re.IGNORECASE)
 _ROW1_FIRST = re.compile(r"^(\d+)\s+(\S+)$")  # "0       310B4": NPU id, chip name
 _ROW2_FIRST = re.compile(r"^(\d+)(?:\s+(\d+))?$")  # "0       0": chip id [, logical device id]
 _HEALTH = re.compile(r"^[A-Za-z][A-Za-z-]*$")  # OK, Warning, Alarm, Critical, UNKNOWN ...
+_NUMBER = re.compile(r"^-?\d+(?:\.\d+)?$")
 _BUS = re.compile(r"^(?:[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]|NA|-)$")
 
 # canonical key -> the names different npu-smi versions print for it (compared without case and spaces)
@@ -78,6 +83,14 @@ class NpuMemory:
     chip_id: int = 0
     logical_id: Optional[int] = None  # the "Device" column when printed: pyACL / mindspore_lite device_id
     health: str = ""
+    power_w: Optional[float] = None  # None where npu-smi prints NA, "-" or nothing
+    temperature_c: Optional[float] = None
+    aicore_pct: Optional[float] = None  # AICore(%): npu-exporter's npu_chip_info_utilization
+
+    @property
+    def exporter_id(self) -> int:
+        """npu-exporter's ``id`` label: the logical id where npu-smi prints it, else the NPU id."""
+        return self.logical_id if self.logical_id is not None else self.device_id
 
     @property
     def device_used_mb(self) -> int:
@@ -100,8 +113,10 @@ def parse_npu_smi_info(text: str) -> List[NpuMemory]:
     memory row: a half-parsed table must not pass as a reading.
     """
     columns = ["memory", "hbm"]  # order of used/total pairs in the second row; refined by the header
+    first_names: List[str] = []  # names of the first row's figures (Power(W), Temp(C), ...) from its header
+    aicore = False  # whether the second row's figures start with AICore(%)
     chips: List[NpuMemory] = []
-    pending: Optional[Tuple[int, str, str, int]] = None  # (npu id, name, health, line number) of a first row
+    pending: Optional[Tuple[int, str, str, int, Dict[str, Optional[float]]]] = None  # a first row, parsed
     for number, line in enumerate(text.splitlines(), 1):
         if "|" not in line:
             continue
@@ -110,17 +125,22 @@ def parse_npu_smi_info(text: str) -> List[NpuMemory]:
             continue  # blank row or a border
         if _USAGE_COLUMN.search(line):
             columns = [m.group(1).lower() for m in _USAGE_COLUMN.finditer(line)]
+            aicore = len(cells) >= 3 and cells[2].lower().startswith("aicore(%)")
+            continue
+        if len(cells) >= 3 and ("power(w)" in cells[2].lower() or "temp(c)" in cells[2].lower()):
+            first_names = [name.lower() for name in cells[2].split()]
             continue
         if "process id" in line.lower():
             break  # the per-process table follows the chip table; its rows look like chip rows
         if pending is not None:
-            chips.append(_second_row(cells, pending, columns, line))
+            chips.append(_second_row(cells, pending, columns, line, aicore))
             pending = None
             continue
         if len(cells) >= 3:
             first = _ROW1_FIRST.match(cells[0])
             if first and _HEALTH.match(cells[1]) and not _BUS.match(cells[1]):
-                pending = (int(first.group(1)), first.group(2), cells[1], number)
+                pending = (int(first.group(1)), first.group(2), cells[1], number,
+                           _named_figures(first_names, cells[2]))
     if pending is not None:
         raise NpuSmiFormatError("line %d: chip row %r has no memory row after it" % (pending[3], pending[1]))
     if not chips:
@@ -128,9 +148,28 @@ def parse_npu_smi_info(text: str) -> List[NpuMemory]:
     return chips
 
 
-def _second_row(cells: List[str], first: Tuple[int, str, str, int], columns: List[str],
-                line: str) -> NpuMemory:
-    npu_id, name, health, number = first
+def _number(token: Optional[str]) -> Optional[float]:
+    """A figure as printed, or None for NA, "-", "N/A" or no cell: not reported is not zero."""
+    return float(token) if token is not None and _NUMBER.match(token) else None
+
+
+def _named_figures(names: List[str], cell: str) -> Dict[str, Optional[float]]:
+    """The first row's figures by header name; a cell shorter than its header leaves the rest unreported."""
+    tokens = cell.split()
+    return {name: _number(tokens[i] if i < len(tokens) else None) for i, name in enumerate(names)
+            if name in ("power(w)", "temp(c)")}
+
+
+def _leading_figure(cell: str) -> Optional[float]:
+    """The figure before the cell's first ``used / total`` pair (AICore(%)); None where the pair comes first."""
+    pair = _PAIR.search(cell)
+    head = (cell[:pair.start()] if pair else cell).split()
+    return _number(head[0]) if head else None
+
+
+def _second_row(cells: List[str], first: Tuple[int, str, str, int, Dict[str, Optional[float]]],
+                columns: List[str], line: str, aicore: bool) -> NpuMemory:
+    npu_id, name, health, number, figures_1 = first
     ids = _ROW2_FIRST.match(cells[0]) if cells else None
     if ids is None or len(cells) < 3:
         raise NpuSmiFormatError("line %d: expected the memory row of chip %s, got %r" % (number + 1, name,
@@ -147,7 +186,8 @@ def _second_row(cells: List[str], first: Tuple[int, str, str, int], columns: Lis
         device_id=npu_id, chip_name=name, used_mb=used, total_mb=total,
         hbm_used_mb=hbm[0] if hbm else None, hbm_total_mb=hbm[1] if hbm else None,
         chip_id=int(ids.group(1)), logical_id=int(ids.group(2)) if ids.group(2) is not None else None,
-        health=health,
+        health=health, power_w=figures_1.get("power(w)"), temperature_c=figures_1.get("temp(c)"),
+        aicore_pct=_leading_figure(cells[2]) if aicore else None,
     )
 
 

@@ -29,16 +29,44 @@ def fixture(name: str) -> str:
 
 INFO_EXPECTED = {
     "info-atlas-200dk-310.txt": [
-        NpuMemory(0, "310", 2703, 8192, None, None, chip_id=0, logical_id=0, health="OK")],
+        NpuMemory(0, "310", 2703, 8192, None, None, chip_id=0, logical_id=0, health="OK",
+                  power_w=12.8, temperature_c=49, aicore_pct=0)],
     "info-atlas-200i-dk-a2-310b4.txt": [
-        NpuMemory(0, "310B4", 2500, 7545, None, None, chip_id=0, logical_id=0, health="Alarm")],
+        NpuMemory(0, "310B4", 2500, 7545, None, None, chip_id=0, logical_id=0, health="Alarm",
+                  power_w=0.0, temperature_c=58, aicore_pct=0)],
     "info-atlas-300i-pro-310p3.txt": [
-        NpuMemory(0, "310P3", 1074, 21534, None, None, chip_id=0, logical_id=0, health="OK"),
-        NpuMemory(1, "310P3", 934, 21534, None, None, chip_id=0, logical_id=1, health="OK")],
+        NpuMemory(0, "310P3", 1074, 21534, None, None, chip_id=0, logical_id=0, health="OK",
+                  power_w=15.8, temperature_c=42, aicore_pct=0),
+        NpuMemory(1, "310P3", 934, 21534, None, None, chip_id=0, logical_id=1, health="OK",
+                  power_w=17.0, temperature_c=56, aicore_pct=3)],
     "info-910b-contrast.txt": [
-        NpuMemory(0, "910B3", 0, 0, 3318, 65536, chip_id=0, logical_id=None, health="OK"),
-        NpuMemory(1, "910B3", 0, 0, 53984, 65536, chip_id=0, logical_id=None, health="OK")],
+        NpuMemory(0, "910B3", 0, 0, 3318, 65536, chip_id=0, logical_id=None, health="OK",
+                  power_w=101.8, temperature_c=43, aicore_pct=0),
+        NpuMemory(1, "910B3", 0, 0, 53984, 65536, chip_id=0, logical_id=None, health="OK",
+                  power_w=92.0, temperature_c=39, aicore_pct=7)],
+    "info-atlas-500-310-na.txt": [  # NA and an empty cell are "not reported" (None), never 0
+        NpuMemory(0, "310", 3306, 7764, None, None, chip_id=0, logical_id=0, health="OK",
+                  power_w=None, temperature_c=53, aicore_pct=None),
+        NpuMemory(1, "310", 2890, 7764, None, None, chip_id=0, logical_id=1, health="Warning",
+                  power_w=None, temperature_c=None, aicore_pct=41)],
 }
+
+
+def test_the_exporter_id_is_the_logical_id_where_printed_else_the_npu_id():
+    assert [c.exporter_id for c in parse_npu_smi_info(fixture("info-atlas-300i-pro-310p3.txt"))] == [0, 1]
+    assert [c.exporter_id for c in parse_npu_smi_info(fixture("info-910b-contrast.txt"))] == [0, 1]
+    chip = NpuMemory(3, "310", 1, 2, chip_id=0, logical_id=None)
+    assert chip.exporter_id == 3 and NpuMemory(3, "310", 1, 2, logical_id=5).exporter_id == 5
+
+
+def test_a_table_without_power_and_aicore_columns_reports_none_not_a_memory_figure():
+    text = ("| NPU     Name      | Health          | Temp(C)                                |\n"
+            "| Chip    Device    | Bus-Id          | Memory-Usage(MB)                       |\n"
+            "| 0       310       | OK              | 47                                     |\n"
+            "| 0       0         | NA              | 2703 / 8192                            |\n")
+    chip, = parse_npu_smi_info(text)
+    assert (chip.used_mb, chip.total_mb, chip.power_w, chip.aicore_pct) == (2703, 8192, None, None)
+    assert chip.temperature_c == 47  # named by the header: the one figure is the temperature, not the power
 
 
 @pytest.mark.parametrize("name", sorted(INFO_EXPECTED))
@@ -124,6 +152,7 @@ def test_rendered_tables_round_trip(rows):
     chips = parse_npu_smi_info("\n".join(lines))
     assert [(c.device_id, c.logical_id, c.chip_name, c.health, c.used_mb, c.total_mb) for c in chips] == [
         (i, i, name, health, used, total) for i, (used, total, name, health) in enumerate(rows)]
+    assert {(c.power_w, c.temperature_c, c.aicore_pct) for c in chips} == {(15.8, 42, 3)}
 
 
 AICORE_NAMES = ["Aicore Usage Rate(%)", "AICore Usage Rate(%)", "AI Core Usage Rate(%)",
