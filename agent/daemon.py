@@ -271,6 +271,7 @@ class Daemon:
             "total_rss_mb": figures.get("total_rss_mb"),  # the daemon and its workers (what MemoryMax counts)
             "npu_memory_mb": None if sample is None or sample.npu_used_mb is None else {
                 "used": sample.npu_used_mb, "total": sample.npu_total_mb},
+            "npu_chip": None if sample is None else dict(sample.npu_chip) or None,  # utilisation, temp, power
             "mqtt": self.transport.stats(),
             "commands": self.dispatcher.stats(),  # received, accepted, failed by code, dropped by reason
             # limits, trend, pings and progress behind the watchdog's decisions (operations.md "Reading alerts")

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 from agent._util.compat import Protocol
 from agent.config.daemon_config import WatchdogConfig
 from agent.health.leak import LeakDetector
+from agent.health.npu_smi import chip_figures
 from agent.health.readers import read_cgroup_limit_mb, read_rss_mb
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class MemorySample:
     npu_used_mb: Optional[float]
     npu_total_mb: Optional[float]
     workers_mb: Mapping[str, float] = field(default_factory=dict)  # each running camera worker, by source
+    npu_chip: Mapping[str, Any] = field(default_factory=dict)  # npu_smi.chip_figures: id, utilization, ...
 
     @property
     def total_rss_mb(self) -> Optional[float]:
@@ -156,7 +158,7 @@ class MemoryWatchdog:
             rss_mb=self._read_rss(), cgroup_limit_mb=self._read_limit(),
             npu_used_mb=float(npu.device_used_mb) if npu is not None else None,
             npu_total_mb=float(npu.device_total_mb) if npu is not None else None,
-            workers_mb=self.workers.sample(),
+            workers_mb=self.workers.sample(), npu_chip=chip_figures(npu) if npu is not None else {},
         )
         self.last_sample = result
         return result

@@ -102,6 +102,17 @@ class NpuMemory:
         return self.hbm_total_mb if self.hbm_total_mb else self.total_mb  # type: ignore[return-value]
 
 
+def chip_figures(reading: Any) -> Dict[str, Any]:
+    """npu-exporter's figures of one reading: ``id`` and those npu-smi reported of ``utilization`` (AICore %),
+    ``temperature`` (C) and ``power`` (W); {} when it reported none or is not npu-smi's (a backend's own)."""
+    chip_id = getattr(reading, "exporter_id", None)
+    if chip_id is None:
+        return {}
+    figures = {"utilization": reading.aicore_pct, "temperature": reading.temperature_c, "power": reading.power_w}
+    reported = {name: value for name, value in figures.items() if value is not None}
+    return dict(reported, id=chip_id) if reported else {}
+
+
 def _cells(line: str) -> List[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 

@@ -236,11 +236,24 @@ def _health(b: _Builder, status: Mapping[str, Any]) -> None:
     for name in WATCHDOG_STATES:
         b.gauge("watchdog_state", "1 for the watchdog's current state, 0 for the others", {"state": name},
                 1 if name == state else 0)
+    _npu_chip(b, status.get("npu_chip") or {})
     npu = status.get("npu_memory_mb")
     if npu:  # npu-exporter's names and unit (MB) for a 310-class part's memory, so its dashboards read these too
         for key, name in (("used", "npu_chip_info_used_memory"), ("total", "npu_chip_info_total_memory")):
             b.gauge(name, "NPU memory %s (MB) as npu-smi reports it: DDR on 310-class parts, HBM on 910-class" % key,
                     {}, npu.get(key), prefix="")
+
+
+# npu-exporter's series (names, units, ``id`` label) from the figures npu-smi's table gave: absent where it printed NA
+NPU_CHIP_SERIES = (("utilization", "npu_chip_info_utilization", "NPU AI Core utilisation (%) as npu-smi reports it"),
+                   ("temperature", "npu_chip_info_temperature", "NPU chip temperature (C) as npu-smi reports it"),
+                   ("power", "npu_chip_info_power", "NPU chip power (W) as npu-smi reports it"))
+
+
+def _npu_chip(b: _Builder, chip: Mapping[str, Any]) -> None:
+    for key, name, doc in NPU_CHIP_SERIES:
+        if chip.get(key) is not None:
+            b.gauge(name, doc, {"id": chip.get("id")}, chip[key], prefix="")
 
 
 class _QuietHandler(WSGIRequestHandler):

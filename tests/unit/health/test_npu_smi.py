@@ -16,7 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.health.npu_smi import NpuMemory, NpuSmiFormatError, NpuSmiProbe, parse_npu_smi_info, parse_npu_smi_usages
+from agent.health.npu_smi import (
+    NpuMemory,
+    NpuSmiFormatError,
+    NpuSmiProbe,
+    chip_figures,
+    parse_npu_smi_info,
+    parse_npu_smi_usages,
+)
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "fixtures", "npu_smi")
@@ -57,6 +64,16 @@ def test_the_exporter_id_is_the_logical_id_where_printed_else_the_npu_id():
     assert [c.exporter_id for c in parse_npu_smi_info(fixture("info-910b-contrast.txt"))] == [0, 1]
     chip = NpuMemory(3, "310", 1, 2, chip_id=0, logical_id=None)
     assert chip.exporter_id == 3 and NpuMemory(3, "310", 1, 2, logical_id=5).exporter_id == 5
+
+
+def test_chip_figures_are_npu_exporters_names_with_unreported_ones_left_out():
+    on_310, not_reported = parse_npu_smi_info(fixture("info-atlas-500-310-na.txt"))
+    assert chip_figures(on_310) == {"id": 0, "temperature": 53.0}
+    assert chip_figures(not_reported) == {"id": 1, "utilization": 41.0}
+    assert chip_figures(parse_npu_smi_info(fixture("info-910b-contrast.txt"))[1]) == {
+        "id": 1, "utilization": 7.0, "temperature": 39.0, "power": 92.0}
+    assert chip_figures(NpuMemory(0, "310", 1, 2)) == {}  # none reported: no id alone
+    assert chip_figures(object()) == {}  # a backend's own memory reading carries none of these
 
 
 def test_a_table_without_power_and_aicore_columns_reports_none_not_a_memory_figure():
@@ -258,3 +275,15 @@ def test_real_npu_smi_output_parses():
     chips = parse_npu_smi_info(subprocess.run(["npu-smi", "info"], capture_output=True, text=True,
                                               timeout=30, check=True).stdout)
     assert chips and all(c.device_total_mb > 0 for c in chips)
+
+
+def test_the_watchdogs_sample_carries_the_chip_figures_of_its_npu_smi_reading():
+    """What the daemon's status (``npu_chip``) and the metrics endpoint read: the watchdog's last sample."""
+    from agent.config.daemon_config import WatchdogConfig
+    from agent.health.memory import MemoryWatchdog
+
+    probe = NpuSmiProbe(device_id=1, runner=FakeNpuSmiRunner(fixture("info-atlas-300i-pro-310p3.txt")))
+    sample = MemoryWatchdog(WatchdogConfig(), npu_probe=probe, read_limit=lambda: None).sample()
+    assert (sample.npu_used_mb, dict(sample.npu_chip)) == (
+        934.0, {"id": 1, "utilization": 3.0, "temperature": 56.0, "power": 17.0})
+    assert dict(MemoryWatchdog(WatchdogConfig(), read_limit=lambda: None).sample().npu_chip) == {}

@@ -91,6 +91,7 @@ def status_answer():
                  "broker": ["10.0.0.9", 1883],
                  "dropped_by_reason": {"dropped_oldest": 2}},
         "rss_mb": 100.0, "workers_rss_mb": {"gate": 50.0}, "npu_memory_mb": {"used": 300.0, "total": 8192.0},
+        "npu_chip": {"id": 1, "utilization": 37.0, "temperature": 52.0, "power": 14.5},
         "watchdog": {"rss_slope_mb_per_hour": 1.5, "restart_requested": None, "no_input": False},
     }
 
@@ -132,6 +133,8 @@ def test_the_collector_exposes_the_box_series_with_device_and_bounded_labels():
     assert 'atlas_edge_commands_total{device="box-1",outcome="failed",verb="other"} 3.0' in text
     assert 'atlas_edge_resident_memory_bytes{device="box-1",process="gate"} 5.24288e+07' in text
     assert 'npu_chip_info_used_memory{device="box-1"} 300.0' in text
+    assert 'npu_chip_info_temperature{device="box-1",id="1"} 52.0' in text
+    assert 'npu_chip_info_utilization{device="box-1",id="1"} 37.0' in text
     assert 'atlas_edge_watchdog_state{device="box-1",state="ok"} 1.0' in text
     assert "rtsp" not in text and "viewer" not in text and "bogus" not in text  # no URI, no unknown verb
 
@@ -144,6 +147,16 @@ def test_every_series_the_collector_exposes_is_in_docs_metrics_and_every_documen
     # the client names a counter family without _total in # TYPE
     exposed = {name + "_total" if name + "_total" in documented else name for name in exposed}
     assert exposed == documented
+
+
+def test_npu_figures_npu_smi_did_not_report_are_absent_not_zero():
+    status = status_answer()
+    status["npu_chip"] = {"id": 0, "temperature": 53.0}  # power and AICore printed NA
+    text = collect_text(status)
+    assert 'npu_chip_info_temperature{device="box-1",id="0"} 53.0' in text
+    assert "npu_chip_info_power{" not in text and "npu_chip_info_utilization{" not in text
+    status["npu_chip"] = None  # no npu-smi (not an Ascend box, or the tool is missing)
+    assert "npu_chip_info_temperature{" not in collect_text(status)
 
 
 def test_a_source_state_beyond_the_known_ones_is_still_exported_as_the_current_one():
