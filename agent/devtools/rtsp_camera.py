@@ -10,7 +10,8 @@ Commands on stdin, one per line: ``size W H`` changes the resolution in the runn
 sends a new SPS); ``jump S`` moves the stream's timestamps (PTS, hence RTP time) by S seconds from now on
 (negative: back), ``rate R`` lets them run at R times real time from now on (0.95: a clock 5% slow), as cameras'
 clocks do (:class:`PtsFault`, applied to the encoded frames, so the encoder and the pixels' capture time are
-untouched); ``damage N`` cuts one RTP packet out of each of the next N frames (:class:`PacketLoss`); with
+untouched); ``damage N`` cuts one RTP packet out of each of the next N frames (:class:`PacketLoss`); ``loss P``
+drops each RTP packet with probability P from now on (0 stops it: a lossy UDP link); with
 ``nokey S`` drops every keyframe for S seconds; with ``--moving`` the frames' body changes grey with the
 counter, so a concealed or mispredicted frame shows.
 SIGSTOP/SIGCONT stall and resume the whole server; SIGTERM ends it.
@@ -20,6 +21,7 @@ any other path is answered 404 by the server itself.
 
 import argparse
 import os
+import random
 import sys
 import threading
 import time
@@ -90,8 +92,10 @@ class PtsFault:
 class PacketLoss:
     """Damaged frames: RTP packets cut out of each of the next N frames (the third, then every third: a
     truncated frame to the decoder, as
-    UDP loss or a camera's broken write leaves it). Applied to the payloader's output, so the encoder and
-    the frames' pixels are untouched; the packets lost are counted (``lost``)."""
+    UDP loss or a camera's broken write leaves it), or each packet with a probability (:meth:`set_loss`: a lossy
+    UDP link, drawn from a seeded generator so a run repeats). Applied to the payloader's output, so the encoder
+    and the frames' pixels are untouched and every viewer of the shared mount (the box over UDP, a witness over
+    TCP) misses the same packets; the packets lost are counted (``lost``)."""
 
     CUT_AT = 2  # from the third packet of a frame on (inside its first slice, after any SPS/PPS) ...
     CUT_EVERY = 3  # ... every third: a keyframe's many packets lose several, a small frame its third
@@ -101,6 +105,12 @@ class PacketLoss:
         self.frames = 0
         self.index = 0
         self.lost = 0
+        self.probability = 0.0
+        self._random = random.Random(31)
+
+    def set_loss(self, probability):
+        with self.lock:
+            self.probability = probability
 
     def damage(self, frames):
         with self.lock:
@@ -117,6 +127,7 @@ class PacketLoss:
             cut = self.frames and index >= self.CUT_AT and (index - self.CUT_AT) % self.CUT_EVERY == 0
             if self.frames and last:
                 self.frames -= 1
+            cut = cut or (self.probability > 0 and self._random.random() < self.probability)
             if cut:
                 self.lost += 1
                 return Gst.PadProbeReturn.DROP
@@ -250,6 +261,8 @@ def main():
                 feed.pts_fault.drop_keyframes(float(parts[1]))
             elif parts[:1] == ["damage"]:
                 feed.loss.damage(int(parts[1]))
+            elif parts[:1] == ["loss"]:
+                feed.loss.set_loss(float(parts[1]))
         GLib.idle_add(loop.quit)  # stdin closed: the test process is gone
 
     loop = GLib.MainLoop()
