@@ -90,12 +90,13 @@ class PtsFault:
 
 
 class PacketLoss:
-    """Damaged frames: RTP packets cut out of each of the next N frames (the third, then every third: a
-    truncated frame to the decoder, as
-    UDP loss or a camera's broken write leaves it), or each packet with a probability (:meth:`set_loss`: a lossy
-    UDP link, drawn from a seeded generator so a run repeats). Applied to the payloader's output, so the encoder
-    and the frames' pixels are untouched and every viewer of the shared mount (the box over UDP, a witness over
-    TCP) misses the same packets; the packets lost are counted (``lost``)."""
+    """Damaged frames: RTP packets cut out of each of the next N frames that have a third packet (the third,
+    then every third: a truncated frame to the decoder, as UDP loss or a camera's broken write leaves it; a
+    frame of fewer packets passes whole and is not one of the N), or each packet with a probability
+    (:meth:`set_loss`: a lossy UDP link, drawn from a seeded generator so a run repeats). Applied to the
+    payloader's output, so the encoder and the frames' pixels are untouched and every viewer of the shared
+    mount (the box over UDP, a witness over TCP) misses the same packets; the packets lost are counted
+    (``lost``)."""
 
     CUT_AT = 2  # from the third packet of a frame on (inside its first slice, after any SPS/PPS) ...
     CUT_EVERY = 3  # ... every third: a keyframe's many packets lose several, a small frame its third
@@ -105,6 +106,7 @@ class PacketLoss:
         self.frames = 0
         self.index = 0
         self.lost = 0
+        self.cut_in_frame = False  # a packet of the current frame was cut (it counts as one of the N)
         self.probability = 0.0
         self._random = random.Random(31)
 
@@ -125,8 +127,10 @@ class PacketLoss:
             last = buffer.has_flags(Gst.BufferFlags.MARKER)  # the frame's last packet: the next starts a frame
             index, self.index = self.index, 0 if last else self.index + 1
             cut = self.frames and index >= self.CUT_AT and (index - self.CUT_AT) % self.CUT_EVERY == 0
-            if self.frames and last:
+            self.cut_in_frame = self.cut_in_frame or bool(cut)
+            if self.cut_in_frame and last:  # a frame too short to lose its third packet is not counted down
                 self.frames -= 1
+                self.cut_in_frame = False
             cut = cut or (self.probability > 0 and self._random.random() < self.probability)
             if cut:
                 self.lost += 1
