@@ -78,6 +78,9 @@ class Reader(Protocol):
     """One session with a source: ``open``, then ``read`` until it raises, then ``close`` (always)."""
 
     live: bool  # a camera or stream: frames are skipped, never waited for; stalls are watched
+    # Pictures arrive but every one is withheld as damaged (a stream reader's DAMG notes): a stall timer that
+    # runs out then is a spell without a clean keyframe, not a silent camera. Readers without it: False.
+    withholding: bool
 
     def open(self, cancel: threading.Event) -> None: ...
 

@@ -137,6 +137,9 @@ class SourceReader(threading.Thread):
             now = time.monotonic()
             if captured is None:
                 if reader.live and now - newest > stall_s:
+                    if getattr(reader, "withholding", False):  # the worker's own no_keyframe note came late
+                        raise SourceUnavailable("every picture damaged for %.1f s and no clean keyframe since: "
+                                                "reopening" % (now - newest), "no_keyframe")
                     raise SourceUnavailable("no new picture for %.1f s" % (now - newest), "stalled")
                 continue
             age = max(0.0, self.clock() - captured.capture_ts)

@@ -80,6 +80,7 @@ class StreamReader:
         self._resized: Optional[Tuple[int, int]] = None
         self._reopening = False  # a reopen in place was asked for (a resize) and its OPEN has not come yet
         self._damage_noted = (0, 0)  # (damaged, decode_errors) from DAMG notes, added to the next frame's
+        self.withholding = False  # DAMG notes since the last frame: pictures arrive, all withheld as damaged
 
     # --- the worker process ---------------------------------------------------------------------------
 
@@ -153,6 +154,7 @@ class StreamReader:
         if kind == b"FRAM":
             image = np.frombuffer(payload, np.uint8).reshape(meta["h"], meta["w"], -1)
             (damaged, errors), self._damage_noted = self._damage_noted, (0, 0)
+            self.withholding = False
             return Captured(image, meta["capture_ts"], meta["ts_source"], skipped=meta["skipped"],
                             decode_errors=meta["decode_errors"] + errors, damaged=meta.get("damaged", 0) + damaged)
         if kind == b"DAMG":
@@ -173,6 +175,7 @@ class StreamReader:
         before the driver's stall timer would call it ``stalled``."""
         damaged, errors = self._damage_noted
         self._damage_noted = (damaged + int(meta["damaged"]), errors + int(meta["decode_errors"]))
+        self.withholding = True
         broken_s = float(meta["broken_s"])
         if broken_s + DAMAGE_NOTE_S >= self.config.stall_timeout_s:
             raise SourceUnavailable("every frame damaged for %.1f s (%d withheld, %d reported by the decoder) and "

