@@ -97,6 +97,7 @@ class Outbox:
         self.reserve_bytes = reserve_bytes
         self.in_memory = False
         self._lock = threading.Lock()
+        self._closed = False  # close() ran: figures read after a stop must not touch the closed file
         self._alerts: List[Dict[str, Any]] = []
         self._log = LogLimiter(logger)
         self._acked: Set[int] = set()  # delivered, delete pending (the disk refused it so far)
@@ -338,8 +339,13 @@ class Outbox:
 
     def oldest_age_s(self, now: Optional[float] = None) -> float:
         """Seconds since the oldest undelivered message was put (its ``created`` column, wall clock: kept across
-        restarts); 0 when none waits or the clock went back. One indexed read of a few rows, under the lock."""
+        restarts); 0 when none waits, the clock went back or the outbox is closed (stats read after a stop).
+        One indexed read of a few rows, under the lock."""
+        if len(self) == 0:
+            return 0.0
         with self._lock:
+            if self._closed:
+                return 0.0
             acked = set(self._acked)
             rows = self._conn.execute("SELECT id, created FROM messages ORDER BY id LIMIT ?",
                                       (len(acked) + 1,)).fetchall()
@@ -400,6 +406,7 @@ class Outbox:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._conn.close()
 
     def __enter__(self) -> "Outbox":
