@@ -413,7 +413,10 @@ def test_ctrl_c_ends_cleanly_and_the_same_command_resumes(boxes, mosquitto, tmp_
         mosquitto.url, fleet.prefix, tmp_path, "--canary", "0", "--waves", "1", "--step-timeout", "4",
         "--rollout-id", "ro-i")
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
-    first = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Ctrl-C as in a terminal: a suite started in the background inherits SIGINT ignored, and Python then installs
+    # no KeyboardInterrupt handler (the run finished with exit 5 instead of 130); the child gets the default back.
+    first = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert wait_for(lambda: fleet.box("box-02").commands, timeout=60)
     first.send_signal(signal.SIGINT)
     _, err = first.communicate(timeout=30)
