@@ -64,18 +64,25 @@ def nms(
     if class_ids.shape != (count,):
         raise ValueError(f"class_ids must have shape ({count},), got {class_ids.shape}")
     _, iou, max_det = _check_thresholds(0.0, iou, max_det)
-    if count == 0:
-        return np.zeros(0, np.int64)
+    return _nms_checked(boxes, scores, class_ids, iou, max_det)
 
-    boxes = boxes.astype(np.float64)  # OpenCV's Rect2d; float32 would lose pixels at large class offsets
-    origin = boxes.min()
-    extent = boxes.max() - origin + 1.0
-    offsets = class_ids.astype(np.float64) * extent - origin  # (n,)
-    rects_xywh = np.empty_like(boxes)  # (n, 4): x, y, w, h as OpenCV wants
-    rects_xywh[:, :2] = boxes[:, :2] + offsets[:, None]
-    rects_xywh[:, 2:] = boxes[:, 2:] - boxes[:, :2]
+
+def _nms_checked(
+    boxes_xyxy: np.ndarray, scores: np.ndarray, class_ids: np.ndarray, iou: float, max_det: int
+) -> np.ndarray:
+    """:func:`nms` on arrays and thresholds already checked (the decoders' per-frame path: no re-checks)."""
+    if boxes_xyxy.shape[0] == 0:
+        return np.zeros(0, np.int64)
+    # OpenCV's Rect2d wants float64; float32 would lose pixels at large class offsets.
+    rects_xywh = boxes_xyxy.astype(np.float64)  # (n, 4): x1, y1, x2, y2, turned into x, y, w, h in place
+    origin = rects_xywh.min()
+    extent = rects_xywh.max() - origin + 1.0
+    rects_xywh[:, 2:] -= rects_xywh[:, :2]
+    offsets = class_ids.astype(np.float64) * extent - origin  # (n,): each class its own region of the plane
+    rects_xywh[:, :2] += offsets[:, None]
     # The caller has thresholded already; OpenCV's threshold (it must be >= 0) keeps every positive score.
-    kept = cv2.dnn.NMSBoxes(rects_xywh, scores.astype(np.float32), 0.0, iou)
+    # Lists convert into OpenCV's vectors faster than arrays do, to the same doubles and floats.
+    kept = cv2.dnn.NMSBoxes(rects_xywh.tolist(), scores.tolist(), 0.0, iou)
     return np.asarray(kept, np.int64).reshape(-1)[:max_det]
 
 
@@ -101,7 +108,7 @@ def _suppress(
     boxes_xyxy: np.ndarray, scores: np.ndarray, class_ids: np.ndarray, iou: float, max_det: int
 ) -> np.ndarray:
     """Run NMS over one image's candidates and pack the survivors as (k, 6) detections."""
-    kept = nms(boxes_xyxy, scores, class_ids, iou, max_det)
+    kept = _nms_checked(boxes_xyxy, scores, class_ids, iou, max_det)
     detections = np.empty((kept.size, DETECTION_COLUMNS), np.float32)
     detections[:, :4] = boxes_xyxy[kept]
     detections[:, 4] = scores[kept]
@@ -112,7 +119,7 @@ def _suppress(
 def _check_output(output: Any, task: str, axis: int, leading: int) -> np.ndarray:
     """The raw output as an array of rank 3 with at least one class along ``axis``."""
     output = np.asarray(output)
-    if output.ndim != 3 or output.shape[axis] <= leading or not np.issubdtype(output.dtype, np.floating):
+    if output.ndim != 3 or output.shape[axis] <= leading or output.dtype.kind != "f":
         layout = "(B, 4+nc, N)" if task == "detect-yolov8" else "(B, N, 5+nc)"
         raise ValueError(
             f"output for {task} must be a float array of shape {layout}, got {output.dtype} {output.shape}"
@@ -132,7 +139,7 @@ def decode_yolov8(output: np.ndarray, conf: float, iou: float, max_det: int) -> 
     for image in output:  # (4+nc, N)
         class_scores = image[YOLOV8_BOX_CHANNELS:]  # (nc, N)
         best_scores = class_scores.max(axis=0)  # (N,): a reduction across rows, fast on this layout
-        candidates = _best_candidates(np.flatnonzero(best_scores > conf), best_scores)
+        candidates = _best_candidates(np.nonzero(best_scores > conf)[0], best_scores)
         if candidates.size == 0:
             results.append(empty_detections())
             continue
@@ -156,7 +163,7 @@ def decode_yolov5(output: np.ndarray, conf: float, iou: float, max_det: int) -> 
     results = []
     for image in output:  # (N, 5+nc)
         objectness = image[:, objectness_column]  # (N,)
-        candidates = _best_candidates(np.flatnonzero(objectness > conf), objectness)
+        candidates = _best_candidates(np.nonzero(objectness > conf)[0], objectness)
         picked = image[candidates]  # (k, 5+nc)
         class_scores = (
             picked[:, YOLOV5_LEADING_CHANNELS:] * picked[:, objectness_column : objectness_column + 1]
