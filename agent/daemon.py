@@ -156,8 +156,8 @@ class Daemon:
         from agent.ops.metrics import BoxCollector, EventCounts, MetricsServer
 
         self.metric_events = EventCounts()
-        collector = BoxCollector(self.config.device_id, self._status, self.loop.stats.histograms,
-                                 self.dispatcher.acks, self.metric_events)
+        collector = BoxCollector(self.config.device_id, lambda: self._status(windows=False),  # no percentiles
+                                 self.loop.stats.histograms, self.dispatcher.acks, self.metric_events)
         try:
             return MetricsServer(address, collector)
         except OSError as exc:
@@ -278,10 +278,10 @@ class Daemon:
             "watchdog": self.watchdog.snapshot(),
         }
 
-    def _status(self) -> Dict[str, Any]:
+    def _status(self, windows: bool = True) -> Dict[str, Any]:
         """The ``status`` command's answer, assembled here from each part's own view: the serving loop's figures,
-        the daemon's (as in telemetry), the model's, and who this box is."""
-        info = self.loop.status()
+        the daemon's (as in telemetry), the model's, and who this box is. ``windows``: ServingLoop.status's."""
+        info = self.loop.status(windows)
         info.update(self._telemetry_extras())
         info.update({
             "device_id": self.config.device_id,

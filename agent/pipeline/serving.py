@@ -134,15 +134,15 @@ class ServingLoop:
         stale. As :meth:`pause`: through the handover queue, applied between batches."""
         return self.handover.submit(lambda: self._set_paused(False), timeout, what="resume")
 
-    def status(self) -> Dict[str, Any]:
+    def status(self, windows: bool = True) -> Dict[str, Any]:
         """The loop's own view (any thread): its figures, counters and whether it is paused. Telemetry and the
-        daemon's ``status`` answer are built on it; it holds nothing of the daemon's (memory, MQTT)."""
+        daemon's ``status`` answer are built on it; it holds nothing of the daemon's (memory, MQTT).
+        ``windows=False`` leaves out ``fps`` and ``latency_ms`` (copying and sorting each stage's recent samples
+        under the lock the serving thread takes per frame): the Prometheus endpoint's scrape exports histograms."""
         busy = self.backend.busy_fraction()
-        return {
+        info = {
             "ts": time.time(),
-            "fps": round(self.stats.fps(), 2),
             "frames": self.stats.frames,
-            "latency_ms": self.stats.percentiles(),
             "backend_busy_fraction": None if busy is None else round(busy, 3),
             "queue_depth": self.frames.qsize(),
             "published": self.published,
@@ -152,6 +152,9 @@ class ServingLoop:
             "paused": self._paused,
             "sources": self.sources.counters(),
         }
+        if windows:
+            info.update(fps=round(self.stats.fps(), 2), latency_ms=self.stats.percentiles())
+        return info
 
     @property
     def paused(self) -> bool:
