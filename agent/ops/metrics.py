@@ -13,9 +13,11 @@ prometheus_client is imported here only, and only when the endpoint is configure
 config refuses ``metrics.listen`` where it is not installed (:class:`agent.config.daemon_config.MetricsConfig`).
 """
 
+import functools
 import logging
 import socket
 import threading
+import time
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -137,15 +139,21 @@ class _Builder:
 
     def histogram(self, name: str, doc: str, labels: Mapping[str, str], snapshot: Mapping[str, Any],
                   scale: float = 1.0) -> None:
-        from prometheus_client.utils import floatToGoString
-
         family = self._family("histogram", name, doc, list(labels))
-        buckets = [(floatToGoString(bound * scale), count) for bound, count in snapshot["buckets"]]
+        buckets = [(_bucket_label(bound * scale), count) for bound, count in snapshot["buckets"]]
         family.add_metric([self.device_id] + [str(v) for v in labels.values()], buckets,
                           snapshot["sum"] * scale)
 
     def done(self) -> List[Any]:
         return list(self._families.values())
+
+
+@functools.lru_cache(maxsize=64)  # the bounds are fixed (agent/pipeline/stats.py): formatted once, not per scrape
+def _bucket_label(bound: float) -> str:
+    """A bucket's ``le`` as the client library writes it (``0.005``, ``+Inf``)."""
+    from prometheus_client.utils import floatToGoString
+
+    return floatToGoString(bound)
 
 
 def _sources(b: _Builder, sources: Mapping[str, Mapping[str, Any]]) -> None:
@@ -262,7 +270,8 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class MetricsServer:
-    """The endpoint's HTTP server on its own thread: ``/metrics`` (and any path) answers the registry."""
+    """The endpoint's HTTP server on its own thread: ``/metrics`` (and any path) answers the registry, each request
+    on a thread of its own. :meth:`cpu_s` is what the endpoint has cost in CPU (benchmarks/metrics_cost.py)."""
 
     def __init__(self, address: Tuple[str, int], collector: BoxCollector) -> None:
         client = import_client()
@@ -271,14 +280,42 @@ class MetricsServer:
         self.registry = client.CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         host, port = address
+        self._lock = threading.Lock()
+        self._answers_cpu_s = 0.0
+        count = self._count_answer
 
         class Server(ThreadingWSGIServer):
             address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+            def process_request_thread(self, request: Any, client_address: Any) -> None:
+                started = time.thread_time()  # this request's thread: reading, collecting, writing, closing
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    count(time.thread_time() - started)
 
         self._httpd = make_server(host, port, client.make_wsgi_app(self.registry), Server,
                                   handler_class=_QuietHandler)
         self.address = self._httpd.server_address[:2]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True)
+
+    def _count_answer(self, cpu_s: float) -> None:
+        with self._lock:
+            self._answers_cpu_s += cpu_s
+
+    def cpu_s(self) -> float:
+        """CPU seconds the endpoint has used so far: every answered request's thread, and the listening thread's
+        own clock (accepting, starting a thread per request, waking every half second) where the platform has
+        per-thread clocks (Linux)."""
+        with self._lock:
+            answers = self._answers_cpu_s
+        ident = self._thread.ident
+        if ident is None or not self._thread.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
+            return answers
+        try:
+            return answers + time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except OSError:  # the thread ended between the two lines (a stop)
+            return answers
 
     def start(self) -> None:
         self._thread.start()

@@ -12,6 +12,7 @@ import pytest
 from agent.config.daemon_config import parse_daemon_config
 from agent.config.schema import ConfigError
 from agent.pipeline.stats import LATENCY_BUCKETS_MS, StageStats
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("prometheus_client") is None,
                                 reason="needs prometheus_client (pip install 'atlas-edge[metrics]')")
@@ -193,3 +194,60 @@ def test_the_server_answers_on_loopback_and_stops():
         server.stop()
     with pytest.raises(OSError):
         urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=2)
+
+
+def test_the_collector_reads_no_window_figure_so_a_scrape_need_not_compute_one():
+    """The daemon's scrape asks for its status without ``fps`` and ``latency_ms`` (sorting each stage's recent
+    samples was a third of a scrape's CPU): the exposition must not change for their absence."""
+    windowed = dict(status_answer(), fps=24.5, latency_ms={"infer": {"p50": 12.0, "p90": 14.0, "p99": 20.0}})
+    assert collect_text(windowed) == collect_text(status_answer())
+
+
+def test_the_loop_status_without_windows_sorts_no_samples_and_keeps_every_counter():
+    import queue
+
+    from tests.support.serving_support import Models, Sink, make_loop
+
+    loop = make_loop(Models(None), queue.Queue(), Sink())
+    loop.stats.add({"infer": 12.0})
+    full = loop.status()
+    assert full["latency_ms"]["infer"]["p50"] == 12.0 and "fps" in full
+
+    def no_sorting(*args, **kwargs):
+        raise AssertionError("a status without windows computed percentiles")
+
+    loop.stats.percentiles = no_sorting
+    lean = loop.status(windows=False)
+    assert "latency_ms" not in lean and "fps" not in lean
+    assert set(full) - set(lean) == {"fps", "latency_ms"}
+
+
+def test_the_server_counts_the_cpu_its_answers_cost():
+    """``cpu_s`` (what benchmarks/metrics_cost.py charges the endpoint) holds each request thread's CPU: here a
+    status that burns at least 30 ms of its thread's CPU per scrape."""
+    import time
+
+    from agent.devtools.broker import free_port
+    from agent.ops.metrics import BoxCollector, EventCounts, MetricsServer
+
+    burn_s = 0.03
+
+    def costly_status():
+        started = time.thread_time()
+        while time.thread_time() - started < burn_s:
+            pass
+        return status_answer()
+
+    server = MetricsServer(("127.0.0.1", free_port()), BoxCollector("box-1", costly_status, StageStats().histograms,
+                                                                    dict, EventCounts()))
+    server.start()
+    try:
+        before = server.cpu_s()
+        for _ in range(2):
+            with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % server.address[1], timeout=10) as answer:
+                assert b"atlas_edge_outbox_messages" in answer.read()
+        # the request thread adds its share after the answer's last byte: wait for it, never sleep
+        assert wait_for(lambda: server.cpu_s() - before >= 2 * burn_s), "the answers' CPU was not counted"
+    finally:
+        server.stop()
+    assert server.cpu_s() >= 2 * burn_s  # the answers' share outlives the listening thread
