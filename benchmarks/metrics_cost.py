@@ -1,25 +1,49 @@
-"""What the Prometheus endpoint costs the serving loop (issue 32: at most 2 % of serving throughput).
+"""What the Prometheus endpoint costs the serving process (issue 32: at most 2 % of serving throughput).
 
 The same 1080p frames go through the real :class:`agent.pipeline.serving.ServingLoop` (as in
-:mod:`benchmarks.throughput`) with the endpoint off and on, alternating which goes first, in one run. "On" is the
-daemon's endpoint (:class:`agent.ops.metrics.MetricsServer` with its :class:`~agent.ops.metrics.BoxCollector` over
-the loop's status and histograms) on a loopback port, scraped over HTTP every second by a thread playing
-Prometheus, from the loop's first frame to its last. The backend is a CPU one (OpenCV's DNN by default): the
-scrape competes with the letterbox, decode and the backend for the same cores, the worst case for the endpoint
-(an NPU backend leaves the cores to it).
+:mod:`benchmarks.throughput`) with the endpoint off and on, in pairs whose order alternates (off-on, on-off, ...),
+in one run. "On" is the daemon's endpoint (:class:`agent.ops.metrics.MetricsServer` with its
+:class:`~agent.ops.metrics.BoxCollector` over the loop's status, asked for as the daemon asks, and its histograms)
+on a loopback port, scraped over HTTP every :data:`SCRAPE_INTERVAL_S` by a thread playing Prometheus from before
+the loop's first frame to after its last. The backend is a CPU one (OpenCV's DNN by default): the scrape competes
+with the letterbox, decode and the backend for the same cores, the worst case for the endpoint.
 
-``cost`` is 1 minus the median of the per-round ratios of frames per second on over off. On a machine shared
-with other work that ratio is noisy (each run's spread is in ``ratio_on_to_off``), so the section also reports
-what one scrape costs in CPU, load-independent: ``scrape_cpu_ms``, the thread CPU time of building the whole
-exposition (collector and text) over a loop that has just served a run, and ``scrape_cpu_fraction``, that cost
-at one scrape per second as a fraction of one core: the endpoint's share of the box whatever else runs.
+Why CPU time, not frames per second: a box whose cores are the bottleneck serves ``cores / CPU per frame`` frames
+a second, so the share of the serving process's CPU that goes to the endpoint is the share of throughput it
+takes (a box bound by the GIL instead loses at most the time a scrape holds the GIL, which is at most its CPU
+time). Every figure is read over the serving window (where the loop's clock starts and stops); the scraper
+thread's own CPU (its thread clock) is taken out, since Prometheus runs on another machine.
+
+``cost``, the acceptance figure: the median over the on-runs of the endpoint's CPU (:meth:`MetricsServer.cpu_s`:
+every request thread's CPU, reading, collecting, writing, plus the listening thread's clock) over the process's
+CPU (``time.process_time``: serving loop, backend threads, endpoint). It resolves the bound because it is a
+small quantity measured directly, so a neighbour's load moves it by a small fraction of itself (``cost_ci95``, a
+bootstrap 95 % interval, says how much in this run).
+
+Side by side with the endpoint off, the check that nothing else moves (the serving threads slowed by the scrape's
+locks or caches): ``paired_cpu_cost``, 1 minus the median over the pairs of frames per CPU-second on over off,
+and ``wall_cost`` from frames per second alike (``cpu_ratio_on_to_off``, ``wall_ratio_on_to_off``). On the
+shared 2-core CI machine even CPU per frame moves 10-20 % from one 2-3 s run to the next (steal and a
+neighbour's use of the caches and hyperthreads; there are no instruction counters in its VM), and wall-clock
+pairs spread 0.82-1.17: their 95 % intervals (``paired_cpu_cost_ci95``) are a few percent wide, so they bound
+a hidden cost to within that, and cannot by themselves resolve 2 %.
+
+Scrape interval: the shipped deploy/monitoring/prometheus.yml scrapes every 15 s (Prometheus' default); the bench
+scrapes every second, 15 times as often, so its figure bounds the shipped setup's from above. ``scrapes_per_s``
+is the rate reached inside the serving windows, ``endpoint_cpu_ms_per_scrape`` what each cost.
+
+Load-independent per exposition: ``scrape_cpu_ms``, the thread CPU time of building the whole exposition
+(collector and text, without HTTP) over a loop that has just served a run, and ``scrape_cpu_fraction``, that
+cost at one scrape per second as a fraction of one core.
 """
 
 import logging
 import threading
 import time
 import urllib.request
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from benchmarks import throughput
 from benchmarks.harness import RunContext, summarize, target
@@ -28,78 +52,144 @@ from benchmarks.workload import backend_available, bench_device, camera_frames, 
 log = logging.getLogger(__name__)
 
 TARGET_COST = 0.02  # the issue's bound: the endpoint costs at most 2 % of serving throughput
-SCRAPE_INTERVAL_S = 1.0  # the acceptance test's Prometheus scrape interval
+# 15 times as often as the shipped deploy/monitoring/prometheus.yml (scrape_interval: 15s), as the acceptance test
+SCRAPE_INTERVAL_S = 1.0
 ROUNDS = {"quick": 8, "full": 20}  # pairs of on/off runs: many short ones, the median resists a neighbour's burst
 ROUND_S = {"quick": 2.0, "full": 3.0}  # serving time per run: two or three scrapes each
 CPU_SAMPLES = 20  # expositions timed after each run with the endpoint on
 FRAME_POOL = 8
 BACKEND_ORDER = ("opencv", "onnxruntime", "mindspore")  # CPU backends, the first that runs here
+WARM_S = 1.0  # the warm-up run that sizes the rounds
+BOOTSTRAP = 2000  # resamples of the pairs for cost_ci95
+BOOTSTRAP_SEED = 32
 
 
-def _endpoint(model: Any, scrapes: List[int], cpu_ms: List[float]) -> Callable[[Any], Callable[[], None]]:
-    """``attach`` for :func:`throughput.serve_frames`: the endpoint over ``loop`` and a 1 s scraper; after the
-    run, the thread CPU time of :data:`CPU_SAMPLES` expositions goes to ``cpu_ms``."""
-    from prometheus_client import generate_latest
+def _thread_cpu_s(thread: Optional[threading.Thread]) -> float:
+    """CPU seconds ``thread`` has used so far (its own clock; Linux); 0 for no thread."""
+    if thread is None or thread.ident is None:
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
-    from agent.devtools.broker import free_port
-    from agent.ops.metrics import BoxCollector, EventCounts, MetricsServer
 
-    def attach(loop: Any) -> Callable[[], None]:
-        def status() -> Dict[str, Any]:  # what the daemon's status answer holds of the loop and the model
-            return dict(loop.status(), backend=model.backend_name, model=model.describe(), slots={"serving": "a"})
+class _Run:
+    """``attach`` for :func:`throughput.serve_frames`: the endpoint and its scraper when ``endpoint``; either
+    way the serving window's process CPU time (less the scraper's) and wall time, read where the loop's clock
+    starts and stops. After a run with the endpoint, the thread CPU time of :data:`CPU_SAMPLES` expositions
+    goes to ``expositions_ms``."""
 
-        server = MetricsServer(("127.0.0.1", free_port()), BoxCollector("bench", status, loop.stats.histograms,
-                                                                         dict, EventCounts()))
-        server.start()
+    def __init__(self, model: Any, endpoint: bool, expositions_ms: List[float]) -> None:
+        self.model, self.endpoint, self.expositions_ms = model, endpoint, expositions_ms
+        self.cpu_s = self.wall_s = self.endpoint_cpu_s = 0.0
+        self.scrapes = 0  # completed inside the window
+        self._done = 0  # completed by the scraper thread so far
+
+    def attach(self, loop: Any) -> Callable[[], None]:
+        server = scraper = None
         stop = threading.Event()
-        url = "http://127.0.0.1:%d/metrics" % server.address[1]
-
-        def scrape() -> None:
-            while True:
-                with urllib.request.urlopen(url, timeout=10) as answer:
-                    answer.read()
-                scrapes[0] += 1
-                if stop.wait(SCRAPE_INTERVAL_S):
-                    return
-
-        scraper = threading.Thread(target=scrape, name="bench-scraper", daemon=True)
-        scraper.start()
+        if self.endpoint:
+            server = _start_endpoint(loop, self.model)
+            url = "http://127.0.0.1:%d/metrics" % server.address[1]
+            scraper = threading.Thread(target=self._scrape, args=(url, stop), name="bench-scraper", daemon=True)
+            scraper.start()
+        begin = self._clocks(scraper, server)
 
         def detach() -> None:
+            end = self._clocks(scraper, server)
             stop.set()
-            scraper.join(30)
-            server.stop()
-            for _ in range(CPU_SAMPLES):
-                started = time.thread_time()
-                generate_latest(server.registry)
-                cpu_ms.append((time.thread_time() - started) * 1e3)
+            if scraper is not None:
+                scraper.join(30)
+            if server is not None:
+                server.stop()
+                self._time_expositions(server)
+            self.cpu_s = (end[0] - begin[0]) - (end[1] - begin[1])
+            self.wall_s, self.scrapes, self.endpoint_cpu_s = end[2] - begin[2], end[3] - begin[3], end[4] - begin[4]
 
         return detach
 
-    return attach
+    def _clocks(self, scraper: Optional[threading.Thread], server: Any) -> Tuple[float, float, float, int, float]:
+        """Process CPU, the scraper's CPU, wall clock, scrapes done, the endpoint's CPU."""
+        endpoint = 0.0 if server is None else server.cpu_s()
+        return time.process_time(), _thread_cpu_s(scraper), time.perf_counter(), self._done, endpoint
+
+    def _scrape(self, url: str, stop: threading.Event) -> None:
+        while True:
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                answer.read()
+            self._done += 1
+            if stop.wait(SCRAPE_INTERVAL_S):
+                return
+
+    def _time_expositions(self, server: Any) -> None:
+        from prometheus_client import generate_latest
+
+        for _ in range(CPU_SAMPLES):
+            started = time.thread_time()
+            generate_latest(server.registry)
+            self.expositions_ms.append((time.thread_time() - started) * 1e3)
+
+
+def _start_endpoint(loop: Any, model: Any) -> Any:
+    """The daemon's endpoint over ``loop``: its status as the daemon's collector asks for it (no window figures,
+    agent/daemon.py), with the backend, model and slot the daemon adds."""
+    from agent.devtools.broker import free_port
+    from agent.ops.metrics import BoxCollector, EventCounts, MetricsServer
+
+    def status() -> Dict[str, Any]:
+        return dict(loop.status(windows=False), backend=model.backend_name, model=model.describe(),
+                    slots={"serving": "a"})
+
+    server = MetricsServer(("127.0.0.1", free_port()), BoxCollector("bench", status, loop.stats.histograms, dict,
+                                                                    EventCounts()))
+    server.start()
+    return server
+
+
+def _serve(model: Any, frames: List[Any], count: int, endpoint: bool, expositions_ms: List[float]) -> _Run:
+    run = _Run(model, endpoint, expositions_ms)
+    throughput.serve_frames(model, frames, count, attach=run.attach)
+    return run
+
+
+def _ci95(values: List[float], of: Callable[[np.ndarray], np.ndarray]) -> List[float]:
+    """Bootstrap 95 % interval of ``of(median of values)``, [low, high]: what the run's own scatter allows."""
+    data = np.asarray(values)
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    figures = of(np.median(rng.choice(data, (BOOTSTRAP, data.size)), axis=1))
+    return [float(v) for v in np.percentile(figures, [2.5, 97.5])]
 
 
 def measure(model: Any, frames: List[Any], count: int, rounds: int) -> Dict[str, Any]:
-    ratios: List[float] = []
-    on_fps: List[float] = []
-    off_fps: List[float] = []
-    cpu_ms: List[float] = []
-    scrapes = [0]  # the scraper thread counts here
-    attach = _endpoint(model, scrapes, cpu_ms)
+    """``rounds`` pairs, off-on then on-off: the endpoint's share of each on-run's CPU, and per pair the ratios
+    on/off of frames per CPU-second and of frames per second."""
+    cpu_ratios: List[float] = []
+    wall_ratios: List[float] = []
+    runs: Dict[bool, List[_Run]] = {False: [], True: []}
+    expositions_ms: List[float] = []
     for index in range(rounds):
-        if index % 2:
-            on = throughput.serve_frames(model, frames, count, attach=attach)["fps"]
-            off = throughput.serve_frames(model, frames, count)["fps"]
-        else:
-            off = throughput.serve_frames(model, frames, count)["fps"]
-            on = throughput.serve_frames(model, frames, count, attach=attach)["fps"]
-        ratios.append(on / off)
-        on_fps.append(on)
-        off_fps.append(off)
-    ratio, cpu = summarize(ratios), summarize(cpu_ms)
-    return {"cost": 1.0 - ratio["median"], "ratio_on_to_off": ratio, "scrape_cpu_ms": cpu,
-            "scrape_cpu_fraction": cpu["median"] / 1e3 / SCRAPE_INTERVAL_S, "fps_on": summarize(on_fps),
-            "fps_off": summarize(off_fps), "scrapes": scrapes[0], "frames_per_run": count, "rounds": rounds}
+        pair = {}
+        for endpoint in ((True, False) if index % 2 else (False, True)):
+            pair[endpoint] = run = _serve(model, frames, count, endpoint, expositions_ms)
+            runs[endpoint].append(run)
+        cpu_ratios.append(pair[False].cpu_s / pair[True].cpu_s)  # same frames: frames per CPU-second on / off
+        wall_ratios.append(pair[False].wall_s / pair[True].wall_s)
+    on_runs, off_runs = runs[True], runs[False]
+    shares = [r.endpoint_cpu_s / r.cpu_s for r in on_runs]
+    share, cpu, wall, exposition = (summarize(v) for v in (shares, cpu_ratios, wall_ratios, expositions_ms))
+    scrapes = sum(r.scrapes for r in on_runs)
+    return {
+        "cost": share["median"], "cost_ci95": _ci95(shares, lambda m: m), "endpoint_cpu_share": share,
+        "paired_cpu_cost": 1.0 - cpu["median"], "paired_cpu_cost_ci95": _ci95(cpu_ratios, lambda m: 1.0 - m),
+        "cpu_ratio_on_to_off": cpu, "wall_cost": 1.0 - wall["median"], "wall_ratio_on_to_off": wall,
+        "cpu_ms_per_frame_on": summarize([1e3 * r.cpu_s / count for r in on_runs]),
+        "cpu_ms_per_frame_off": summarize([1e3 * r.cpu_s / count for r in off_runs]),
+        "cores_busy_off": summarize([r.cpu_s / r.wall_s for r in off_runs]),  # 1.0 = one core's worth of CPU
+        "fps_on": summarize([count / r.wall_s for r in on_runs]),
+        "fps_off": summarize([count / r.wall_s for r in off_runs]),
+        "scrapes": scrapes, "scrapes_per_s": scrapes / sum(r.wall_s for r in on_runs),
+        "endpoint_cpu_ms_per_scrape": 1e3 * sum(r.endpoint_cpu_s for r in on_runs) / max(scrapes, 1),
+        "scrape_cpu_ms": exposition, "scrape_cpu_fraction": exposition["median"] / 1e3 / SCRAPE_INTERVAL_S,
+        "frames_per_run": count, "rounds": rounds,
+    }
 
 
 def run(context: RunContext) -> Dict[str, Any]:
@@ -111,18 +201,23 @@ def run(context: RunContext) -> Dict[str, Any]:
     frames = camera_frames(FRAME_POOL)
     model = open_model(bundle, bench_device(context.threads, context.device), backend, 1)
     try:
-        started = time.perf_counter()
-        warm = throughput.serve_frames(model, frames, 20)["fps"]
-        log.debug("metrics warm-up: %.1f fps in %.1f s", warm, time.perf_counter() - started)
+        cold = throughput.serve_frames(model, frames, 20)["fps"]  # the first frames are slow: size on a warm run
+        warm = throughput.serve_frames(model, frames, max(20, int(cold * WARM_S)))["fps"]
+        log.debug("metrics warm-up: %.1f fps cold, %.1f warm", cold, warm)
         count = max(20, int(warm * ROUND_S[profile]))
         result = measure(model, frames, count, ROUNDS[profile])
     finally:
         model.close()
     result.update(backend=backend, scrape_interval_s=SCRAPE_INTERVAL_S, bundle=bundle.label)
-    log.info("metrics endpoint on %s: %.1f vs %.1f fps (on/off %.4f, cost %.2f%%, %d scrapes); a scrape %.2f ms "
-             "CPU (%.3f%% of a core at 1/s)", backend, result["fps_on"]["median"], result["fps_off"]["median"],
-             result["ratio_on_to_off"]["median"], 100 * result["cost"], result["scrapes"],
-             result["scrape_cpu_ms"]["median"], 100 * result["scrape_cpu_fraction"])
+    log.info("metrics endpoint on %s: %.3f%% of the serving CPU (95%% CI %.3f..%.3f%%, %.2f ms a scrape, %d "
+             "scrapes, %.2f/s); side by side: CPU per frame %.2f vs %.2f ms (paired cost %.2f%%, 95%% CI "
+             "%.2f..%.2f%%), %.1f vs %.1f fps (wall cost %.2f%%); an exposition %.2f ms CPU", backend,
+             100 * result["cost"], 100 * result["cost_ci95"][0], 100 * result["cost_ci95"][1],
+             result["endpoint_cpu_ms_per_scrape"], result["scrapes"], result["scrapes_per_s"],
+             result["cpu_ms_per_frame_on"]["median"], result["cpu_ms_per_frame_off"]["median"],
+             100 * result["paired_cpu_cost"], 100 * result["paired_cpu_cost_ci95"][0],
+             100 * result["paired_cpu_cost_ci95"][1], result["fps_on"]["median"], result["fps_off"]["median"],
+             100 * result["wall_cost"], result["scrape_cpu_ms"]["median"])
     return result
 
 
