@@ -1,15 +1,24 @@
 """``quant`` section: does quantization pay where it runs? Per model (the demo detector, a YOLOv8n-shaped
 stand-in), side by side in one run: onnxruntime float and int8 (the QAT scales, and onnxruntime's own PTQ),
 cv2.dnn float and MindSpore Lite float (the Lite lane, benchmarks/lite_lane.py), each through the agent's own
-backend and preprocessing: inference ms (a filled input) and whole-frame ms (letterbox of a 1080p frame into the
-input, inference, decode) at 1 and 2 threads, file bytes, and mAP@0.5 on the QAT run's held-out split (demo) or
-detection agreement with onnxruntime float (stand-in).
+backend and preprocessing: inference ms (a filled input) and whole-frame ms at 1 and 2 threads, file bytes, and
+mAP@0.5 on the QAT run's held-out split (demo) or detection agreement with onnxruntime float (stand-in).
+
+*Whole frame* is the box's per-frame path for one frame, the same in every lane: ``BatchPreprocessor.fill`` (the
+one letterbox, resizing the camera frame straight into the lane's preallocated input: uint8 BGR NHWC where the
+model takes it, else the host-normalised float32 NCHW), ``Backend.infer`` (its checks and the runtime's call),
+and ``postprocess.decode`` (threshold, class-aware NMS); not the box mapping or the result payload. The frames
+are 1080 rows tall with the tier's aspect (:func:`benchmarks.workload.frame_hw_for_tier`): for the demo's
+256x256 tier 1080x1080, which fills the whole input, the most resize work a 1080-row camera costs there.
+Issue 28's prototype measured 1920x1080 frames (letterboxed to 256x144 plus padding: about 40 % of that resize);
+those are timed too, demo at 1 thread, and reported beside (``frame_ratio_to_float_1920x1080``, no target).
 
 The in-process lanes are timed round-robin (:func:`benchmarks.harness.compare`), so each ratio to onnxruntime
 float is a median of per-round ratios; the Lite lane runs in its own interpreter, so ratios to it are ratios of
 medians. Headline keys (demo, 1 thread): ``size_ratio`` (int8 bytes / float ONNX bytes),
 ``infer_ratio_to_float`` and ``frame_ratio_to_float`` (int8 / onnxruntime float), ``frame_ratio_to_lite``,
-``frame_ratio_to_opencv``, ``map_int8`` (the int8 lane's mAP), ``map_qat_report`` (the bundle's report.json).
+``frame_ratio_to_opencv``, ``map_int8`` (the int8 lane's mAP), ``map_qat_report`` (the bundle's report.json),
+``frame_hw`` (the frames' height and width).
 The int8 lane is the QAT one when the bundle has it, else the PTQ one (``int8_lane`` says which).
 """
 
@@ -29,9 +38,10 @@ log = logging.getLogger(__name__)
 
 THREADS = (1, 2)
 REFERENCES = {"ort_float": "float", "opencv_float": "opencv", "lite_float": "lite"}  # lane -> ratio key suffix
-FRAMES = 4  # distinct 1080p frames cycled through the whole-frame timing
+FRAMES = 4  # distinct camera frames cycled through the whole-frame timing
 MAP_IMAGES = 300  # the QAT run's held-out split (quant/examples/shapes.yaml test_count), as its report's mAP
 DEMO_DATA_SEED = 1  # quant/examples/shapes.yaml data.seed
+WIDE_KEY = "threads_1_frames_1920x1080"  # a lane's whole-frame figures on CAMERA_HW frames (demo, 1 thread)
 STANDIN_AGREEMENT_FRAMES = {"quick": 2, "full": 6}
 # (warm-up, timed rounds) per lane for a 640x640 model: a YOLOv8n takes 0.1-0.8 s a call on 2 shared cores
 HEAVY_ROUNDS = {"quick": (1, 4), "full": (2, 15)}
@@ -77,7 +87,7 @@ def _demo_dir(context: Any) -> str:
 # --- one model -------------------------------------------------------------------------------------------------
 
 def measure_model(model: ModelUnderTest, context: Any) -> Dict[str, Any]:
-    from benchmarks.workload import camera_frames, frame_hw_for_tier
+    from benchmarks.workload import CAMERA_HW, camera_frames, frame_hw_for_tier
 
     frames = camera_frames(FRAMES, frame_hw_for_tier(model.tier))
     lanes: Dict[str, Dict[str, Any]] = {lane.name: {"backend": lane.backend, "precision": lane.precision,
@@ -88,7 +98,10 @@ def measure_model(model: ModelUnderTest, context: Any) -> Dict[str, Any]:
     for threads in THREADS:
         for name, figures in time_lanes(model, frames, threads, context.profile).items():
             lanes[name]["threads"][str(threads)] = figures
-    if model.key == "demo":
+    if model.key == "demo":  # issue 28's prototype's frames, beside the tier-shaped ones
+        wide = time_lanes(model, camera_frames(FRAMES, CAMERA_HW), 1, context.profile)
+        for name, figures in wide.items():
+            lanes[name][WIDE_KEY] = {k: v for k, v in figures.items() if k.startswith("frame_")}
         for lane in model.lanes:
             lanes[lane.name]["map50"] = demo_map(model, lane)
     else:
@@ -97,7 +110,8 @@ def measure_model(model: ModelUnderTest, context: Any) -> Dict[str, Any]:
             lanes[lane.name]["agreement_with_ort_float"] = agreement(model, lane, agreement_frames)
     lanes["lite_float"] = _lite_lane(model, context)
     _lite_ratios(lanes)
-    return {"label": model.label, "tier": list(model.tier), "task": model.task, "lanes": lanes,
+    return {"label": model.label, "tier": list(model.tier), "frame_hw": list(frames[0].shape[:2]),
+            "task": model.task, "lanes": lanes,
             "skipped": model.skipped, "notes": model.notes}
 
 
@@ -293,6 +307,8 @@ def headline(demo: Dict[str, Any], bundle_dir: str) -> Dict[str, Any]:
         "frame_ratio_to_float": get_path(lanes[int8], one + "frame_ratio_to_float"),
         "frame_ratio_to_lite": get_path(lanes[int8], one + "frame_ratio_to_lite"),
         "frame_ratio_to_opencv": get_path(lanes[int8], one + "frame_ratio_to_opencv"),
+        "frame_ratio_to_float_1920x1080": get_path(lanes[int8], WIDE_KEY + ".frame_ratio_to_float"),
+        "frame_hw": demo.get("frame_hw"),
         "map_int8": lanes[int8].get("map50"),
         "map_float": lanes["ort_float"].get("map50"),
         "map_qat_report": qat_map,
