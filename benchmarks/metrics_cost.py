@@ -3,10 +3,11 @@
 The same 1080p frames go through the real :class:`agent.pipeline.serving.ServingLoop` (as in
 :mod:`benchmarks.throughput`) with the endpoint off and on, in pairs whose order alternates (off-on, on-off, ...),
 in one run. "On" is the daemon's endpoint (:class:`agent.ops.metrics.MetricsServer` with its
-:class:`~agent.ops.metrics.BoxCollector` over the loop's status, asked for as the daemon asks, and its histograms)
-on a loopback port, scraped over HTTP every :data:`SCRAPE_INTERVAL_S` by a thread playing Prometheus from before
-the loop's first frame to after its last. The backend is a CPU one (OpenCV's DNN by default): the scrape competes
-with the letterbox, decode and the backend for the same cores, the worst case for the endpoint.
+:class:`~agent.ops.metrics.BoxCollector` over the loop's status, asked for as the daemon asks, and its histograms,
+with what the daemon's status adds: four cameras' health, transport, memory, watchdog and NPU) on a loopback
+port, scraped over HTTP every :data:`SCRAPE_INTERVAL_S` by a thread playing Prometheus from before the loop's
+first frame to after its last. The backend is a CPU one (OpenCV's DNN by default): the scrape competes with the
+letterbox, decode and the backend for the same cores, the worst case for the endpoint.
 
 Why CPU time, not frames per second: a box whose cores are the bottleneck serves ``cores / CPU per frame`` frames
 a second, so the share of the serving process's CPU that goes to the endpoint is the share of throughput it
@@ -37,6 +38,7 @@ Load-independent per exposition: ``scrape_cpu_ms``, the thread CPU time of build
 cost at one scrape per second as a fraction of one core.
 """
 
+import functools
 import logging
 import threading
 import time
@@ -60,6 +62,17 @@ CPU_SAMPLES = 20  # expositions timed after each run with the endpoint on
 FRAME_POOL = 8
 BACKEND_ORDER = ("opencv", "onnxruntime", "mindspore")  # CPU backends, the first that runs here
 WARM_S = 1.0  # the warm-up run that sizes the rounds
+CAMERAS = 4  # sources in the status the endpoint exports: 13 series each (frames, drops, states, age)
+# What the daemon's status adds to the loop's (agent/daemon.py _telemetry_extras), as fixed figures: the series
+# of the transport, memory, watchdog and NPU are in the exposition, as on a box
+DAEMON_FIGURES: Dict[str, Any] = {
+    "mqtt": {"outbox_messages": 0, "outbox_bytes": 0, "outbox_oldest_age_s": 0.0, "connected": True,
+             "broker": ["10.0.0.2", 1883], "dropped_by_reason": {"dropped_oldest": 0, "expired": 0}},
+    "rss_mb": 180.0, "workers_rss_mb": {"cam%d" % i: 60.0 for i in range(CAMERAS)},
+    "watchdog": {"rss_slope_mb_per_hour": 0.1, "restart_requested": None, "no_input": False},
+    "npu_chip": {"id": 0, "utilization": 40.0, "temperature": 55.0, "power": 12.0},
+    "npu_memory_mb": {"used": 900.0, "total": 8192.0},
+}
 BOOTSTRAP = 2000  # resamples of the pairs for cost_ci95
 BOOTSTRAP_SEED = 32
 
@@ -81,6 +94,7 @@ class _Run:
         self.model, self.endpoint, self.expositions_ms = model, endpoint, expositions_ms
         self.cpu_s = self.wall_s = self.endpoint_cpu_s = 0.0
         self.scrapes = 0  # completed inside the window
+        self.exposition_bytes = 0
         self._done = 0  # completed by the scraper thread so far
 
     def attach(self, loop: Any) -> Callable[[], None]:
@@ -124,19 +138,41 @@ class _Run:
 
         for _ in range(CPU_SAMPLES):
             started = time.thread_time()
-            generate_latest(server.registry)
+            self.exposition_bytes = len(generate_latest(server.registry))
             self.expositions_ms.append((time.thread_time() - started) * 1e3)
+
+
+@functools.lru_cache(maxsize=1)
+def _cameras() -> Tuple[Any, ...]:
+    """The health of :data:`CAMERAS` sources that are up and have published (the bench's loop has none); made
+    once per run of the bench."""
+    from agent.pipeline.sources.health import SourceHealth
+
+    cameras = []
+    for index in range(CAMERAS):
+        health = SourceHealth("cam%d" % index, "rtsp://viewer:secret@10.0.0.%d/live" % (10 + index))
+        for age_ms in range(100, 160, 3):
+            health.frame_in()
+            health.frame_out()
+            health.published(float(age_ms))
+        cameras.append(health)
+    return tuple(cameras)
 
 
 def _start_endpoint(loop: Any, model: Any) -> Any:
     """The daemon's endpoint over ``loop``: its status as the daemon's collector asks for it (no window figures,
-    agent/daemon.py), with the backend, model and slot the daemon adds."""
+    agent/daemon.py), with what the daemon adds: backend, model and slot, :data:`DAEMON_FIGURES`, and
+    :data:`CAMERAS` sources' health (each read at every scrape, as the daemon reads its sources')."""
     from agent.devtools.broker import free_port
     from agent.ops.metrics import BoxCollector, EventCounts, MetricsServer
 
+    cameras = _cameras()
+
     def status() -> Dict[str, Any]:
-        return dict(loop.status(windows=False), backend=model.backend_name, model=model.describe(),
-                    slots={"serving": "a"})
+        info = dict(loop.status(windows=False), **DAEMON_FIGURES)
+        info.update(backend=model.backend_name, model=model.describe(), slots={"serving": "a"},
+                    sources={health.name: health.report() for health in cameras})
+        return info
 
     server = MetricsServer(("127.0.0.1", free_port()), BoxCollector("bench", status, loop.stats.histograms, dict,
                                                                     EventCounts()))
@@ -187,7 +223,8 @@ def measure(model: Any, frames: List[Any], count: int, rounds: int) -> Dict[str,
         "fps_off": summarize([count / r.wall_s for r in off_runs]),
         "scrapes": scrapes, "scrapes_per_s": scrapes / sum(r.wall_s for r in on_runs),
         "endpoint_cpu_ms_per_scrape": 1e3 * sum(r.endpoint_cpu_s for r in on_runs) / max(scrapes, 1),
-        "scrape_cpu_ms": exposition, "scrape_cpu_fraction": exposition["median"] / 1e3 / SCRAPE_INTERVAL_S,
+        "exposition_bytes": on_runs[-1].exposition_bytes, "scrape_cpu_ms": exposition,
+        "scrape_cpu_fraction": exposition["median"] / 1e3 / SCRAPE_INTERVAL_S,
         "frames_per_run": count, "rounds": rounds,
     }
 
