@@ -57,7 +57,9 @@ class Intake:
         self.heard: Dict[str, float] = {}  # device -> monotonic time of its latest live message (delivery.py)
         self.status_heard: Dict[str, float] = {}  # device -> monotonic time of its latest live status
         self.acked_at: Dict[Tuple[str, str], float] = {}  # (device, request id) -> when its final ack arrived
+        self.echoed: Dict[str, float] = {}  # mark -> monotonic time the operator's own marked message came back
         self._subscribed: Set[str] = set()
+        self._echo_topics: Set[str] = set()
         self._forged_seen: Set[Tuple[str, str, str]] = set()  # (device, request id, code) logged this run
 
     def finish(self, state: RolloutState, device: str, outcome: Outcome, error: Optional[str],
@@ -80,6 +82,13 @@ class Intake:
         if topics:
             self.link.subscribe(topics)  # before publishing: an ack cannot be missed
 
+    def watch_echo(self, topic: str) -> None:
+        """Subscribe to ``topic``, one the operator publishes on, so that its own messages there come back
+        (``delivery.Barrier``); LinkError if the broker refuses."""
+        if topic not in self._echo_topics:
+            self.link.subscribe([topic])
+            self._echo_topics.add(topic)
+
     def pump(self, state: Optional[RolloutState]) -> None:
         """Read what arrived (at least one poll interval), folding status and acks in; then a cancel request."""
         message = self.link.get(POLL_S)
@@ -90,6 +99,12 @@ class Intake:
             self._check_cancel(state)
 
     def _apply(self, state: Optional[RolloutState], message: Message) -> None:
+        if message.topic in self._echo_topics:  # the operator's own message back: when the broker passed it on
+            body = message.json()
+            mark = body.get("mark") if isinstance(body, dict) else None
+            if isinstance(mark, str):
+                self.echoed.setdefault(mark, self.monotonic())
+            return
         parts = split_device_topic(self.spec.prefix, message.topic)
         if parts is not None and len(parts[1]) == 2 and parts[1][0] == ACK and state is not None:
             self._on_ack(state, parts[0], parts[1][1], message)

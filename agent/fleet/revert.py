@@ -10,10 +10,13 @@ that was sent a deploy is followed until it is back or *proven unmoved*, whateve
   to announce itself every :data:`ASK_EVERY_S`), and is rolled back when none comes within
   :data:`STATUS_WAIT_S` (half ``--revert-timeout`` if less): its own ack says it switched;
 - is proven unmoved when a live, well-formed status serves its old model with nothing pending *and* its deploy
-  is over: a final ack to it, or, when this run saw no ack to it at all, the deploy missed
-  (:mod:`agent.fleet.delivery`) or the step timeout passed. A box that acked its deploy (``accepted``,
-  ``in_progress``) without a final answer is still running it, past any timeout (a late ack): it is followed
-  until that answer or a status showing the switch (then rolled back), or until ``--revert-timeout``.
+  is over: a final ack to it, or, when this run saw no ack to it at all, a word from the box read after the
+  revert's barrier (:class:`agent.fleet.delivery.Barrier`: published after the box read, or lost, every
+  deploy), never a clock: the operator reads seconds behind a large fleet, and a status the box published just
+  before it read its deploy can arrive past the step timeout with its acks behind it. A box that acked its
+  deploy (``accepted``, ``in_progress``) without a final answer is still running it, past any timeout (a late
+  ack): it is followed until that answer or a status showing the switch (then rolled back), or until
+  ``--revert-timeout``.
 
 A rollback never goes to an unmoved box: with nothing pending a box's rollback restores its standby, an older
 model. The rollback request is journaled before it is sent, so a re-run after a kill sends the same request id
@@ -23,7 +26,7 @@ from (:mod:`agent.fleet.delivery`).
 
 from typing import Any, Callable, Dict, Optional
 
-from agent.fleet.delivery import Delivery
+from agent.fleet.delivery import Barrier, Delivery
 from agent.fleet.intake import Intake
 from agent.fleet.journal import RolloutState
 from agent.fleet.plan import request_id
@@ -51,6 +54,7 @@ class Reverter:
         self.spec = intake.spec
         self._asked = float("-inf")
         self._since: Dict[str, float] = {}  # device -> when this run began waiting for a status newer than its ack
+        self.barrier = Barrier(intake)  # from when a box's word postdates every deploy sent before this pass
 
     def run(self) -> None:
         state, intake = self.state, self.intake
@@ -61,6 +65,7 @@ class Reverter:
         intake.progress("following %d box(es) that were sent a deploy: each one that moved is rolled back"
                         % len(waiting))
         intake.subscribe_acks(waiting)
+        self.barrier.start()  # after every deploy: no deploy is sent once the rollout stopped
         deadline = intake.monotonic() + self.spec.revert_timeout_s
         while waiting and intake.monotonic() < deadline:
             for device in list(waiting):
@@ -87,7 +92,7 @@ class Reverter:
     def _ask(self) -> None:
         """Ask the group to announce itself (at most every ASK_EVERY_S): a box that publishes no status of its
         own after a switch still answers this."""
-        if self.intake.monotonic() - self._asked >= ASK_EVERY_S:
+        if self.intake.monotonic() - max(self._asked, self.barrier.marked) >= ASK_EVERY_S:  # a mark asks too
             self._asked = self.intake.monotonic()
             self.intake.link.publish(announce_topic(self.spec.prefix, self.spec.group),
                                      {"ts": self.intake.clock()})
@@ -155,6 +160,26 @@ class Reverter:
         ack = intake.acks.get((device, rid))
         if ack is not None:  # it read the deploy: it runs until its final answer, however late (never the timeout)
             return False if ack.state in FINAL_STATES else None
+        return self._never_read(device, box)
+
+    def _never_read(self, device: str, box: BoxRecord) -> Optional[bool]:
+        """No word on its ack topic: False (unmoved) once it spoke after its deploy had certainly reached it.
+
+        Not when it was heard a while after the send, nor past the step timeout: the operator reads behind the
+        boxes, and a status published before the box read its deploy can be read after both with the box's
+        acks still queued behind it (:class:`agent.fleet.delivery.Barrier`). Without the barrier (a broker that
+        does not echo), the clocks: heard ``RESEND_AFTER_S`` after the send (``Delivery.missed``), or past the
+        step timeout."""
+        intake = self.intake
+        since = self.barrier.since()
+        if since is not None:
+            if intake.heard.get(device, float("-inf")) >= since:
+                return False
+            self._ask()  # it missed the mark's announce (away): asked again
+            return None
+        if self.barrier.usable:
+            return None
+        rid = box.request_id or ""
         ended = self.delivery.missed(device, rid) or intake.clock() - (box.sent_at or 0.0) > self.spec.step_timeout
         return False if ended else None
 

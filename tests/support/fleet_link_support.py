@@ -25,8 +25,10 @@ class SimulatedLink:
     """
 
     def __init__(self, statuses, answer=lambda topic, payload: [], step=0.0, start=0.0, offset=0.0,
-                 lose_at=None):
+                 lose_at=None, lag=0.0):
         self.mono = start
+        self.lag = lag  # what the operator publishes on a topic it subscribed to comes back this much later
+        self.subscribed = set()
         self.start = start
         self.step = step
         self.offset = offset
@@ -43,10 +45,16 @@ class SimulatedLink:
         return WALL0 + self.offset + self.mono + (self.step if stepped else 0.0)
 
     def subscribe(self, topics):
-        return None
+        self.subscribed.update(topics)
 
     def publish(self, topic, payload):
         self.published.append((self.mono, topic))
+        if topic in self.subscribed:  # a broker sends a client's own message back to its subscription (no wildcards)
+            echo = Message(topic, json.dumps(payload).encode(), False)
+            if self.lag:
+                self.later.append((self.mono + self.lag, echo))
+            else:
+                self.queue.append(echo)
         self.queue.extend(self.answer(topic, payload))
 
     def get(self, timeout):

@@ -221,6 +221,60 @@ def test_a_rollback_missed_by_a_flapping_box_is_sent_again_while_it_is_there_not
     assert state.boxes["box-1"].revert.state == RevertState.SUCCEEDED, state.boxes["box-1"].revert
 
 
+def test_a_deploy_whose_acks_lag_behind_an_older_status_is_not_called_unmoved(tmp_path):
+    # Simulated time, no broker. Once the deploys are out, everything reaches the operator 3 s late (the 1,000-box
+    # run's operator read its queue up to 3.3 s behind the boxes). box-0 fails at once (--max-failures 0 aborts).
+    # box-1 came back (a status: old model) just before its deploy was sent: that status arrives 2.5 s after the
+    # send, its acks and its switch 3 s after, past --step-timeout and RESEND_AFTER_S. box-2 never got its deploy
+    # (it was away) and answers announces. A revert that took the stale status, or the step timeout, for proof called
+    # box-1 unmoved and left it on the new model (the acceptance run's flapping box-0385). Failed on the engine
+    # before the fix: no rollback was sent.
+    lag = 3.0
+    rollbacks = []
+    serves = dict.fromkeys(("box-0", "box-1", "box-2"), (OLD_MODEL, "a", "confirmed"))
+    link = None
+
+    def late(*messages, after=0.0):
+        link.later.extend((link.mono + lag + after, m) for m in messages)
+        return []
+
+    def answer(topic, payload):
+        device, verb = topic.split("/")[1], topic.rsplit("/", 1)[1]
+        if verb == "announce":
+            statuses = [status_of(d, *serves[d]) for d in sorted(serves)]
+            return late(*statuses) if link.lag else statuses
+        if verb == "rollback":
+            rollbacks.append(device)
+            serves[device] = (OLD_MODEL, "a", "confirmed")
+            body = {"request_id": payload["request_id"], "verb": "rollback", "state": SUCCEEDED,
+                    "result": {"model": OLD_MODEL}}
+            return late(Message(topic.replace("/cmd/rollback", "/ack/" + payload["request_id"]),
+                                json.dumps(body).encode(), False), status_of(device, *serves[device]))
+        if verb != "deploy":
+            return []
+        link.lag = lag  # the operator's own announces come back as late as the boxes' answers
+        if device == "box-0":
+            return [_ack(device, payload, FAILED, error={"code": "golden_mismatch", "message": "off"})]
+        if device == "box-1":
+            late(status_of(device, OLD_MODEL, "a", "confirmed"), after=-0.5)  # its return, just before the deploy
+            late(_ack(device, payload, "accepted"))
+            serves[device] = (NEW_MODEL, "b", "pending")
+            late(_ack(device, payload, SUCCEEDED, result={"model": NEW_MODEL}), status_of(device, *serves[device]),
+                 after=0.2)
+        return []  # box-2: away, its deploy lost
+
+    link = SimulatedLink({d: _online(d) for d in serves}, answer=answer)
+    spec = RolloutSpec(group="sim", bundle="b.tar.gz", sha256=SIM_SHA, prefix=SIM_PREFIX, canary=0, waves=1,
+                       max_failures=0, rollback_on_abort=True, step_timeout_s=2.0, revert_timeout_s=60.0)
+    state = Rollout(spec, spec.default_id(), str(tmp_path), link, progress=link.progress, clock=link.wall,
+                    monotonic=lambda: link.mono, settle_s=0.3).run()
+    assert state.status == RolloutStatus.ABORTED and rollbacks == ["box-1"], (rollbacks, state.boxes["box-1"])
+    assert state.boxes["box-1"].revert.state == RevertState.SUCCEEDED
+    assert serves["box-1"][0] == OLD_MODEL
+    for device in ("box-0", "box-2"):  # box-0 failed at once, box-2 answered after every deploy had reached it
+        assert state.boxes[device].revert.state == RevertState.NOTHING, state.boxes[device].revert
+
+
 OLD_MODEL = {"name": "m", "version": "1", "manifest_sha256": "a" * 64}
 NEW_MODEL = {"name": "m", "version": "2", "manifest_sha256": SIM_SHA}
 
