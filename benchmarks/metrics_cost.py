@@ -24,10 +24,10 @@ bootstrap 95 % interval, says how much in this run).
 Side by side with the endpoint off, the check that nothing else moves (the serving threads slowed by the scrape's
 locks or caches): ``paired_cpu_cost``, 1 minus the median over the pairs of frames per CPU-second on over off,
 and ``wall_cost`` from frames per second alike (``cpu_ratio_on_to_off``, ``wall_ratio_on_to_off``). On the
-shared 2-core CI machine even CPU per frame moves 10-20 % from one 2-3 s run to the next (steal and a
-neighbour's use of the caches and hyperthreads; there are no instruction counters in its VM), and wall-clock
-pairs spread 0.82-1.17: their 95 % intervals (``paired_cpu_cost_ci95``) are a few percent wide, so they bound
-a hidden cost to within that, and cannot by themselves resolve 2 %.
+shared 2-core CI machine even CPU per frame moves by a fifth from one 3 s run to the next (a neighbour's use of
+the caches and hyperthreads, steal; its VM has no instruction counters): in three full runs the pairs spread
+0.70-1.26 in CPU and 0.70-1.46 in wall time, and their 95 % intervals (``paired_cpu_cost_ci95``) were 5-15 %
+wide. They bound a hidden cost to within that; they cannot resolve 2 % by themselves (docs/metrics.md, "Cost").
 
 Scrape interval: the shipped deploy/monitoring/prometheus.yml scrapes every 15 s (Prometheus' default); the bench
 scrapes every second, 15 times as often, so its figure bounds the shipped setup's from above. ``scrapes_per_s``
