@@ -8,17 +8,18 @@ mAP@0.5 on the QAT run's held-out split (demo) or detection agreement with onnxr
 one letterbox, resizing the camera frame straight into the lane's preallocated input: uint8 BGR NHWC where the
 model takes it, else the host-normalised float32 NCHW), ``Backend.infer`` (its checks and the runtime's call),
 and ``postprocess.decode`` (threshold, class-aware NMS); not the box mapping or the result payload. The frames
-are 1080 rows tall with the tier's aspect (:func:`benchmarks.workload.frame_hw_for_tier`): for the demo's
-256x256 tier 1080x1080, which fills the whole input, the most resize work a 1080-row camera costs there.
-Issue 28's prototype measured 1920x1080 frames (letterboxed to 256x144 plus padding: about 40 % of that resize);
-those are timed too, demo at 1 thread, and reported beside (``frame_ratio_to_float_1920x1080``, no target).
+are 1080p camera frames, 1920x1080 (:data:`benchmarks.workload.CAMERA_HW`, as in issue 28's measurement and the
+other sections), letterboxed to 256x144 inside the demo's 256x256 input. Frames 1080 rows tall with the tier's
+aspect (:func:`benchmarks.workload.frame_hw_for_tier`: 1080x1080 for the demo) fill the whole input, about 1.5x
+that resize work: they are timed too, demo at 1 thread, and reported beside (``frame_ratio_to_float_filled``,
+no target), the worst case for the int8 lane's share of host work.
 
 The in-process lanes are timed round-robin (:func:`benchmarks.harness.compare`), so each ratio to onnxruntime
 float is a median of per-round ratios; the Lite lane runs in its own interpreter, so ratios to it are ratios of
 medians. Headline keys (demo, 1 thread): ``size_ratio`` (int8 bytes / float ONNX bytes),
 ``infer_ratio_to_float`` and ``frame_ratio_to_float`` (int8 / onnxruntime float), ``frame_ratio_to_lite``,
 ``frame_ratio_to_opencv``, ``map_int8`` (the int8 lane's mAP), ``map_qat_report`` (the bundle's report.json),
-``frame_hw`` (the frames' height and width).
+``frame_hw`` (the frames' height and width), ``frame_hw_filled``.
 The int8 lane is the QAT one when the bundle has it, else the PTQ one (``int8_lane`` says which).
 """
 
@@ -41,7 +42,7 @@ REFERENCES = {"ort_float": "float", "opencv_float": "opencv", "lite_float": "lit
 FRAMES = 4  # distinct camera frames cycled through the whole-frame timing
 MAP_IMAGES = 300  # the QAT run's held-out split (quant/examples/shapes.yaml test_count), as its report's mAP
 DEMO_DATA_SEED = 1  # quant/examples/shapes.yaml data.seed
-WIDE_KEY = "threads_1_frames_1920x1080"  # a lane's whole-frame figures on CAMERA_HW frames (demo, 1 thread)
+FILLED_KEY = "threads_1_frames_filled"  # a lane's whole-frame figures on frames filling the input (demo, 1 thread)
 STANDIN_AGREEMENT_FRAMES = {"quick": 2, "full": 6}
 # (warm-up, timed rounds) per lane for a 640x640 model: a YOLOv8n takes 0.1-0.8 s a call on 2 shared cores
 HEAVY_ROUNDS = {"quick": (1, 4), "full": (2, 15)}
@@ -89,7 +90,8 @@ def _demo_dir(context: Any) -> str:
 def measure_model(model: ModelUnderTest, context: Any) -> Dict[str, Any]:
     from benchmarks.workload import CAMERA_HW, camera_frames, frame_hw_for_tier
 
-    frames = camera_frames(FRAMES, frame_hw_for_tier(model.tier))
+    frames = camera_frames(FRAMES, CAMERA_HW)
+    filled: Dict[str, Any] = {}
     lanes: Dict[str, Dict[str, Any]] = {lane.name: {"backend": lane.backend, "precision": lane.precision,
                                                     "file": os.path.basename(lane.path),
                                                     "bytes": os.path.getsize(lane.path),
@@ -98,10 +100,11 @@ def measure_model(model: ModelUnderTest, context: Any) -> Dict[str, Any]:
     for threads in THREADS:
         for name, figures in time_lanes(model, frames, threads, context.profile).items():
             lanes[name]["threads"][str(threads)] = figures
-    if model.key == "demo":  # issue 28's prototype's frames, beside the tier-shaped ones
-        wide = time_lanes(model, camera_frames(FRAMES, CAMERA_HW), 1, context.profile)
-        for name, figures in wide.items():
-            lanes[name][WIDE_KEY] = {k: v for k, v in figures.items() if k.startswith("frame_")}
+    if model.key == "demo":  # frames that fill the whole input, beside the 1080p ones
+        filled_frames = camera_frames(FRAMES, frame_hw_for_tier(model.tier))
+        filled["frame_hw_filled"] = list(filled_frames[0].shape[:2])
+        for name, figures in time_lanes(model, filled_frames, 1, context.profile).items():
+            lanes[name][FILLED_KEY] = {k: v for k, v in figures.items() if k.startswith("frame_")}
         for lane in model.lanes:
             lanes[lane.name]["map50"] = demo_map(model, lane)
     else:
@@ -110,7 +113,7 @@ def measure_model(model: ModelUnderTest, context: Any) -> Dict[str, Any]:
             lanes[lane.name]["agreement_with_ort_float"] = agreement(model, lane, agreement_frames)
     lanes["lite_float"] = _lite_lane(model, context)
     _lite_ratios(lanes)
-    return {"label": model.label, "tier": list(model.tier), "frame_hw": list(frames[0].shape[:2]),
+    return {"label": model.label, "tier": list(model.tier), "frame_hw": list(frames[0].shape[:2]), **filled,
             "task": model.task, "lanes": lanes,
             "skipped": model.skipped, "notes": model.notes}
 
@@ -264,7 +267,7 @@ def lite_figures(context: Any) -> Dict[str, Any]:
     """In the Lite interpreter: the bundle's .ms (main tier, batch 1) through the mslite backend, side by side
     with the bundle's int8 ONNX on onnxruntime when that imports here (1.14.1 on the box's Python 3.7)."""
     from agent.bundle.verify import verify_bundle
-    from benchmarks.workload import backend_available, camera_frames, frame_hw_for_tier
+    from benchmarks.workload import CAMERA_HW, backend_available, camera_frames
 
     manifest = verify_bundle(context.bundle_dir).manifest
     tier = tuple(manifest.input.tiers[0])
@@ -277,7 +280,7 @@ def lite_figures(context: Any) -> Dict[str, Any]:
                           int8.normalize_on == "model"))
     model = ModelUnderTest("lite", manifest.name, context.bundle_dir, tier, manifest.task, manifest.preprocessing,
                            manifest.postprocessing, manifest.input.name, lanes, {}, [])
-    frames = camera_frames(FRAMES, frame_hw_for_tier(tier))
+    frames = camera_frames(FRAMES, CAMERA_HW)
     figures: Dict[str, Any] = {"file": art.file, "bytes": os.path.getsize(lanes[0].path), "backend": "mslite",
                                "precision": art.precision, "input": "float32 NCHW", "threads": {},
                                "side_by_side": {}}
@@ -307,8 +310,9 @@ def headline(demo: Dict[str, Any], bundle_dir: str) -> Dict[str, Any]:
         "frame_ratio_to_float": get_path(lanes[int8], one + "frame_ratio_to_float"),
         "frame_ratio_to_lite": get_path(lanes[int8], one + "frame_ratio_to_lite"),
         "frame_ratio_to_opencv": get_path(lanes[int8], one + "frame_ratio_to_opencv"),
-        "frame_ratio_to_float_1920x1080": get_path(lanes[int8], WIDE_KEY + ".frame_ratio_to_float"),
+        "frame_ratio_to_float_filled": get_path(lanes[int8], FILLED_KEY + ".frame_ratio_to_float"),
         "frame_hw": demo.get("frame_hw"),
+        "frame_hw_filled": demo.get("frame_hw_filled"),
         "map_int8": lanes[int8].get("map50"),
         "map_float": lanes["ort_float"].get("map50"),
         "map_qat_report": qat_map,

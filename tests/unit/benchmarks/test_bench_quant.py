@@ -79,10 +79,10 @@ def test_standin_computes_what_the_trained_fixture_computes(tmp_path):
 
 
 def _demo(lanes):
-    return {"frame_hw": [1080, 1080],
+    return {"frame_hw": [1080, 1920], "frame_hw_filled": [1080, 1080],
             "lanes": {name: {"bytes": size, "map50": 0.9, "threads": {"1": {"infer_ratio_to_float": 0.6,
                                                                             "frame_ratio_to_float": 0.65}},
-                             quant.WIDE_KEY: {"frame_ratio_to_float": 0.62}}
+                             quant.FILLED_KEY: {"frame_ratio_to_float": 0.68}}
                       for name, size in lanes.items()}}
 
 
@@ -91,9 +91,10 @@ def test_headline_takes_the_qat_lane_when_there_is_one(tmp_path):
     with_qat = quant.headline(_demo({"ort_float": 1000, "ort_int8_qat": 250, "ort_int8_ptq": 260}), str(tmp_path))
     assert with_qat["int8_lane"] == "ort_int8_qat" and with_qat["size_ratio"] == 0.25
     assert with_qat["map_qat_report"] == 0.98 and with_qat["infer_ratio_to_float"] == 0.6
-    # the 1920x1080 frames' ratio is reported beside the tier-shaped frames' one, which alone has a target
-    assert with_qat["frame_ratio_to_float_1920x1080"] == 0.62 and with_qat["frame_hw"] == [1080, 1080]
-    assert "frame_ratio_to_float_1920x1080" not in quant.targets(with_qat)
+    # the 1080p frames' ratio has the target; the filled frames' one is reported beside it
+    assert with_qat["frame_ratio_to_float"] == 0.65 and with_qat["frame_hw"] == [1080, 1920]
+    assert with_qat["frame_ratio_to_float_filled"] == 0.68 and with_qat["frame_hw_filled"] == [1080, 1080]
+    assert "frame_ratio_to_float_filled" not in quant.targets(with_qat)
     without = quant.headline(_demo({"ort_float": 1000, "ort_int8_ptq": 260}), str(tmp_path / "none"))
     assert without["int8_lane"] == "ort_int8_ptq" and without["size_ratio"] == 0.26
     assert without["map_qat_report"] is None
