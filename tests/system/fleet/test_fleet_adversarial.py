@@ -228,7 +228,8 @@ def test_a_missing_bundle_fails_the_canary_and_nothing_reaches_the_other_boxes(b
 
 def test_sigkill_right_after_the_abort_and_a_rerun_puts_every_moved_box_back(boxes, mosquitto, tmp_path):
     # box-00 fails at once ('interrupted', no retries): more than --max-failures 0. The other seven were sent
-    # their deploy in the same wave and land on the new model after the operator was killed.
+    # their deploy in the same wave; those whose deploy left the operator before the kill land on the new model
+    # after it (on a loaded machine some deploys are still in the killed operator's queue: those never move).
     fleet = boxes(8, faults={0: ("interrupted_once", None)}, deploy_s=1.0, observation_s=0.5).start()
     args = [sys.executable, "-m", "agent", "fleet"] + rollout_args(
         mosquitto.url, fleet.prefix, tmp_path, "--canary", "0", "--waves", "1", "--max-failures", "0",
@@ -245,8 +246,10 @@ def test_sigkill_right_after_the_abort_and_a_rerun_puts_every_moved_box_back(box
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     assert lines[-1].startswith("ABORT"), "".join(lines)
-    sent = [b for b in fleet.boxes if b.device != "box-00"]
-    assert wait_for(lambda: all(b.serving()["version"] == "2.0.0" for b in sent), timeout=WAIT_S)  # moved
+    others = [b for b in fleet.boxes if b.device != "box-00"]
+    assert wait_for(lambda: any(b.deploys for b in others) and all(
+        b.serving()["version"] == "2.0.0" for b in others if b.deploys), timeout=WAIT_S)  # what moved, moved
+    moved = [b for b in others if b.deploys]
 
     second = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, timeout=180)
     assert second.returncode == EXIT_ABORTED, second.stderr.decode()[-2000:]
@@ -254,8 +257,10 @@ def test_sigkill_right_after_the_abort_and_a_rerun_puts_every_moved_box_back(box
     assert report["runs"] == 2
     assert all(b.serving() == {"version": "1.0.0", "state": "confirmed"} for b in fleet.boxes), [
         (b.device, b.serving()) for b in fleet.boxes]
-    assert all(b.rollbacks == 1 and b.deploys == 1 for b in sent)
-    assert all(by_device(report)[b.device]["reverted"] for b in sent)
+    assert all(b.rollbacks == 1 and b.deploys == 1 for b in moved), [(b.device, b.rollbacks, b.deploys)
+                                                                     for b in moved]
+    assert all(by_device(report)[b.device]["reverted"] for b in moved)
+    assert all(b.deploys == 0 for b in others if b not in moved)  # the aborted rollout sends no new deploy
 
 
 # --- delivery: a box away while its wave is sent --------------------------------------------------------------
