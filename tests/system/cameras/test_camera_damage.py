@@ -85,11 +85,13 @@ def test_a_source_mostly_damaged_is_degraded_alerted_and_up_again(rig, tmp_path,
             assert wait_for(lambda: box.health("dock")["state"] == "up", timeout=30), box.health("dock")
             after = time.time()
             assert wait_for(lambda: box.of("dock", since=after), timeout=10)
+            spell = box.health("dock")  # the whole 8 s burst counted (at degrading, a loaded reader may be at 18)
         finally:
             box.stop()
             alerts.close()
     print("while damaged: %s" % {k: health[k] for k in ("state", "decode_errors", "damaged_frames", "fps_out")})
-    assert health["last_error"]["cause"] == "damaged" and health["damaged_frames"] >= 20, health
+    assert health["last_error"]["cause"] == "damaged", health
+    assert spell["damaged_frames"] >= 20, spell
     kinds = [(a["kind"], a["figures"]["cause"]) for a in alerts.on("atlas-edge/cams/telemetry/alert")
              if a.get("source") == "dock"]
     # Under load the driver's stall timer can run out before the damaged share is judged: the same spell is then
