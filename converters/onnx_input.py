@@ -320,6 +320,19 @@ def _rewire(readers: List[Any], old: str, new: str) -> None:
     for node in readers:
         node.input[:] = [new if n == old else n for n in node.input]
 
+def drop_unread_initializers(graph: Any) -> None:
+    """Remove the initializers no node reads and no graph output names (and their graph inputs, where an old
+    IR lists them): what a rewrite replaced."""
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    keep = [t for t in graph.initializer if t.name in read]
+    dropped = {t.name for t in graph.initializer} - {t.name for t in keep}
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    inputs = [i for i in graph.input if i.name not in dropped]
+    del graph.input[:]
+    graph.input.extend(inputs)
+
+
 
 def normalised_input(frames_bgr: np.ndarray, spec: PreprocessSpec) -> np.ndarray:
     """The host-normalised float NCHW tensor of uint8 BGR NHWC frames (what the unfolded model takes), through

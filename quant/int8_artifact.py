@@ -22,6 +22,10 @@ from quant.int8_onnx import ActivationQuant, ConvQuant, Int8ExportError, QatTens
 
 log = logging.getLogger(__name__)
 
+# A disagreement on an image's best (class, anchor) where the simulation scores the int8 pick this close to its
+# own best is a tie, not a different decision (compare_detections); compare_outputs counts it as agreeing.
+BEST_SCORE_TIE = 1e-3
+
 
 def _activation(quantizer: Any, layer: str) -> ActivationQuant:
     if quantizer.symmetric() or quantizer.is_per_channel() or quantizer.num_bits() != 8:
@@ -82,21 +86,27 @@ def compare_detections(int8_out: np.ndarray, sim_out: np.ndarray, conf: float) -
     """int8 vs simulated int8 outputs, (N, 4 + nc, A) each.
 
     ``best_anchor_class_agreement``: share of images whose highest score (over anchors and classes) is of the
-    same class in both; ``anchor_class_agreement``: share of the anchors the simulation scores >= ``conf``
-    whose top class is the same in both; score difference over every score, box difference (pixels) over
-    those confident anchors.
+    same class in both; ``best_anchor_ties``: images where it is not, but the simulation scores the int8
+    model's pick within :data:`BEST_SCORE_TIE` of its own best (two objects scored alike, 0.99970 against
+    0.99969 in the case that failed a full run, which rounding orders either way); ``anchor_class_agreement``:
+    share of the anchors the simulation scores >= ``conf`` whose top class is the same in both; score
+    difference over every score, box difference (pixels) over those confident anchors.
     """
     scores_int8, scores_sim = int8_out[:, 4:], sim_out[:, 4:]
     classes = scores_sim.shape[1]
-    best_int8 = scores_int8.reshape(len(int8_out), -1).argmax(1) // scores_int8.shape[2]
-    best_sim = scores_sim.reshape(len(sim_out), -1).argmax(1) // scores_sim.shape[2]
+    flat_int8, flat_sim = scores_int8.reshape(len(int8_out), -1), scores_sim.reshape(len(sim_out), -1)
+    pick_int8, pick_sim = flat_int8.argmax(1), flat_sim.argmax(1)
+    best_int8, best_sim = pick_int8 // scores_int8.shape[2], pick_sim // scores_sim.shape[2]
+    same = best_int8 == best_sim
+    tied = ~same & (flat_sim[np.arange(len(flat_sim)), pick_int8] >= flat_sim.max(1) - BEST_SCORE_TIE)
     confident = scores_sim.max(1) >= conf  # (N, A)
     top_int8, top_sim = scores_int8.argmax(1), scores_sim.argmax(1)
     boxes = np.abs(int8_out[:, :4] - sim_out[:, :4]).transpose(0, 2, 1)[confident]  # (K, 4)
     return {
         "images": int(len(int8_out)),
         "classes": int(classes),
-        "best_anchor_class_agreement": float(np.mean(best_int8 == best_sim)),
+        "best_anchor_class_agreement": float(np.mean(same)),
+        "best_anchor_ties": int(tied.sum()),
         "confident_anchors": int(confident.sum()),
         "anchor_class_agreement": float(np.mean(top_int8[confident] == top_sim[confident]))
         if confident.any() else None,
@@ -135,11 +145,12 @@ def compare_outputs(int8_out: np.ndarray, sim_out: np.ndarray, task: str, conf: 
         agreement = result["top1_agreement"]
     else:
         result = compare_detections(int8_out, sim_out, conf)
-        agreement = result["best_anchor_class_agreement"]
+        agreement = result["best_anchor_class_agreement"] + result["best_anchor_ties"] / len(int8_out)
     if agreement < MIN_BEST_CLASS_AGREEMENT:
         raise Int8ExportError(
-            "the int8 ONNX agrees with the int8 simulation on %.1f %% of %d images (at least %.0f %% needed)"
-            % (100 * agreement, len(int8_out), 100 * MIN_BEST_CLASS_AGREEMENT)
+            "the int8 ONNX agrees with the int8 simulation on %.1f %% of %d images (at least %.0f %% needed; "
+            "ties within %g of the best score count as agreeing)"
+            % (100 * agreement, len(int8_out), 100 * MIN_BEST_CLASS_AGREEMENT, BEST_SCORE_TIE)
         )
     return result
 

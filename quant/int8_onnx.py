@@ -24,6 +24,9 @@ A convolution with a weight quantizer and no batch norm (the detector's predicti
 bias and has no output quantizer in QAT, so it stays a float convolution on dequantized int8 weights. Everything
 else (the decode) is copied unchanged.
 
+Once the input is folded (uint8 pixels in), the convolution reading it runs in float on its dequantized int8
+weights (:mod:`converters.int8_stem`: onnxruntime's int8 kernel is slow on three input channels).
+
 The result is upgraded to opset 13 (per-channel ``DequantizeLinear`` needs its ``axis``), written with IR
 version 8 and only the opset imports its nodes use, which onnxruntime 1.14.1 (the newest for the box's
 Python 3.7) loads as well as the newest.
@@ -78,6 +81,7 @@ class Int8Stats:
 
     quantized_convs: int = 0
     float_convs: int = 0  # weight-quantized convs without an output quantizer (prediction convs)
+    float_stem_convs: int = 0  # quantized in QAT, run in float on their int8 weights (converters/int8_stem.py)
     relu_dropped: int = 0
     negative_k_channels: int = 0
     clipped_weights: int = 0  # -128 * sign(k) = +128 clipped to 127
@@ -316,18 +320,6 @@ def load_qat_weights(graph: Any, params: Dict[str, np.ndarray]) -> int:
     return loaded
 
 
-def _drop_unread_initializers(graph: Any) -> None:
-    """Remove the float weights and batch-norm tensors the rewrite no longer reads (and their graph inputs)."""
-    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    keep = [t for t in graph.initializer if t.name in read]
-    dropped = {t.name for t in graph.initializer} - {t.name for t in keep}
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
-    inputs = [i for i in graph.input if i.name not in dropped]
-    del graph.input[:]
-    graph.input.extend(inputs)
-
-
 def strip_unused_opsets(model: Any) -> None:
     """Keep only the opset imports the nodes use (onnxruntime 1.14.1 rejects some it does not know)."""
     used = {node.domain for node in model.graph.node}
@@ -340,6 +332,8 @@ def build_int8_model(float_model: Any, qat: QatTensors) -> Tuple[Any, Int8Stats]
     """The int8 QDQ ModelProto (float NCHW input, as the float model's) and what the conversion counted."""
     from onnx import version_converter
 
+    from converters.onnx_input import drop_unread_initializers
+
     model = version_converter.convert_version(float_model, INT8_OPSET)
     stats = Int8Stats()
     qat = align_names(qat, {t.name for t in model.graph.initializer})
@@ -350,7 +344,7 @@ def build_int8_model(float_model: Any, qat: QatTensors) -> Tuple[Any, Int8Stats]
     del graph.node[:]
     graph.node.extend(builder.nodes)
     graph.initializer.extend(builder.initializers)
-    _drop_unread_initializers(graph)
+    drop_unread_initializers(graph)
     del graph.value_info[:]  # the version converter's shape annotations: 5 KB that no runtime needs
     strip_unused_opsets(model)
     model.ir_version = INT8_IR_VERSION  # opset 13 needs IR >= 7; onnxruntime 1.14.1 reads up to 8
@@ -361,10 +355,13 @@ def write_int8_onnx(float_onnx: str, qat: QatTensors, spec: Any, out_path: str) 
     """The int8 ONNX of ``float_onnx`` with the QAT scales, taking uint8 BGR NHWC (``spec`` folded in)."""
     import onnx
 
+    from converters.int8_stem import float_stem
     from converters.onnx_input import fold_input
 
     model, stats = build_int8_model(onnx.load(float_onnx), qat)
     fold_input(model, spec)
+    stats.float_stem_convs = float_stem(model)
+    stats.quantized_convs -= stats.float_stem_convs
     onnx.checker.check_model(model)
     onnx.save(model, out_path)
     log.info("wrote %s: %s", out_path, stats.as_dict())

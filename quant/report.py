@@ -74,8 +74,9 @@ def _int8_onnx_lines(checks: Dict[str, Any]) -> List[str]:
     if not main:
         return []
     if "best_anchor_class_agreement" in main:
-        agreement = "best-anchor class agreement %.2f %%, mean |score diff| %.2g, mean |box diff| %s px" % (
-            100 * main["best_anchor_class_agreement"], main["mean_score_diff"],
+        ties = " (+%d tie(s))" % main["best_anchor_ties"] if main.get("best_anchor_ties") else ""
+        agreement = "best-anchor class agreement %.2f %%%s, mean |score diff| %.2g, mean |box diff| %s px" % (
+            100 * main["best_anchor_class_agreement"], ties, main["mean_score_diff"],
             "-" if main["mean_box_diff_px"] is None else "%.3g" % main["mean_box_diff_px"])
     else:
         agreement = "top-1 agreement %.2f %%, max |diff| %.3g" % (100 * main["top1_agreement"], main["max_abs_diff"])

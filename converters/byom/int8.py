@@ -13,7 +13,8 @@ the float model finds.
   calibration images through the box's own letterbox and normalisation
   (:class:`agent.pipeline.input_batch.BatchPreprocessor`). A network normalised as ``x/255`` gets its input
   quantized as exactly ``x/255`` (scale 1/255, zero point 0), so that once the input is folded
-  (:mod:`converters.onnx_input`) the uint8 frame *is* the quantized input and its QuantizeLinear disappears.
+  (:mod:`converters.onnx_input`) the uint8 frame *is* the quantized input and its QuantizeLinear disappears;
+  the convolutions reading it then run in float on their dequantized int8 weights (:mod:`converters.int8_stem`).
 * **The check** (:func:`check_int8`): on held-out images (never calibrated on) the int8 model, fed uint8 as the box
   feeds it, against the float model on the host-normalised frames, both on onnxruntime and decoded with the
   bundle's own postprocessing, the same ``conf``, NMS and ``max_det`` for both. A float detection is *kept* when
@@ -35,6 +36,7 @@ from agent.pipeline.input_batch import BatchPreprocessor
 from agent.pipeline.postprocess import decode
 from agent.pipeline.preprocess import PreprocessSpec
 from converters.byom.model_file import CreateError, Tier, import_onnx
+from converters.int8_stem import float_stem
 from converters.onnx_input import MODEL_INPUT, fold_input
 
 log = logging.getLogger(__name__)
@@ -174,10 +176,12 @@ def quantize_int8(float_path: str, out_path: str, spec: PreprocessSpec, tier: Ti
             extra_options=options)
         int8 = onnx.load(quantized)
     fold_input(int8, spec)
+    stem = float_stem(int8)
     _loadable_by_old_runtimes(int8)
     onnx.checker.check_model(int8)
     onnx.save(int8, out_path)
-    log.info("%s: int8 QDQ, %d decode node(s) left in float", os.path.basename(out_path), len(excluded))
+    log.info("%s: int8 QDQ, %d decode node(s) left in float, %d stem convolution(s) in float",
+             os.path.basename(out_path), len(excluded), stem)
     return excluded
 
 

@@ -71,12 +71,14 @@ def test_int8_artifact_keeps_the_float_detections(int8_bundle):
     assert check["mean_box_diff_px"] < 2.0
 
 
-def test_the_decode_stays_float_and_the_rest_is_int8(int8_bundle):
+def test_the_decode_and_the_stem_stay_float_and_the_rest_is_int8(int8_bundle):
     model = onnx.load(os.path.join(int8_bundle, "model_256x256.int8.onnx"))
     producers = {o: n for n in model.graph.node for o in n.output}
     dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
     convs = [n for n in model.graph.node if n.op_type == "Conv"]
-    assert convs and all(n.input[0] in dequantized and n.input[1] in dequantized for n in convs)
+    stem = [n for n in convs if producers[n.input[0]].op_type == "Cast"]  # converters/int8_stem.py
+    assert len(stem) == 1 and producers[stem[0].input[0]].input[0] == model.graph.node[0].output[0]
+    assert all(n.input[0] in dequantized and n.input[1] in dequantized for n in convs if n not in stem)
     decode_ops = [n for n in model.graph.node if n.op_type in ("Softmax", "Sigmoid", "MatMul", "Div")
                   and n.name.startswith("/model.22/") and "cv" not in n.name]
     assert {n.op_type for n in decode_ops} >= {"Softmax", "Sigmoid", "MatMul", "Div"}

@@ -1,5 +1,6 @@
 """converters/onnx_input.py: a model with its input convention folded in (uint8 BGR NHWC in) gives the outputs the
-float model gives on the host-normalised frame, for float and QDQ int8 graphs, whichever way each fold is made."""
+float model gives on the host-normalised frame, for float and QDQ int8 graphs, whichever way each fold is made;
+and the float stem that follows the fold on both int8 paths (converters/int8_stem.py)."""
 
 import numpy as np
 import pytest
@@ -160,3 +161,47 @@ def test_refuses_a_non_image_input():
     model.graph.input[0].type.tensor_type.elem_type = TensorProto.UINT8
     with pytest.raises(InputFoldError, match="images"):
         fold_input(model, ULTRALYTICS)
+
+
+# --- the float stem (converters/int8_stem.py): run after fold_input on both int8 paths ---------------------
+
+
+def _stemmed(int8: onnx.ModelProto, spec: PreprocessSpec):
+    """(the folded int8 model, the same with its float stem, the number of stem convolutions)."""
+    from converters.int8_stem import float_stem
+
+    folded = onnx.ModelProto()
+    folded.CopyFrom(int8)
+    fold_input(folded, spec)
+    stemmed = onnx.ModelProto()
+    stemmed.CopyFrom(folded)
+    count = float_stem(stemmed)
+    onnx.checker.check_model(stemmed)
+    return folded, stemmed, count
+
+
+@pytest.mark.parametrize("first", ["conv", "two-convs"])
+def test_float_stem_runs_the_input_convs_in_float_on_their_int8_weights(tmp_path, first):
+    int8 = _quantized(_model(first, 1), ULTRALYTICS, tmp_path)
+    _unit_input_scale(int8)
+    folded, stemmed, count = _stemmed(int8, ULTRALYTICS)
+    assert count == (2 if first == "two-convs" else 1)
+    floats = {t.name: numpy_helper.to_array(t) for t in stemmed.graph.initializer if t.data_type == TensorProto.FLOAT}
+    cast = next(n for n in stemmed.graph.node if n.op_type == "Cast")
+    stem = [n for n in stemmed.graph.node if n.op_type == "Conv" and n.input[0] == cast.output[0]]
+    assert len(stem) == count and all(n.input[1] in floats and floats[n.input[1]].ndim == 4 for n in stem)
+    others = [n for n in stemmed.graph.node if n.op_type == "Conv" and n not in stem]
+    dequantized = {n.output[0] for n in stemmed.graph.node if n.op_type == "DequantizeLinear"}
+    assert others and all(n.input[0] in dequantized and n.input[1] in dequantized for n in others)
+    # the stem's weights are the int8 values times their scales and the input's 1/255: the same sums in float32
+    frames = _frames(8, seed=4)
+    want = np.concatenate([_run(folded, f[None]) for f in frames])
+    got = np.concatenate([_run(stemmed, f[None]) for f in frames])
+    differing = np.mean(np.abs(got - want) > ATOL)
+    assert differing < 0.01, "%.2f %% of the outputs moved" % (100 * differing)  # a rounding tie may flip
+
+
+def test_float_stem_leaves_a_calibrated_input_quantizer_alone(tmp_path):
+    int8 = _quantized(_model("conv", 1), IMAGENET, tmp_path)  # a normalised input: its QuantizeLinear stays
+    folded, stemmed, count = _stemmed(int8, IMAGENET)
+    assert count == 0 and stemmed.SerializeToString() == folded.SerializeToString()
