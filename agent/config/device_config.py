@@ -23,7 +23,7 @@ DEVICE_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "de
 BACKEND_FORMATS = {"mindspore": ("mindir",), "onnxruntime": ("onnx",), "opencv": ("onnx",), "mslite": ("ms", "mindir"),
                    "acl": ("om",)}
 # Backends that run int8 artifacts as real integer kernels, so `model.precision: auto` serves int8 on them:
-# onnxruntime (QDQ ONNX: 0.62x float on the demo detector, issue 28) and pyACL (an int8 .om on the NPU). Not
+# onnxruntime (QDQ ONNX: 0.53-0.58x float on the demo detector, issue 28) and pyACL (an int8 .om on the NPU). Not
 # OpenCV (cv2.dnn simulates QDQ in float) nor MindSpore Lite on x86 (Lite 2.0's generic int8 kernels ran 21-27x
 # slower than float); an explicit `model.precision: int8` still serves their int8 artifacts.
 INT8_BACKENDS = ("onnxruntime", "acl")

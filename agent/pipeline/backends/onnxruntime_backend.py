@@ -1,9 +1,9 @@
 """onnxruntime backend: an ONNX file (float, or int8 QDQ) run by onnxruntime's CPU execution provider.
 
-The CPU path that makes quantization pay (issue 28): on the demo detector the int8 QDQ model runs at 0.62x
-the float model's time, where cv2.dnn only simulates QDQ in float. onnxruntime 1.14.1 is the newest wheel for
-CPython 3.7 (x86_64 and aarch64, the Atlas boxes' CPUs); inference needs numpy only, so the box installs it
-with ``pip install --no-deps`` (docs/backends.md).
+The CPU path that makes quantization pay (issue 28): on the demo detector the int8 QDQ model runs at
+0.53-0.58x the float model's time (benchmarks/README.md), where cv2.dnn only simulates QDQ in float.
+onnxruntime 1.14.1 is the newest wheel for CPython 3.7 (x86_64 and aarch64, the Atlas boxes' CPUs); inference
+needs numpy only, so the box installs it with ``pip install --no-deps`` (docs/backends.md).
 
 One ``InferenceSession`` per model, built once at load with the device config's session options
 (:class:`agent.config.device_config.OnnxRuntimeSettings`): ``intra_op_num_threads = cpu_threads``, sequential
