@@ -24,7 +24,15 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from converters.onnx_input import ONNX_FLOAT, _constant, _initializer, _readers_of, drop_unread_initializers
+from converters.onnx_input import (
+    ONNX_FLOAT,
+    _axis,
+    _constant,
+    _dequantizer_of,
+    _initializer,
+    _readers_of,
+    drop_unread_initializers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +93,12 @@ def _input_dequantizer(graph: Any) -> Optional[Any]:
 def _dequantized(graph: Any, name: str) -> Optional[np.ndarray]:
     """The float value of ``name`` when it is a DequantizeLinear of an initializer (per-tensor, or per output
     channel along axis 0, zero point 0), else None."""
-    dq = next((n for n in graph.node if n.op_type == "DequantizeLinear" and name in n.output), None)
+    dq = _dequantizer_of(graph, name)
     if dq is None or _initializer(graph, dq.input[0]) is None:
         return None
     values, scale = _constant(graph, dq.input[0]), _constant(graph, dq.input[1])
     zero = _constant(graph, dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
-    axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-    if scale is None or (zero is not None and zero.any()) or (scale.size > 1 and axis != 0):
+    if scale is None or (zero is not None and zero.any()) or (scale.size > 1 and _axis(dq) != 0):
         return None
     shape = (-1,) + (1,) * (values.ndim - 1) if scale.size > 1 else ()
     return values.astype(np.float64) * scale.astype(np.float64).reshape(shape)

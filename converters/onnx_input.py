@@ -224,6 +224,16 @@ def _readers_of(graph: Any, name: str) -> int:
     return sum(list(n.input).count(name) for n in graph.node) + sum(o.name == name for o in graph.output)
 
 
+def _dequantizer_of(graph: Any, name: str) -> Optional[Any]:
+    """The DequantizeLinear node whose output is ``name``, or None."""
+    return next((n for n in graph.node if n.op_type == "DequantizeLinear" and name in n.output), None)
+
+
+def _axis(dequantize: Any) -> int:
+    """A DequantizeLinear's ``axis`` (ONNX's default 1 when it has none)."""
+    return next((a.i for a in dequantize.attribute if a.name == "axis"), 1)
+
+
 def _float_weight(graph: Any, conv: Any) -> Optional[Any]:
     tensor = _initializer(graph, conv.input[1])
     if tensor is None or tensor.data_type != ONNX_FLOAT or len(tensor.dims) != 4 or tensor.dims[1] != 3:
@@ -268,8 +278,8 @@ def _permute_conv_inputs(graph: Any, convs: List[Any], tensors: List[str], src: 
             return False
         tensor = _initializer(graph, conv.input[1])
         if tensor is None:
-            dq = next((n for n in graph.node if n.op_type == "DequantizeLinear" and conv.input[1] in n.output), None)
-            axis = next((a.i for a in dq.attribute if a.name == "axis"), 1) if dq is not None else None
+            dq = _dequantizer_of(graph, conv.input[1])
+            axis = _axis(dq) if dq is not None else None
             scale = _constant(graph, dq.input[1]) if dq is not None else None
             if dq is None or scale is None or (scale.size > 1 and axis != 0):
                 return False
