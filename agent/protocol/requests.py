@@ -6,6 +6,7 @@ or a non-finite number is a failed ack ``invalid`` naming the field, and a handl
 request. ``request_id`` is the envelope (:mod:`agent.protocol.messages`), not part of any request.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -57,3 +58,15 @@ def _is_sha256(text: str) -> bool:
 class RollbackRequest:
     reason: Optional[str] = setting(None, min_len=1, doc="why, as events and the slot table show it "
                                     "(default: the operator's rollback command)")
+
+
+def request_fields(request: Any) -> Dict[str, Any]:
+    """A request's fields as its command's JSON body holds them: a field left at its default is left out, so the
+    box applies its own default (the same one, from the same type) and an old box never sees a key it lacks."""
+    body = {}
+    for field in dataclasses.fields(request):
+        value = getattr(request, field.name)
+        if field.default is not dataclasses.MISSING and value == field.default:
+            continue
+        body[field.name] = value
+    return body

@@ -17,9 +17,15 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 from agent.config.schema import ConfigError, FieldError, parse
-from agent.protocol.requests import ENVELOPE_KEYS, ConfigRequest, DeployRequest, NoFields, RollbackRequest
+from agent.protocol.requests import (ENVELOPE_KEYS, ConfigRequest, DeployRequest, NoFields, RollbackRequest,
+                                     request_fields)
 
 GROUP_VERBS_FIELD = "commands.group_verbs"
+
+# The verbs' names: the last level of their command topics. Code on either side names a verb by these constants,
+# never by a literal (tests/project/test_protocol_literals.py).
+STATUS, VALIDATE, SET_CONFIG, DEPLOY, ROLLBACK = "status", "validate", "set-config", "deploy", "rollback"
+PAUSE, RESUME, SNAPSHOT, RESTART, CANCEL = "pause", "resume", "snapshot", "restart", "cancel"
 
 
 @dataclass(frozen=True)
@@ -38,20 +44,20 @@ def _table(*verbs: Verb) -> "OrderedDict[str, Verb]":
 
 
 VERB_TABLE: "OrderedDict[str, Verb]" = _table(
-    Verb("status", NoFields, "status_command", "the box's live status (model, slots, counters)",
+    Verb(STATUS, NoFields, "status_command", "the box's live status (model, slots, counters)",
          control=True, group_safe=True),
-    Verb("validate", ConfigRequest, "validate", "check a partial config against the running one; nothing changes"),
-    Verb("set-config", ConfigRequest, "set_config", "change live sections (thresholds, batching, publish, "
+    Verb(VALIDATE, ConfigRequest, "validate", "check a partial config against the running one; nothing changes"),
+    Verb(SET_CONFIG, ConfigRequest, "set_config", "change live sections (thresholds, batching, publish, "
          "sources), kept across restarts"),
-    Verb("deploy", DeployRequest, "deploy", "verify, load and switch to a bundle (A/B slots, probation)",
+    Verb(DEPLOY, DeployRequest, "deploy", "verify, load and switch to a bundle (A/B slots, probation)",
          long=True),
-    Verb("rollback", RollbackRequest, "rollback", "go back to the other slot's model", control=True),
-    Verb("pause", NoFields, "pause_command", "stop serving frames (stale ones are dropped)",
+    Verb(ROLLBACK, RollbackRequest, "rollback", "go back to the other slot's model", control=True),
+    Verb(PAUSE, NoFields, "pause_command", "stop serving frames (stale ones are dropped)",
          control=True, group_safe=True),
-    Verb("resume", NoFields, "resume_command", "serve frames again", control=True, group_safe=True),
-    Verb("snapshot", NoFields, "snapshot", "publish the latest frame, annotated, as a JPEG"),
-    Verb("restart", NoFields, "restart", "restart the daemon (systemd brings it back)"),
-    Verb("cancel", NoFields, "cancel", "stop a running deploy at its next check", control=True, group_safe=True),
+    Verb(RESUME, NoFields, "resume_command", "serve frames again", control=True, group_safe=True),
+    Verb(SNAPSHOT, NoFields, "snapshot", "publish the latest frame, annotated, as a JPEG"),
+    Verb(RESTART, NoFields, "restart", "restart the daemon (systemd brings it back)"),
+    Verb(CANCEL, NoFields, "cancel", "stop a running deploy at its next check", control=True, group_safe=True),
 )
 
 
@@ -101,6 +107,20 @@ def parse_request(verb: str, payload: Mapping[str, Any]) -> Any:
     """
     fields = {k: v for k, v in payload.items() if k not in ENVELOPE_KEYS}
     return parse(VERB_TABLE[verb].request, fields, verb)
+
+
+def command_payload(verb: str, request: Any, request_id: str) -> Dict[str, Any]:
+    """The JSON body of command ``verb`` carrying ``request`` (an instance of the verb's request type).
+
+    The operator's side builds every command through here, so what it sends is what :func:`parse_request` on
+    the box reads back; a request of another verb's type is a TypeError on the operator's machine.
+    """
+    expected = VERB_TABLE[verb].request
+    if type(request) is not expected:
+        raise TypeError("verb %r takes a %s, not a %s" % (verb, expected.__name__, type(request).__name__))
+    body = request_fields(request)
+    body["request_id"] = request_id
+    return body
 
 
 def request_types() -> Dict[str, Type[Any]]:
