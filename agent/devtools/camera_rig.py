@@ -107,9 +107,10 @@ class Camera:
         """One RTP packet cut out of each of the next ``frames`` frames: truncated frames to the decoder."""
         self._command(b"damage %d\n" % frames)
 
-    def packet_loss(self, probability: float) -> None:
-        """Each RTP packet dropped with ``probability`` from now on (0: none), as a lossy UDP link does."""
-        self._command(b"loss %f\n" % probability)
+    def packet_loss(self, every: int) -> None:
+        """From now on one predicted frame in every ``every`` loses packets as :meth:`damage` cuts them (0: none):
+        a lossy UDP link, by count, so every run loses the same share and the decoder reports each loss."""
+        self._command(b"loss %d\n" % every)
 
     def drop_keyframes(self, seconds: float) -> None:
         """No keyframe reaches a viewer for ``seconds``: each is dropped whole (a lost IDR, a camera's broken GOP)."""

@@ -3,8 +3,9 @@ to the decoder, as UDP loss or a broken write leaves it); its frames' body chang
 concealed frame, or one predicted from it until the next keyframe, is seen in the pixels of the published frame
 (tests/support/camera_rig.py, ``frame_intact``), and a second decoder on the same stream
 (tests/support/reference_decoder.py) says which frames the decoder reported damaged: the box must publish none
-of them. Every frame is served (``max_fps`` 10 on a 10 fps camera). The same holds over UDP with 3 % of the
-packets lost. Measured: on a flat picture FFmpeg's
+of them. Every frame is served (``max_fps`` 10 on a 10 fps camera). The same holds over UDP with one predicted
+frame in 12 losing its third packet (2.8 % of the packets, by count: drawn at random, 3 % of the packets gave
+the witness no damage to name in 1 run of 5). Measured: on a flat picture FFmpeg's
 concealment often restores the right grey, so the pixels alone miss most damage; the decoder's word does not.
 """
 
@@ -27,8 +28,9 @@ pytestmark = [
 ]
 BURSTS = 4
 GAP_S = 3.0  # between bursts: three keyframes (one a second)
-LOSS = 0.03  # the issue's UDP case: 3 % of the packets lost
+LOSS_EVERY = 12  # the issue's UDP case: one predicted frame in 12 loses its third packet (2.8 % of the packets)
 LOSS_S = 12.0
+LOSS_FRAMES = int(LOSS_S * 10 / LOSS_EVERY)  # frames the rig damages while the witness reads (10 fps)
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +106,9 @@ def test_a_source_mostly_damaged_is_degraded_alerted_and_up_again(rig, tmp_path,
 
 
 def test_udp_loss_is_counted_and_no_frame_the_decoder_reported_is_published(rig, tmp_path, mosquitto):
-    """The issue's third case: the box reads over UDP while 3 % of the RTP packets are lost (the rig drops them
-    at the payloader, so the witness, over TCP, misses the same ones)."""
+    """The issue's third case: the box reads over UDP while about 3 % of the RTP packets are lost (the rig drops
+    them at the payloader, so the witness, over TCP, misses the same ones), chosen by count so every run has
+    damage the decoder reports."""
     with Camera(fps=10, moving=True) as camera:
         box = CameraDaemon(tmp_path, mosquitto, [{"name": "yard", "uri": camera.url(), "max_fps": 10,
                                                   "transport": "udp"}], check_intact=True)
@@ -115,21 +118,23 @@ def test_udp_loss_is_counted_and_no_frame_the_decoder_reported_is_published(rig,
                                         str(LOSS_S + 2)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
             assert witness.stdout.readline().strip() == b"ready"
             start = time.time()
-            camera.packet_loss(LOSS)
+            camera.packet_loss(LOSS_EVERY)
             seen = [json.loads(line) for line in witness.communicate(timeout=LOSS_S + 30)[0].splitlines()]
-            camera.packet_loss(0.0)
+            camera.packet_loss(0)
             health = box.health("yard")
             window = box.of("yard", since=start)
         finally:
             box.stop()
     reported = {f["counter"] for f in seen if f["reported"] and f["counter"] is not None}
     published = {c for _t, _a, _p, c in window}
-    print("UDP, %.0f %% loss: witness %d frames, reported damaged %d, unreadable %d; box: %d results in %.0f s, "
+    print("UDP, 1 frame in %d lossy: witness %d frames, reported damaged %d, unreadable %d; box: %d results in %.0f s, "
           "decode_errors %d, damaged_frames %d, state %s, published not as drawn %s" % (
-              100 * LOSS, len(seen), len(reported), sum(f["counter"] is None for f in seen), len(window), LOSS_S,
+              LOSS_EVERY, len(seen), len(reported), sum(f["counter"] is None for f in seen), len(window), LOSS_S,
               health["decode_errors"], health.get("damaged_frames", 0), health["state"], box.broken))
-    assert reported, "the witness saw no damage: the loss did not reach the decoder"
+    # the rig damages LOSS_FRAMES frames (10) in LOSS_S: the witness's decoder reported 10 in 2 runs of 2
+    assert len(reported) >= LOSS_FRAMES // 2, "the witness saw too little damage to judge: %s" % sorted(reported)
     assert not reported & published, "published frames the decoder reported damaged: %s" % sorted(
         reported & published)
     assert box.broken == [], "published frames whose pixels are not the camera's: counters %s" % box.broken
-    assert health["decode_errors"] >= 1 and health.get("damaged_frames", 0) >= health["decode_errors"], health
+    assert health["decode_errors"] >= LOSS_FRAMES // 2, health  # over UDP each loss is logged ("RTP: missed")
+    assert health.get("damaged_frames", 0) >= health["decode_errors"], health
