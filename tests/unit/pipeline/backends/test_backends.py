@@ -23,13 +23,12 @@ from agent.config.device_config import BACKEND_FORMATS, load_device_config
 from agent.pipeline.backends import BACKENDS, backend_status, create_backend
 from agent.pipeline.backends import acl_backend as acl_mod
 from agent.pipeline.backends.base import Backend, BackendError, BackendOptions, BackendUnavailable, TensorSpec
-from tests.conftest import WAIT_S, wait_for
+from tests.conftest import REPO_ROOT, WAIT_S, wait_for
 from tests.fakes import write_toy_model
 from tests.fakes.fake_acl import ACL_DEVICE, FakeAcl
 from tests.fakes.fake_mslite import FakeMindSporeLite, FakeModelType
 from tests.support import lite_support
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEMO_BUNDLE = os.path.join(REPO_ROOT, "examples", "demo-bundle")
 PARITY_ATOL = 1e-4  # MindSpore vs OpenCV on the same float32 network; measured ~1e-6 on the test CNN
 NET_INPUT = (3, 64, 64)  # (C, H, W) of the exported test network

@@ -170,6 +170,45 @@ def test_the_dvpp_decoder_seam_names_what_is_missing_and_claims_nothing():
     assert "pyACL" in str(caught.value) or "not implemented" in str(caught.value)
 
 
+# FFmpeg's own lines for an RTSP camera whose port nobody listens on, as OpenCV's FFmpeg backend logged them
+# (OpenCV 4.10 on Python 3.11 and 4.14 on Python 3.7 alike; its "[OPENCV:FFMPEG:40] " prefix stripped): the
+# connection attempt's line and the error line both end in the system's "Connection refused".
+REFUSED_LINES = ("Starting connection attempt to 127.0.0.1 port 33977",
+                 "Connection attempt to 127.0.0.1 port 33977 failed: Connection refused",
+                 "Connection to tcp://127.0.0.1:33977?timeout=0 failed: Connection refused")
+
+
+@pytest.mark.parametrize("lines", [REFUSED_LINES, REFUSED_LINES[:2], REFUSED_LINES[::2]],
+                         ids=["all", "attempt-line-only", "error-line-only"])
+def test_ffmpegs_connection_refused_lines_are_cause_refused_never_timeout(lines):
+    """Either of FFmpeg's lines names the cause; the URL's "timeout=0" is not a timeout."""
+    from agent.pipeline.sources.stream import classify
+
+    assert classify("; ".join(lines)) == "refused"
+    assert classify(REFUSED_LINES[0]) == "unavailable"  # the attempt alone says nothing yet
+
+
+def test_a_camera_port_nobody_listens_on_fails_the_open_as_refused():
+    """A real worker and FFmpeg against a port held bound and never listened on (nobody else can take it):
+    the cause comes from FFmpeg's own text, as the daemon's log shows it ("[refused]")."""
+    import socket
+
+    from agent.pipeline.sources.base import SourceUnavailable
+    from agent.pipeline.sources.stream import StreamReader
+
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    reader = StreamReader(SourceConfig(name="cam", uri="rtsp://127.0.0.1:%d/cam" % held.getsockname()[1]))
+    try:
+        with pytest.raises(SourceUnavailable) as caught:
+            reader.open(threading.Event())
+    finally:
+        reader.close()
+        held.close()
+    assert caught.value.cause == "refused", str(caught.value)
+    assert "Connection refused" in str(caught.value)
+
+
 def test_the_pacer_skips_to_max_fps_without_piling_up_slots():
     from agent.pipeline.sources.worker import Pacer
 

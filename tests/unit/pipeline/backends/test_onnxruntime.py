@@ -13,10 +13,10 @@ from agent.bundle.manifest import load_manifest
 from agent.bundle.verify import verify_bundle
 from agent.config.device_config import OnnxRuntimeSettings, load_device_config
 from agent.pipeline.backends import BackendError, BackendOptions, TensorSpec, create_backend
+from tests.conftest import REPO_ROOT
 
 ort = pytest.importorskip("onnxruntime", reason="needs onnxruntime (pip install 'atlas-edge[ort]')")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEMO_BUNDLE = os.path.join(REPO_ROOT, "examples", "demo-bundle")
 PARITY_ATOL = 1e-3  # onnxruntime vs cv2.dnn on the float demo detector; measured ~5e-5
 DEMO_SPEC = TensorSpec("images", (1, 3, 256, 256), "float32")
