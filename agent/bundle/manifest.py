@@ -120,10 +120,20 @@ class GoldenCase:
 
 
 @dataclass(frozen=True)
+class QuantizedTolerance:
+    """How far a quantized artifact (int8, int8-sim) may move from the host's output, in units of its own
+    int8-minus-float error on the same case (agent/pipeline/golden.py says why; docs/bundle.md)."""
+
+    rms_ratio: float = setting(0.2, gt=0, doc="per channel: RMS of the difference / RMS of int8 - float")
+    max_ratio: float = setting(1.0, gt=0, doc="per channel: largest difference / largest |int8 - float|")
+
+
+@dataclass(frozen=True)
 class GoldenSet:
     cases: List[GoldenCase] = setting(min_len=1)
     atol: float = setting(1e-3, ge=0)
     rtol: float = setting(1e-3, ge=0)
+    quantized: QuantizedTolerance = setting(factory=QuantizedTolerance)
 
 
 @dataclass(frozen=True)
