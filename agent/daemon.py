@@ -29,6 +29,9 @@ from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.results import SequenceCounter
 from agent.pipeline.serving import ResultCallback, ServingLoop
 from agent.pipeline.sources import SourceSet
+from agent.pipeline.stats import StageStats
+from agent.protocol.events import SLOT_EVENTS, event_of
+from agent.protocol.status import status_answer
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +41,38 @@ EXIT_RESTART = 3  # non-zero so systemd's Restart=on-failure brings the daemon b
 # golden check. One step on a slow board (an OM load on an Atlas 200 DK, a large bundle's hashes on an SD card)
 # takes tens of seconds; two minutes per step is generous, and a step that hangs gets no further extension.
 STARTUP_STEP_TIMEOUT_S = 120.0
-# Model events after which the retained status is republished, so that an operator (``atlas-edge fleet``) who
-# subscribes later, or resumes a rollout, reads the slot states there instead of having missed the event.
-SLOT_EVENTS = ("switched", "confirmed", "rollback")
+# Model events after which the retained status is republished (agent.protocol.events.SLOT_EVENTS), so that an
+# operator (``atlas-edge fleet``) who subscribes later, or resumes a rollout, reads the slot states there
+# instead of having missed the event.
+__all__ = ["Daemon", "SLOT_EVENTS", "choose_backend", "configured_manifest", "run_daemon"]
 
 
-def choose_backend(config: DaemonConfig, device: DeviceConfig) -> str:
-    """The configured backend, else the device's order (docs/backends.md) against the configured bundle.
+def configured_manifest(config: DaemonConfig) -> Any:
+    """``model.bundle``'s manifest (:class:`agent.bundle.manifest.Manifest`), read once at start: the backend is
+    chosen against it and the model manager's first start installs only that manifest. None when it cannot be
+    read: start-up then reports the bundle itself, and the backend is chosen by runtimes alone."""
+    from agent.bundle.manifest import BundleError, load_manifest
+
+    try:
+        return load_manifest(config.model.bundle)
+    except (BundleError, OSError) as exc:
+        log.info("model.bundle's manifest not read (%s); start-up reports the bundle", exc)
+        return None
+
+
+def choose_backend(config: DaemonConfig, device: DeviceConfig, manifest: Any = None) -> str:
+    """The configured backend, else the device's order (docs/backends.md) against ``manifest`` (the configured
+    bundle's, :func:`configured_manifest`; None: by runtimes alone).
 
     A backend whose runtime does not import here is refused at once (BackendUnavailable: exit 78), naming the
     runtime and where it comes from, before the bundle is judged against it: that is the problem to fix.
     """
-    from agent.bundle.manifest import BundleError, load_manifest
     from agent.pipeline.backends import BackendUnavailable, backend_for, backend_status
 
     chosen = config.model.backend
     if not chosen:
-        manifest = None
-        try:
-            manifest = load_manifest(config.model.bundle)
-        except (BundleError, OSError) as exc:  # start-up reports the bundle itself; choose by runtimes alone
-            log.info("choosing the backend without the bundle's formats: %s", exc)
+        if manifest is None:
+            log.info("choosing the backend without the bundle's formats")
         chosen = backend_for(device, manifest)
     problem = backend_status().get(chosen, "ok")
     if problem != "ok":
@@ -78,7 +92,8 @@ class Daemon:
         self.overrides = overrides if overrides is not None else Overrides(overrides_path(config))
         self._starting = True  # until READY=1: loading steps extend systemd's start timeout
         self.device = device or load_device_config(config.device)
-        self.backend = choose_backend(config, self.device)
+        self.manifest = configured_manifest(config)  # read once: the backend's choice and the first start's
+        self.backend = choose_backend(config, self.device, self.manifest)
         self.stop_event = threading.Event()
         self.exit_code = EXIT_OK
         self.stop_reason = ""
@@ -99,9 +114,9 @@ class Daemon:
         from agent.health.sdnotify import SystemdNotifier
         from agent.health.watchdog import Watchdog
         from agent.lifecycle.model_manager import ModelManager
-        from agent.ops.discovery import HA_STATUS_TOPIC
         from agent.ops.outbox import Outbox
         from agent.ops.transport import MqttTransport
+        from agent.protocol.topics import HA_STATUS_TOPIC
 
         cfg = self.config
         os.makedirs(cfg.state_dir, exist_ok=True)
@@ -111,29 +126,31 @@ class Daemon:
                                        replay_rate_hz=cfg.outbox.replay_rate_hz,
                                        extra_subscriptions=[HA_STATUS_TOPIC] if discovery else [],
                                        on_connected=self._publish_discovery if discovery else None,
-                                       on_alert=self._publish_alert)
+                                       on_alert=self._publish_alert, device_kind=self.device.name)
         self.models = ModelManager(lambda: self.config, self.device, self.backend, on_event=self._publish_event,
-                                   handover=self.handover, on_phase=self._start_step)
+                                   handover=self.handover, on_phase=self._start_step, manifest=self.manifest)
         self.notifier = SystemdNotifier()
         self.progress = ProgressMonitor(cfg.watchdog.inference_deadline_s)
         npu = NpuSmiProbe(self.device.device_id) if self.device.target == "ascend" else None
         self.memory = MemoryWatchdog(cfg.watchdog, self.device.memory_budget_mb, npu,
                                      npu_budget_mb=self.device.npu_memory_budget_mb,
-                                     worker_pids=lambda: self.loop.sources.worker_pids())
+                                     worker_pids=lambda: self.sources.worker_pids())
         frames: queue.Queue = queue.Queue(maxsize=cfg.batching.queue_size)
-        sources = SourceSet(list(cfg.sources), frames, self._publish_alert)
+        # Made here and kept here: the watchdog recycles a source's worker and the metrics endpoint reads the
+        # histograms through these references, not through the serving loop.
+        self.sources = SourceSet(list(cfg.sources), frames, self._publish_alert)
+        self.stats = StageStats()
         self.watchdog = Watchdog(cfg.watchdog, self.memory, self.progress, self.notifier,
                                  on_alert=self._publish_alert, request_restart=self._restart_requested,
-                                 input_states=lambda: self.loop.source_states(),
-                                 restart_worker=lambda name, cause, why: self.loop.sources.recycle(name, cause, why))
+                                 input_states=self.sources.summary, restart_worker=self.sources.recycle)
         self.numbering = SequenceCounter(cfg.state_path("sequence.json"))
         # The daemon uses the loop through its methods only (seams.ServingControl, its lifecycle, and the
         # between-batches changes inside a handover item); the commands get the control and a status provider.
-        self.loop = ServingLoop(frames, sources, self.models, self.transport, self.progress, self.handover,
+        self.loop = ServingLoop(frames, self.sources, self.models, self.transport, self.progress, self.handover,
                                 self.stop_event, cfg.batching.max_batch,
                                 cfg.batching.max_wait_ms, cfg.publish, on_event=self._publish_event,
                                 telemetry_extras=self._telemetry_extras, on_result=on_result,
-                                numbering=self.numbering)
+                                numbering=self.numbering, stats=self.stats)
         self.handlers = CommandHandlers(self.loop, self.models, self.transport, self.handover,
                                         get_config=lambda: self.config, apply_config=self._apply_config,
                                         request_restart=self._restart, status=self._status,
@@ -157,7 +174,7 @@ class Daemon:
 
         self.metric_events = EventCounts()
         collector = BoxCollector(self.config.device_id, lambda: self._status(windows=False),  # no percentiles
-                                 self.loop.stats.histograms, self.dispatcher.acks, self.metric_events)
+                                 self.stats.histograms, self.dispatcher.acks, self.metric_events)
         try:
             return MetricsServer(address, collector)
         except OSError as exc:
@@ -279,26 +296,24 @@ class Daemon:
         }
 
     def _status(self, windows: bool = True) -> Dict[str, Any]:
-        """The ``status`` command's answer, assembled here from each part's own view: the serving loop's figures,
-        the daemon's (as in telemetry), the model's, and who this box is. ``windows``: ServingLoop.status's."""
-        info = self.loop.status(windows)
-        info.update(self._telemetry_extras())
-        info.update({
-            "device_id": self.config.device_id,
-            "device_kind": self.device.name,  # the name a retained status gives it (agent.protocol.status)
-            "backend": self.backend,
-            "model": self.models.current.describe(),
-            "slots": self.models.status(),
-            "uptime_s": None if self._ready_at is None else round(time.monotonic() - self._ready_at, 1),
-            "overrides": redact_all(self.overrides.report()),
-        })
-        return info
+        """The ``status`` command's answer (:class:`agent.protocol.status.StatusAnswer`), assembled here from each
+        part's own view: who this box is and what it serves, as its retained status says it (the same fields:
+        ``model`` is the label in both), the model in detail, the serving loop's figures and the daemon's (as in
+        telemetry). ``windows``: ServingLoop.status's. A figure a part adds is added to the type first."""
+        model = self.models.current
+        extras = self._telemetry_extras()
+        return status_answer(
+            self.config.device_id, broker=extras["mqtt"]["broker"], model_info=model.describe(),
+            uptime_s=None if self._ready_at is None else round(time.monotonic() - self._ready_at, 1),
+            overrides=redact_all(self.overrides.report()),
+            **self._presence(model), **self.loop.status(windows), **extras)
 
-    def _presence(self) -> Dict[str, Any]:
-        """The daemon's fields of its retained status (:class:`agent.protocol.status.BoxStatus`); the transport
-        adds state, device id, time and broker."""
-        return {"device_kind": self.device.name, "model": self.models.current.label, "backend": self.backend,
-                "precision": self.models.current.precision,
+    def _presence(self, model: Any = None) -> Dict[str, Any]:
+        """The daemon's fields of its retained status (:class:`agent.protocol.status.BoxStatus`), also the status
+        answer's; the transport adds state, device id, time and broker. ``model``: the serving one, read once."""
+        model = model if model is not None else self.models.current
+        return {"device_kind": self.device.name, "model": model.label, "backend": self.backend,
+                "precision": model.precision,
                 "groups": list(self.config.mqtt.groups), "slots": self.models.status(),
                 # the operator's clock for this box: silent for a few intervals, an "online" is not believed
                 "telemetry_interval_s": self.config.publish.telemetry_interval_s}
@@ -313,16 +328,16 @@ class Daemon:
         log.info("event: %s", event)
         if self.metrics is not None:
             self.metric_events.observe(event)
-        self.transport.publish(self.transport.topic("events"), event)
-        if self._announced and event.get("event") in SLOT_EVENTS:
+        self.transport.publish(self.transport.events_topic(), event)
+        if self._announced and event_of(event) in SLOT_EVENTS:
             self.transport.set_status(self._presence())
 
     def _publish_alert(self, alert: Dict[str, Any]) -> None:
-        self.transport.publish(self.transport.topic("telemetry", "alert"), dict(alert, ts=time.time()))
+        self.transport.publish(self.transport.alert_topic(), dict(alert, ts=time.time()))
 
     def _on_message(self, topic: str, payload: bytes, retained: bool = False) -> None:
         """paho's thread: Home Assistant's birth message is answered here, everything else is a command."""
-        from agent.ops.discovery import HA_ONLINE, HA_STATUS_TOPIC
+        from agent.protocol.topics import HA_ONLINE, HA_STATUS_TOPIC
 
         if topic == HA_STATUS_TOPIC:
             if payload.strip() == HA_ONLINE:

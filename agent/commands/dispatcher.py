@@ -56,7 +56,7 @@ from agent.protocol.messages import (
     invalid_body,
     is_request_id,
 )
-from agent.protocol.topics import ANNOUNCE, GROUP, command_verb
+from agent.protocol.topics import ANNOUNCE, CommandTopic, read_command_topic
 from agent.protocol.verbs import (
     VERB_TABLE,
     check_group_verbs,
@@ -230,19 +230,21 @@ class CommandDispatcher:
             finally:
                 self._inbox.task_done()
 
-    def _verb_of(self, topic: str) -> Optional[str]:
-        """The verb of a command topic addressed to this device or one of its groups, else None."""
-        verb = command_verb(self.transport.prefix, self.transport.device_id, self._groups, topic)
-        return None if verb is None else verb[:VERB_MAX_CHARS]
+    def _command_of(self, topic: str) -> Optional[CommandTopic]:
+        """What a command topic addressed to this device or one of its groups says (its verb cut to
+        :data:`VERB_MAX_CHARS`), else None."""
+        command = read_command_topic(self.transport.prefix, self.transport.device_id, self._groups, topic)
+        return None if command is None else CommandTopic(command.verb[:VERB_MAX_CHARS], command.group)
 
     def _intake(self, topic: str, payload: bytes, arrived: float, retained: bool = False) -> None:
         """The checks on the raw message, in order, up to a request id to answer; then :meth:`_admit`."""
         answers = self._answers
         answers.count("received")
-        verb = self._verb_of(topic)
-        if verb is None:
+        command = self._command_of(topic)
+        if command is None:
             answers.drop("bad_topic", topic)
             return
+        verb = command.verb
         if verb == ANNOUNCE:
             if not self._buckets.take(OTHER, arrived):
                 answers.drop("rate_limited", topic)
@@ -273,7 +275,7 @@ class CommandDispatcher:
             answers.drop("bad_request_id", topic)
             return
         try:  # before anything is looked up or written under this id
-            signed = self._freshness.authenticate(self._target(topic), verb, message)
+            signed = self._freshness.authenticate(command.target(self.transport.device_id), verb, message)
         except CommandError as exc:  # not recorded: the id stays free for the operator's signed command
             answers.refuse(Job(request_id, verb, None), error_body(exc.code, exc.message, exc.field))
             return
@@ -281,11 +283,12 @@ class CommandDispatcher:
             answers.refuse(Job(request_id, verb, None), error_body(
                 "rate_limited", "more than the allowed commands per second"))
             return
-        self._admit(topic, verb, request_id, message)
+        self._admit(command, request_id, message)
 
-    def _admit(self, topic: str, verb: str, request_id: str, message: Dict[str, Any]) -> None:
+    def _admit(self, command: CommandTopic, request_id: str, message: Dict[str, Any]) -> None:
         """A command with a request id: answer a retry from its record, refuse it, or queue it and accept it."""
         answers = self._answers
+        verb = command.verb
         recorded = self._record.get(request_id)
         if recorded is not None:
             answers.answer_duplicate(recorded, request_id, verb)
@@ -303,7 +306,7 @@ class CommandDispatcher:
             answers.refuse(Job(request_id, verb, None), error_body(
                 "busy", "%d commands already waiting; retry later" % jobs.maxsize))
             return
-        refusal = self._refusal(topic, verb, message)
+        refusal = self._refusal(command, message)
         if refusal is not None:  # nothing ran: recorded as failed, so a retry gets the same answer
             answers.finish(Job(request_id, verb, None), FAILED, error=refusal)
             return
@@ -332,16 +335,10 @@ class CommandDispatcher:
         self._answers.count("announced")
         self._on_announce()
 
-    def _target(self, topic: str) -> str:
-        """What a signature names: this device, or ``group/<name>`` for a group topic."""
-        group_level = "%s/%s/" % (self.transport.prefix, GROUP)
-        if topic.startswith(group_level):
-            return topic[len(self.transport.prefix) + 1:topic.rindex("/cmd/")]
-        return self.transport.device_id
-
-    def _refusal(self, topic: str, verb: str, message: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    def _refusal(self, command: CommandTopic, message: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         """Why a well-formed command must not run here (a group verb not allowed, not fresh), else None."""
-        if topic.startswith("%s/%s/" % (self.transport.prefix, GROUP)) and verb not in self._group_verbs:
+        verb = command.verb
+        if command.group is not None and verb not in self._group_verbs:
             return error_body("not_for_group", "%s is not allowed on a group topic (commands.group_verbs: %s); "
                               "send it to each box" % (verb, ", ".join(sorted(self._group_verbs))), "verb")
         try:

@@ -32,9 +32,9 @@ SNAPSHOT_JPEG_QUALITY = 85  # a picture for a person, not for a model: small bea
 
 
 class Publisher(Protocol):
-    """What handlers publish through (the MQTT transport): topics under this device, and messages."""
+    """What handlers publish through (the MQTT transport): this device's snapshot topic, and messages."""
 
-    def topic(self, *parts: str) -> str: ...
+    def snapshot_topic(self, source: str) -> str: ...
 
     def publish(self, topic: str, payload: Any, qos: Optional[int] = None, retain: bool = False,
                 durable: bool = True) -> str: ...
@@ -127,7 +127,7 @@ class CommandHandlers:
         ok, jpeg = cv2.imencode(".jpg", picture, [cv2.IMWRITE_JPEG_QUALITY, SNAPSHOT_JPEG_QUALITY])
         if not ok:
             raise RuntimeError("JPEG encoding failed")
-        topic = self.publisher.topic("snapshot", frame.source)
+        topic = self.publisher.snapshot_topic(frame.source)
         self.publisher.publish(topic, jpeg.tobytes(), qos=1, retain=False, durable=False)
         return {"topic": topic, "bytes": int(jpeg.size), "frame_id": frame.frame_id, "source": frame.source}
 

@@ -68,7 +68,9 @@ from agent.lifecycle.unpack import Pin, Scan, check_manifest_pin
 from agent.pipeline.artifacts import select_artifacts
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
 from agent.pipeline.model import LoadedModel, load_model
+from agent.protocol.events import EVENT_KEY, Event, event_message
 from agent.protocol.requests import DeployRequest
+from agent.protocol.verbs import ROLLBACK
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +116,13 @@ class ModelManager:
                  on_event: Callable[[Dict[str, Any]], None], handover: BetweenBatches,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  switch_timeout_s: float = DEFAULT_SWITCH_TIMEOUT_S,
-                 on_phase: Optional[Callable[[str], None]] = None) -> None:
+                 on_phase: Optional[Callable[[str], None]] = None, manifest: Optional[Manifest] = None) -> None:
         """``config`` returns the daemon's config each time it is called: the daemon owns the live config
         (set-config and SIGHUP replace it between batches), so a deploy or a rollback reads the batching and
-        thresholds in effect then. The store, the key and the fetch policy are restart-only: read here once."""
+        thresholds in effect then. The store, the key and the fetch policy are restart-only: read here once.
+
+        ``manifest`` is ``model.bundle``'s manifest as the daemon read it (and chose the backend by): a first
+        start installs that bundle only if the copy it verifies still has that manifest."""
         self._config = config
         start = config()
         # Called as each loading step begins ("verify", "load", "warm-up", "golden check"): the daemon extends
@@ -129,6 +134,7 @@ class ModelManager:
         self.handover = handover
         self.clock = clock
         self.switch_timeout_s = switch_timeout_s
+        self.manifest = manifest
         self.public_key = _public_key(start.model.public_key)
         self.fetch_policy = FetchPolicy.from_config(start.fetch)
         self.store = BundleStore(start.state_path(start.model.store), self.public_key, wall_clock=wall_clock)
@@ -145,7 +151,8 @@ class ModelManager:
         """Serve the confirmed slot; undo a model left pending by a crash; on first start, import one."""
         with self._operation:
             model, table = Recovery(self.store, self.state_file, self.config.model.bundle, self.public_key,
-                                    self._load, self._emit, self.on_phase, self.wall_clock).run()
+                                    self._load, self._emit, self.on_phase, self.wall_clock,
+                                    first_manifest=self.manifest).run()
             with self._swap.lock:
                 self._swap.table = table
                 self._swap.current = model
@@ -245,7 +252,7 @@ class ModelManager:
             finally:
                 self._operation.release()
         try:
-            return self.handover.submit(lambda: self._swap.rollback_pending(text), timeout, what="rollback")
+            return self.handover.submit(lambda: self._swap.rollback_pending(text), timeout, what=ROLLBACK)
         except HandoverTimeout:
             raise CommandError("switch_timeout", "the serving loop did not roll back within %.1f s; "
                                "nothing changed" % timeout) from None
@@ -346,8 +353,8 @@ class ModelManager:
         current = table.slots[table.serving]
         self._swap.switch(model, standby, with_swapped, opens_window=False, timeout=timeout_s)
         self._gc()
-        self._emit({"event": "rollback", "reason": reason, "trigger": TRIGGER_OPERATOR, "slot": table.serving,
-                    "from": current.identity(), "to": kept.identity(), "figures": None})
+        self._emit(event_message(Event.ROLLBACK, reason=reason, trigger=TRIGGER_OPERATOR, slot=table.serving,
+                                 to=kept.identity(), figures=None, **{"from": current.identity()}))
         return {"slot": standby, "state": CONFIRMED, "model": kept.identity(),
                 "rolled_back": current.identity(), "reason": reason}
 
@@ -379,7 +386,7 @@ class ModelManager:
         try:
             self.on_event(event)
         except Exception:  # the publisher's failure must not undo a switch or a rollback already made
-            log.exception("on_event failed for %s", event.get("event"))
+            log.exception("on_event failed for %s", event.get(EVENT_KEY))
 
 
 def _public_key(text: Optional[str]) -> Optional[bytes]:

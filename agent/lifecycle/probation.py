@@ -8,6 +8,7 @@ neither end a window early nor keep it open forever.
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 BASELINE_BATCHES = 200  # latency samples of the confirmed model kept for its baseline
@@ -20,9 +21,19 @@ MIN_CONFIRM_FRAMES = 1  # a model that served nothing has shown nothing: it stay
 TRIGGER_LATENCY = "latency"
 TRIGGER_ERRORS = "errors"
 
-# Verdicts.
-ROLLBACK = "rollback"
-CONFIRM = "confirm"
+
+
+class Verdict(Enum):
+    """How a window ends; the events that follow name it in the protocol's words (agent.protocol.events)."""
+
+    ROLLBACK = "roll back"
+    CONFIRM = "confirm"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+ROLLBACK, CONFIRM = Verdict.ROLLBACK, Verdict.CONFIRM
 
 
 @dataclass
@@ -50,7 +61,7 @@ class Window:
         return statistics.median(self.latencies) if self.latencies else None
 
     def verdict(self, now: float, observation_s: float, latency_factor: float, max_error_rate: float
-                ) -> Tuple[Optional[str], str, Dict[str, Any]]:
+                ) -> Tuple[Optional[Verdict], str, Dict[str, Any]]:
         """(None | ROLLBACK | CONFIRM, reason, figures). Failures are judged before the window ends."""
         elapsed = now - self.started
         ended = elapsed >= observation_s
@@ -113,7 +124,7 @@ class Probation:
         self.window = None
         self.baseline.clear()
 
-    def close(self, decision: str) -> Window:
+    def close(self, decision: Verdict) -> Window:
         """End the window: the baseline continues with the samples of the model that stays."""
         window = self.window
         assert window is not None

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from agent._util.quarantine import move_aside
-from agent.bundle.manifest import SIGNATURE, BundleError
+from agent.bundle.manifest import MANIFEST, SIGNATURE, BundleError, Manifest
 from agent.bundle.verify import Bundle, verify_bundle
 from agent.config.schema import FieldError
 from agent.lifecycle.fetch import copy_local
@@ -33,6 +33,7 @@ from agent.lifecycle.slots import (
 )
 from agent.lifecycle.store import BundleStore
 from agent.pipeline.model import LoadedModel
+from agent.protocol.events import Event, event_message
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,13 @@ class Recovery:
 
     def __init__(self, store: BundleStore, state_file: str, first_bundle: str, public_key: Optional[bytes],
                  load: Callable[[Bundle], LoadedModel], emit: Callable[[Dict[str, Any]], None],
-                 on_phase: Callable[[str], None], wall_clock: Callable[[], float]) -> None:
+                 on_phase: Callable[[str], None], wall_clock: Callable[[], float],
+                 first_manifest: Optional[Manifest] = None) -> None:
         self.store = store
         self.state_file = state_file
         self.first_bundle = first_bundle  # model.bundle: served when nothing usable is on the box
+        # model.bundle's manifest as the daemon read it (the backend was chosen by it); None: not read
+        self.first_manifest = first_manifest
         self.public_key = public_key
         self.load = load
         self.emit = emit
@@ -79,7 +83,10 @@ class Recovery:
                 raise BundleError([FieldError("model.bundle", "not found: %s" % source)], source)
             root = copy_local(os.path.realpath(source), staging, source=source)
             self.on_phase("verify")
-            bundle = verify_bundle(root, self.public_key)
+            bundle = verify_bundle(root, self.public_key)  # the copy's own manifest: what is installed
+            if self.first_manifest is not None and bundle.manifest != self.first_manifest:
+                raise BundleError([FieldError(MANIFEST, "model.bundle changed while the daemon started (the "
+                                              "backend was chosen for another manifest); start again")], source)
             installed = self.store.install(root, SLOT_NAMES[0], bundle)
         try:
             model = self.load(replace(bundle, root=self.store.path(installed)))
@@ -100,7 +107,7 @@ class Recovery:
             # Atomic writes make this a disk fault or a hand edit; keep the evidence, start from the config.
             aside = move_aside(self.state_file, "slot table unusable", clock=self.wall_clock)
             log.error("slot table unusable, moved to %s; starting from model.bundle:\n%s", aside, exc)
-            self.emit({"event": "slots_reset", "reason": str(exc)[:500], "moved_to": aside})
+            self.emit(event_message(Event.SLOTS_RESET, reason=str(exc)[:500], moved_to=aside))
             return None
 
     def _recover_pending(self, table: SlotTable) -> SlotTable:
@@ -111,9 +118,9 @@ class Recovery:
         after = with_rolled_back(table, reason)
         save_slots(self.state_file, after)
         log.warning("%s; serving the confirmed slot %s", reason, after.serving)
-        self.emit({"event": "rollback", "reason": reason, "trigger": TRIGGER_RESTART, "slot": pending,
-                   "from": table.slots[pending].identity(), "to": after.slots[after.serving].identity(),
-                   "figures": None})
+        self.emit(event_message(Event.ROLLBACK, reason=reason, trigger=TRIGGER_RESTART, slot=pending,
+                                to=after.slots[after.serving].identity(), figures=None,
+                                **{"from": table.slots[pending].identity()}))
         return after
 
     def _load_serving(self, table: SlotTable) -> Tuple[LoadedModel, SlotTable]:
@@ -143,9 +150,9 @@ class Recovery:
             if name != table.confirmed:  # the standby serves; the confirmed one failed to load (kept)
                 after = with_swapped(table)
                 save_slots(self.state_file, after)
-                self.emit({"event": "rollback", "reason": "%s: confirmed slot failed to load: %s" % (
-                    TRIGGER_RESTART, str(refused)[:300]), "trigger": TRIGGER_RESTART, "slot": table.confirmed,
-                    "from": table.slots[table.confirmed].identity(), "to": slot.identity(), "figures": None})
+                self.emit(event_message(Event.ROLLBACK, reason="%s: confirmed slot failed to load: %s" % (
+                    TRIGGER_RESTART, str(refused)[:300]), trigger=TRIGGER_RESTART, slot=table.confirmed,
+                    to=slot.identity(), figures=None, **{"from": table.slots[table.confirmed].identity()}))
                 table = after
             return model, table
         assert refused is not None
@@ -159,8 +166,8 @@ class Recovery:
             TRIGGER_RESTART, name, slot.name, slot.version, str(exc)[:300])
         moved = self.store.set_aside(slot.bundle, "bundle failed verification")
         log.error("%s; moved to %s", reason, moved)
-        self.emit({"event": "bundle_moved_aside", "slot": name, "model": slot.identity(), "reason": reason,
-                   "moved_to": moved})
+        self.emit(event_message(Event.BUNDLE_MOVED_ASIDE, slot=name, model=slot.identity(), reason=reason,
+                                moved_to=moved))
         try:
             after = with_lost(table, name, reason)
         except ValueError:
@@ -168,6 +175,7 @@ class Recovery:
             return None
         save_slots(self.state_file, after)
         if after.serving != table.serving:
-            self.emit({"event": "rollback", "reason": reason, "trigger": TRIGGER_RESTART, "slot": name,
-                       "from": slot.identity(), "to": after.slots[after.serving].identity(), "figures": None})
+            self.emit(event_message(Event.ROLLBACK, reason=reason, trigger=TRIGGER_RESTART, slot=name,
+                                    to=after.slots[after.serving].identity(), figures=None,
+                                    **{"from": slot.identity()}))
         return after

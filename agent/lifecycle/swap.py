@@ -17,10 +17,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 from agent.config.daemon_config import DaemonConfig
 from agent.errors import CommandError
-from agent.lifecycle.probation import CONFIRM, ROLLBACK, Probation
-from agent.lifecycle.slots import CONFIRMED, SlotTable, save_slots, with_confirmed, with_rolled_back
+from agent.lifecycle.probation import CONFIRM, ROLLBACK, Probation, Verdict
+from agent.lifecycle.slots import CONFIRMED, PENDING, SlotTable, save_slots, with_confirmed, with_rolled_back
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
 from agent.pipeline.model import LoadedModel
+from agent.protocol.events import EVENT_KEY, Event, event_message
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,9 @@ class ModelSwap:
                 self.probation.reset()
         if retired is not None:
             retired.close()
-        self.emit({"event": "switched", "slot": slot, "model": identity(model),
-                   "state": "pending" if opens_window else "confirmed",
-                   "observation_s": self.config().model.observation_s if opens_window else None})
+        self.emit(event_message(Event.SWITCHED, slot=slot, model=identity(model),
+                                state=PENDING if opens_window else CONFIRMED,
+                                observation_s=self.config().model.observation_s if opens_window else None))
 
     # --- the end of a window -------------------------------------------------------------------------------
 
@@ -183,7 +184,7 @@ class ModelSwap:
         self._after_window(ended)
         return ended.result
 
-    def _end_window(self, decision: str, reason: str, figures: Dict[str, Any]) -> _Ended:
+    def _end_window(self, decision: Verdict, reason: str, figures: Dict[str, Any]) -> _Ended:
         """Under the lock: move the references and the table; the caller finishes with :meth:`_after_window`."""
         table = self.table
         assert table is not None
@@ -192,15 +193,15 @@ class ModelSwap:
         if decision == ROLLBACK:
             retired, self.current = self.current, self.fallback
             after = with_rolled_back(table, reason)
-            event = {"event": "rollback", "reason": reason, "trigger": reason.split(":", 1)[0],
-                     "slot": window.slot, "from": pending_slot.identity(), "to": identity(self.current),
-                     "figures": figures}
+            event = event_message(Event.ROLLBACK, reason=reason, trigger=reason.split(":", 1)[0],
+                                  slot=window.slot, to=identity(self.current), figures=figures,
+                                  **{"from": pending_slot.identity()})
         else:
             assert decision == CONFIRM
             retired = self.fallback
             after = with_confirmed(table)
-            event = {"event": "confirmed", "slot": window.slot, "model": pending_slot.identity(),
-                     "figures": figures}
+            event = event_message(Event.CONFIRMED, slot=window.slot, model=pending_slot.identity(),
+                                  figures=figures)
         self.fallback = None
         self.table = after
         try:
@@ -214,6 +215,6 @@ class ModelSwap:
     def _after_window(self, ended: _Ended) -> None:
         if ended.retired is not None:
             ended.retired.close()
-        log.info("%s: %s", ended.event["event"], ended.event.get("reason", ended.event.get("figures")))
+        log.info("%s: %s", ended.event[EVENT_KEY], ended.event.get("reason", ended.event.get("figures")))
         self.gc()
         self.emit(ended.event)

@@ -10,9 +10,11 @@ entity"), so no ghost sensor stays behind.
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-HA_PREFIX = "homeassistant"
-HA_STATUS_TOPIC = HA_PREFIX + "/status"
-HA_ONLINE = b"online"
+from agent.protocol.messages import OFFLINE, ONLINE
+from agent.protocol.topics import HA_ONLINE, HA_PREFIX, HA_STATUS_TOPIC, ha_config_topic, status_topic, telemetry_topic
+
+__all__ = ["HA_ONLINE", "HA_PREFIX", "HA_STATUS_TOPIC", "config_topic", "discovery_messages", "removal_messages",
+           "source_sensors", "source_object_id"]
 
 # (object id, name, template over the telemetry JSON, unit)
 TELEMETRY_SENSORS = (
@@ -27,7 +29,7 @@ TELEMETRY_SENSORS = (
 
 def config_topic(device_id: str, object_id: str) -> str:
     """The retained discovery topic of one sensor of this box."""
-    return "%s/sensor/atlas-edge-%s/%s/config" % (HA_PREFIX, device_id, object_id)
+    return ha_config_topic(device_id, object_id)
 
 
 def source_object_id(name: str) -> str:
@@ -48,16 +50,15 @@ def source_sensors(sources: Sequence[str]) -> List[Tuple[str, str, str, Optional
 def discovery_messages(prefix: str, device_id: str, device_kind: str, model_label: str,
                        sources: Sequence[str] = ()) -> List[Tuple[str, bytes]]:
     """(topic, retained payload) for each sensor of this box, and one per source."""
-    base = "%s/%s" % (prefix, device_id)
     device = {"identifiers": ["atlas-edge-%s" % device_id], "name": "atlas-edge %s" % device_id,
               "model": device_kind, "sw_version": model_label, "manufacturer": "atlas-edge"}
-    availability = {"topic": base + "/status", "value_template": "{{ value_json.state }}",
-                    "payload_available": "online", "payload_not_available": "offline"}
+    availability = {"topic": status_topic(prefix, device_id), "value_template": "{{ value_json.state }}",
+                    "payload_available": ONLINE, "payload_not_available": OFFLINE}
     messages = []
     for object_id, name, template, unit in (*TELEMETRY_SENSORS, *source_sensors(sources)):
         unique = "atlas_edge_%s_%s" % (device_id, object_id)
         config: Dict[str, Any] = {
-            "name": name, "unique_id": unique, "object_id": unique, "state_topic": base + "/telemetry",
+            "name": name, "unique_id": unique, "object_id": unique, "state_topic": telemetry_topic(prefix, device_id),
             "value_template": template, "device": device, "availability": [availability],
         }
         if unit:

@@ -23,6 +23,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from agent._util.ratelog import LogLimiter
 from agent.config.daemon_config import METRICS_PACKAGE
+from agent.protocol.events import EVENT_KEY, Event
 from agent.protocol.verbs import verb_names
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,11 @@ class EventCounts:
         self.rollbacks = 0
 
     def observe(self, event: Mapping[str, Any]) -> None:
-        kind = event.get("event")
+        kind = event.get(EVENT_KEY)
         with self._lock:
-            if kind == "switched":
+            if kind == Event.SWITCHED:
                 self.swaps += 1
-            elif kind == "rollback":
+            elif kind == Event.ROLLBACK:
                 self.rollbacks += 1
 
 
@@ -191,7 +192,7 @@ def _serving(b: _Builder, status: Mapping[str, Any], histograms: Mapping[str, An
 
 
 def _model(b: _Builder, status: Mapping[str, Any], events: EventCounts) -> None:
-    model = status.get("model") or {}
+    model = status.get("model_info") or {}  # the serving model in detail (agent.protocol.status.ModelInfo)
     slot = (status.get("slots") or {}).get("serving") or ""
     for tier, artifact in sorted((model.get("artifacts") or {}).items()):
         labels = {"model": model.get("name") or "", "version": model.get("version") or "", "slot": slot,

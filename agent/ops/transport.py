@@ -44,7 +44,18 @@ from agent.ops.outbox import Outbox
 from agent.ops.replay import Replayer
 from agent.protocol.messages import OFFLINE, ONLINE
 from agent.protocol.status import status_message
-from agent.protocol.topics import command_subscriptions, device_topic, name_problem
+from agent.protocol.topics import (
+    ack_topic,
+    alert_topic,
+    command_subscriptions,
+    device_topic,
+    events_topic,
+    name_problem,
+    result_topic,
+    snapshot_topic,
+    status_topic,
+    telemetry_topic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +88,10 @@ class MqttTransport:
         extra_subscriptions: Sequence[str] = (),
         on_connected: Optional[Callable[[], None]] = None,
         on_alert: Optional[AlertHook] = None,
+        device_kind: Optional[str] = None,
     ) -> None:
+        """``device_kind`` (the box's device_configs/ name) goes into the broker's last will: an offline box
+        still says what it is."""
         problem = name_problem(device_id)
         if problem is not None:
             raise ConfigError([FieldError("device_id", problem)])
@@ -89,7 +103,7 @@ class MqttTransport:
         self.prefix = config.prefix
         self.groups = tuple(config.groups)
         self.client_id = config.client_id or "atlas-edge-%s" % device_id
-        self.status_topic = self.topic("status")
+        self.status_topic = status_topic(self.prefix, device_id)
         self._outbox = outbox
         self._on_message = on_message
         self._on_connected = on_connected  # runs on the supervisor thread after each successful CONNACK
@@ -103,7 +117,7 @@ class MqttTransport:
             config, self.client_id, self.status_topic, device_id, self._inflight,
             subscriptions=lambda: self.command_topics() + self._extra_subscriptions,
             on_session_start=self._session_started, on_session_end=self._session_ended,
-            on_message=self._deliver_message)
+            on_message=self._deliver_message, device_kind=device_kind)
         self._replay = Replayer(
             outbox, replay_rate_hz, current_generation=lambda: self._link.generation,
             is_live=lambda generation: self._link.connected and self._link.generation == generation,
@@ -114,8 +128,17 @@ class MqttTransport:
     # -- topics -------------------------------------------------------------------------------------------
 
     def topic(self, *parts: str) -> str:
-        """``<prefix>/<device>/<parts...>``."""
+        """``<prefix>/<device>/<parts...>`` (the named topics below are how this box's code builds one)."""
         return device_topic(self.prefix, self.device_id, *parts)
+
+    def events_topic(self) -> str:
+        return events_topic(self.prefix, self.device_id)
+
+    def alert_topic(self) -> str:
+        return alert_topic(self.prefix, self.device_id)
+
+    def snapshot_topic(self, source: str) -> str:
+        return snapshot_topic(self.prefix, self.device_id, source)
 
     def command_topics(self) -> List[str]:
         """Subscriptions: this device's commands and those of each configured group."""
@@ -152,14 +175,14 @@ class MqttTransport:
         return self._send(topic, data, self.config.qos if qos is None else qos, retain, durable)
 
     def publish_result(self, source: str, payload: Payload) -> str:
-        return self.publish(self.topic("results", source), payload)
+        return self.publish(result_topic(self.prefix, self.device_id, source), payload)
 
     def publish_telemetry(self, payload: Payload) -> str:
-        return self.publish(self.topic("telemetry"), payload)
+        return self.publish(telemetry_topic(self.prefix, self.device_id), payload)
 
     def publish_ack(self, request_id: str, payload: Payload) -> str:
         # QoS 1 whatever the results' QoS: an operator waits on these.
-        return self.publish(self.topic("ack", request_id), payload, qos=1)
+        return self.publish(ack_topic(self.prefix, self.device_id, request_id), payload, qos=1)
 
     def set_status(self, fields: Dict[str, Any]) -> None:
         """Replace the daemon's fields of the retained status (device kind, model, slots, ...: names of

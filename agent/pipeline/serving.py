@@ -35,6 +35,7 @@ from agent.pipeline.results import SequenceCounter, result_payload
 from agent.pipeline.seams import ModelSource, ProgressSink, ResultSink
 from agent.pipeline.sources import Frame, SourceSet
 from agent.pipeline.stats import StageStats
+from agent.protocol.events import Event, event_message
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ ResultCallback = Callable[[Frame, Dict[str, Any]], None]
 
 
 class ServingLoop:
-    """Serve batches until stopped; owns the batcher, the backend thread, the sources, statistics and counters.
+    """Serve batches until stopped; owns the batcher, the backend thread and its counters, and drives the sources
+    and statistics it is given (their maker keeps its own references).
 
     ``on_event(dict)`` receives an ``inference_error`` event; ``telemetry_extras()`` adds the daemon's figures
     (memory, MQTT) to telemetry; ``on_result(frame, payload)`` sees every result (the demo's console view)."""
@@ -63,7 +65,9 @@ class ServingLoop:
                  on_event: Callable[[Dict[str, Any]], None],
                  telemetry_extras: Callable[[], Dict[str, Any]] = dict,
                  on_result: Optional[ResultCallback] = None,
-                 numbering: Optional[SequenceCounter] = None) -> None:
+                 numbering: Optional[SequenceCounter] = None, stats: Optional[StageStats] = None) -> None:
+        """``sources`` and ``stats`` are the caller's: the daemon keeps its own references to them (its watchdog
+        recycles a source's worker, its metrics endpoint reads the histograms) instead of reaching in here."""
         self.frames = frames
         self.sources = sources
         self.models = models
@@ -78,7 +82,7 @@ class ServingLoop:
         self.on_result = on_result
         self.numbering = numbering or SequenceCounter()  # per-source `seq` in each result (in memory if not given)
         self.backend = BackendThread(progress)
-        self.stats = StageStats()
+        self.stats = stats if stats is not None else StageStats()
         self.taken = 0  # frames taken from the queue; every one ends published, rate-limited or failed
         self.published = 0
         self.inference_errors = 0
@@ -319,7 +323,7 @@ class ServingLoop:
         self.failed_frames += len(batch.frames)
         self.stats.error()
         log.error("inference failed on a batch of %d: %s", len(batch.frames), error, exc_info=error)
-        self.on_event({"event": "inference_error", "error": str(error)[:EVENT_ERROR_CHARS]})
+        self.on_event(event_message(Event.INFERENCE_ERROR, error=str(error)[:EVENT_ERROR_CHARS]))
 
     def _decode(self, chunk: Chunk) -> None:
         batch = chunk.batch

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 from agent.config.schema import ConfigError, FieldError, parse
-from agent.protocol.requests import (ENVELOPE_KEYS, ConfigRequest, DeployRequest, NoFields, RollbackRequest,
-                                     request_fields)
+from agent.protocol.requests import (
+    ENVELOPE_KEYS,
+    ConfigRequest,
+    DeployRequest,
+    NoFields,
+    RollbackRequest,
+    request_fields,
+)
 
 GROUP_VERBS_FIELD = "commands.group_verbs"
 

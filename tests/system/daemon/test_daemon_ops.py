@@ -42,7 +42,9 @@ def test_ctl_status_config_and_deploy_against_the_daemon(tmp_path, mosquitto):
     try:
         status = json.loads(wait_status(mosquitto).stdout.strip().splitlines()[-1])
         assert status["state"] == "succeeded"
-        assert status["result"]["model"]["version"] == "1.0.0" and status["result"]["slots"]["serving"] == "a"
+        assert status["result"]["model_info"]["version"] == "1.0.0" and status["result"]["slots"]["serving"] == "a"
+        # one meaning of "model": the serving model's label, in the answer as in the retained status
+        assert status["result"]["model"] == "%s 1.0.0" % status["result"]["model_info"]["name"]
 
         bad = ctl(mosquitto, "set-config", "--json", '{"config": {"thresholds": {"conf": 7}}}')
         assert bad.returncode == 1 and "thresholds.conf" in bad.stdout + bad.stderr
@@ -91,14 +93,14 @@ def test_set_config_batching_reaches_the_next_deploy(tmp_path, mosquitto):
     try:
         wait_status(mosquitto)
         # max_batch 2 at start: the demo bundle has no batch-2 ONNX, so the smallest batch (1) serves
-        assert _status(mosquitto)["model"]["artifacts"]["256x256"] == "model_256x256.onnx"
+        assert _status(mosquitto)["model_info"]["artifacts"]["256x256"] == "model_256x256.onnx"
         changed = ctl(mosquitto, "set-config", "--json", '{"config": {"batching": {"max_batch": 4}}}')
         assert changed.returncode == 0, changed.stdout + changed.stderr
         source, sha = new_version(tmp_path, str(tmp_path / "state" / "bundles"), "1.1.0")
         deployed = ctl(mosquitto, "deploy", "--json", json.dumps({"bundle": source, "sha256": sha}), "--timeout",
                        "120", timeout=120)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        model = _status(mosquitto)["model"]
+        model = _status(mosquitto)["model_info"]
         assert model["version"] == "1.1.0" and model["artifacts"]["256x256"] == "model_256x256_b4.onnx"
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -174,6 +176,9 @@ def run_daemon_in_thread(tmp_path, broker, leak, monkeypatch):
         "watchdog": {"interval_s": 0.1, "window_s": 3.0, "leak_mb_per_hour": 20000.0, "leak_min_samples": 12},
     })
     daemon = Daemon(config)
+    # what the daemon made it keeps, and what it read it hands on: nothing is reached for inside the serving loop
+    assert daemon.loop.sources is daemon.sources and daemon.loop.stats is daemon.stats
+    assert daemon.models.manifest is daemon.manifest and daemon.manifest.name  # read once, for both
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.setdefault("code", daemon.run()), daemon=True)
     thread.start()

@@ -66,7 +66,7 @@ class Box:
         return self.final(request_id)
 
     def serving_version(self):
-        return self.wait_final(self.command("status"))["result"]["model"]["version"]
+        return self.wait_final(self.command("status"))["result"]["model_info"]["version"]
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_hostile_archives_are_refused_while_status_is_answered_and_serving_goes_
         assert refused["state"] == "failed" and refused["error"]["code"] == code, refused
         assert part in json.dumps(refused["error"]), refused
         assert len(json.dumps(refused)) < 4096  # bounded: no list of 200,000 names
-        assert answered[0]["state"] == "succeeded" and answered[0]["result"]["model"]["version"] == "1.0.0"
+        assert answered[0]["state"] == "succeeded" and answered[0]["result"]["model_info"]["version"] == "1.0.0"
         assert answered[1]["error"]["code"] == "nothing_to_roll_back", answered[1]
         assert timings[name] < REFUSED_WITHIN_S, timings
         assert os.listdir(os.path.join(box.state, "bundles", ".staging")) == []
@@ -247,7 +247,7 @@ def test_a_seeded_command_fuzz_keeps_the_daemon_serving_and_never_answers_intern
     assert "internal" not in codes, [a for a in acks if (a.get("error") or {}).get("code") == "internal"][:3]
     assert box.wait_final(box.command("resume"))["state"] == "succeeded"
     status = box.wait_final(box.command("status"))
-    assert status["state"] == "succeeded" and status["result"]["model"]["version"] == "1.0.0"
+    assert status["state"] == "succeeded" and status["result"]["model_info"]["version"] == "1.0.0"
     before = box.probe.count("atlas-edge/e2e/results")
     assert wait_for(lambda: box.probe.count("atlas-edge/e2e/results") >= before + 3, timeout=ANSWER_S)
     finals = {a["request_id"]: a for a in acks if a["state"] in FINAL}

@@ -76,7 +76,7 @@ class Box:
         return ack, time.monotonic() - since
 
     def serving_version(self):
-        return self.wait_final(self.command("status"))["result"]["model"]["version"]
+        return self.wait_final(self.command("status"))["result"]["model_info"]["version"]
 
     def staging_empty(self):
         return os.listdir(os.path.join(self.state, "bundles", ".staging")) == []

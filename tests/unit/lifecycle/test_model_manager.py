@@ -31,7 +31,7 @@ from agent.config.schema import ConfigError, parse
 from agent.errors import CommandError
 from agent.lifecycle.fetch import FetchError
 from agent.lifecycle.model_manager import release_key
-from agent.lifecycle.probation import Window
+from agent.lifecycle.probation import CONFIRM, ROLLBACK, Window
 from agent.lifecycle.slots import CONFIRMED, EMPTY, PENDING, STANDBY, load_slots
 from agent.lifecycle.store import STAGING_DIR
 from agent.pipeline import backends
@@ -62,6 +62,29 @@ RSS_MARGIN_MB = 60.0  # 50 deploy/rollback cycles must not grow the process by m
 
 
 # --- start ------------------------------------------------------------------------------------------------
+
+def test_the_manifest_the_daemon_read_is_the_one_a_first_start_installs(harness, base_bundle):
+    """The daemon reads model.bundle's manifest once (the backend is chosen by it) and hands it in: a first start
+    installs the bundle only if the copy it verifies still has that manifest."""
+    from agent.bundle.manifest import load_manifest
+    from agent.lifecycle.model_manager import ModelManager
+
+    h = harness()
+    read = load_manifest(base_bundle)
+
+    def manager(manifest):
+        return ModelManager(lambda: h.config, h.device, "opencv", on_event=h.events.append, handover=h.handover,
+                            manifest=manifest)
+
+    changed = manager(replace(read, version="9.9.9"))  # the file changed between the daemon's read and the copy
+    with pytest.raises(BundleError, match="model.bundle changed while the daemon started"):
+        changed.start()
+    changed.close()
+    assert not os.path.exists(h.state_file) and not os.listdir(os.path.join(h.store, "slots"))  # nothing installed
+    same = manager(read)
+    assert same.start().label == "tiny 1.0.0" and same.manifest is read
+    same.close()
+
 
 def test_first_start_imports_the_bundle_into_slot_a_and_a_restart_keeps_it(harness, base_bundle):
     h = harness()
@@ -844,15 +867,15 @@ def test_the_window_runs_on_the_injected_monotonic_clock_not_the_wall_clock(harn
 
 
 @pytest.mark.parametrize("latencies, failed, elapsed, expected", [
-    ([4.1] * 10, 0, 1.0, "rollback"),  # p50 4.1 > 2.0 x 2.0
+    ([4.1] * 10, 0, 1.0, ROLLBACK),  # p50 4.1 > 2.0 x 2.0
     ([3.9] * 10, 0, 1.0, None),  # within the factor, window not over
-    ([3.9] * 10, 0, 60.0, "confirm"),
+    ([3.9] * 10, 0, 60.0, CONFIRM),
     ([9.0] * 9, 0, 1.0, None),  # too few batches to judge latency yet
     ([9.0] * 9, 0, 60.0, None),  # ... even at the window's end: it stays pending until it has enough
-    ([9.0] * 10, 0, 60.0, "rollback"),
+    ([9.0] * 10, 0, 60.0, ROLLBACK),
     ([2.0] * 9, 0, 60.0, None),  # healthy but too little evidence to confirm
-    ([2.0] * 10, 0, 60.0, "confirm"),
-    ([2.0] * 9, 1, 1.0, "rollback"),  # 2 failed frames of 20: 0.10 > 0.05
+    ([2.0] * 10, 0, 60.0, CONFIRM),
+    ([2.0] * 9, 1, 1.0, ROLLBACK),  # 2 failed frames of 20: 0.10 > 0.05
     ([], 0, 60.0, None),  # served nothing: not shown healthy, stays pending
 ])
 def test_window_verdicts_golden_values(latencies, failed, elapsed, expected):
@@ -871,7 +894,7 @@ def test_without_a_baseline_latency_is_not_judged():
     for _ in range(20):
         window.add(1, 1000.0, False)
     assert window.verdict(1.0, 60.0, 2.0, 0.05)[0] is None
-    assert window.verdict(61.0, 60.0, 2.0, 0.05)[0] == "confirm"
+    assert window.verdict(61.0, 60.0, 2.0, 0.05)[0] == CONFIRM
 
 
 # --- crash while pending ----------------------------------------------------------------------------------

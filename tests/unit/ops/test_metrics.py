@@ -85,8 +85,9 @@ def status_answer():
     return {
         "published": 9, "publish_errors": 1, "backend": "onnxruntime", "backend_busy_fraction": 0.25,
         "sources": {"gate": source},
-        "model": {"name": "shapes-det", "version": "1.0.0", "backend": "onnxruntime", "precision": "int8",
-                  "artifacts": {"256x256": "model_256x256.int8.onnx"}},
+        "model": "shapes-det 1.0.0",
+        "model_info": {"name": "shapes-det", "version": "1.0.0", "backend": "onnxruntime", "precision": "int8",
+                       "artifacts": {"256x256": "model_256x256.int8.onnx"}},
         "slots": {"serving": "a"},
         "mqtt": {"outbox_messages": 4, "outbox_bytes": 512, "outbox_oldest_age_s": 42.5, "connected": True,
                  "broker": ["10.0.0.9", 1883],

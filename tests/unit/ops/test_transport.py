@@ -295,7 +295,7 @@ from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport
 port, path, device, count = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 config = MqttConfig(host="127.0.0.1", port=port, reconnect_min_s=0.05, reconnect_max_s=0.1)
-transport = MqttTransport(config, device, Outbox(path, 10**6)).start()
+transport = MqttTransport(config, device, Outbox(path, 10**6), device_kind="atlas-200dk").start()
 if count == 0:
     deadline = time.monotonic() + 20
     while not transport.connected and time.monotonic() < deadline:
@@ -350,7 +350,8 @@ def test_last_will_sets_status_offline_when_the_process_dies(mosquitto, tmp_path
         if child.poll() is None:
             child.kill()
     assert wait_for(lambda: probe.on("atlas-edge/cam-lwt/status")[-1]["state"] == "offline")
-    assert probe.on("atlas-edge/cam-lwt/status")[-1]["reason"] == "connection lost"
+    will = probe.on("atlas-edge/cam-lwt/status")[-1]
+    assert (will["reason"], will["device_kind"]) == ("connection lost", "atlas-200dk")  # an away box says its kind
     late = probe_factory(mosquitto, ["atlas-edge/cam-lwt/status"])
     assert wait_for(lambda: late.count() == 1)
     _, payload, retained, _ = late.messages[0]

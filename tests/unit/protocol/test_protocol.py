@@ -22,6 +22,8 @@ from agent.config.schema import ConfigError, describe, parse, setting
 from agent.fleet.link import Message
 from agent.pipeline.handover import BetweenBatches
 from agent.protocol import topics
+from agent.protocol.envelope import group_target
+from agent.protocol.events import SLOT_EVENTS, Event, event_message, event_of
 from agent.protocol.messages import JSON_DEPTH_MAX, ProtocolError, decode_json, parse_ack
 from agent.protocol.status import parse_status
 from agent.protocol.verbs import parse_request, request_types, verb_names
@@ -242,6 +244,49 @@ def test_topics_are_built_and_read_back_in_one_place():
     assert topics.command_verb("p", "cam-1", [], "p/cam-1/cmd/a/b") is None
     with pytest.raises(ValueError, match="names a device or a group"):
         topics.command_topic("p", "status")
+
+
+def test_every_topic_the_box_publishes_has_its_builder():
+    assert topics.status_topic("p/q", "cam-1") == "p/q/cam-1/status"
+    assert topics.result_topic("p/q", "cam-1", "front") == "p/q/cam-1/results/front"
+    assert topics.telemetry_topic("p", "cam-1") == "p/cam-1/telemetry"
+    assert topics.alert_topic("p", "cam-1") == "p/cam-1/telemetry/alert"
+    assert topics.events_topic("p", "cam-1") == "p/cam-1/events"
+    assert topics.snapshot_topic("p", "cam-1", "front") == "p/cam-1/snapshot/front"
+    assert topics.fleet_subscriptions("p") == ["p/+/status", "p/+/telemetry", "p/+/telemetry/alert"]
+    assert topics.HA_STATUS_TOPIC == "homeassistant/status"
+    assert topics.ha_config_topic("cam-1", "fps") == "homeassistant/sensor/atlas-edge-cam-1/fps/config"
+
+
+@pytest.mark.parametrize("topic, command", [
+    ("p/q/cam-1/cmd/deploy", topics.CommandTopic("deploy")),
+    ("p/q/group/g/cmd/pause", topics.CommandTopic("pause", "g")),
+    ("p/q/group/g/cmd/announce", topics.CommandTopic("announce", "g")),
+    ("p/q/announce", topics.CommandTopic("announce")),
+    ("p/q/group/h/cmd/pause", None),  # a group this box is not in
+    ("p/q/cam-2/cmd/pause", None),  # another box
+    ("p/q/cam-1/cmd/", None), ("p/q/cam-1/cmd/a/b", None), ("p/q/cam-1/cmd", None),
+    ("p/q/group/g/cmd/a/b", None), ("p/q/group/g/pause", None), ("x/q/cam-1/cmd/pause", None),
+    ("p/cam-1/cmd/pause", None),  # another prefix
+])
+def test_a_command_topic_is_read_back_in_one_place(topic, command):
+    assert topics.read_command_topic("p/q", "cam-1", ["g"], topic) == command
+    assert topics.command_verb("p/q", "cam-1", ["g"], topic) == (command.verb if command else None)
+
+
+def test_a_command_names_the_target_its_signature_covers():
+    assert topics.CommandTopic("pause").target("cam-1") == "cam-1"
+    assert topics.CommandTopic("pause", "line-1").target("cam-1") == group_target("line-1") == "group/line-1"
+
+
+def test_event_names_are_one_enum_and_the_wire_keeps_plain_strings():
+    message = event_message(Event.SWITCHED, slot="b")
+    assert json.dumps(message) == '{"event": "switched", "slot": "b"}' and type(message["event"]) is str
+    assert message["event"] == Event.SWITCHED and "%s" % Event.ROLLBACK == "rollback" == str(Event.ROLLBACK)
+    assert event_of({"event": "confirmed"}) is Event.CONFIRMED and event_of({"event": "new-kind"}) is None
+    assert set(SLOT_EVENTS) == {Event.SWITCHED, Event.CONFIRMED, Event.ROLLBACK}
+    with pytest.raises(TypeError):
+        event_message("switched")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("value, levels, ok", [
