@@ -2,16 +2,18 @@
 
 Subscribes to the ack topic *before* publishing (an ack cannot be missed), prints every ack as one JSON line
 as it comes, and exits 0 only when the command succeeded. Exit codes: :data:`EXIT_OK`, :data:`EXIT_FAILED`
-(the device answered ``failed``; its error is printed), :data:`EXIT_USAGE` (bad arguments),
-:data:`EXIT_TIMEOUT` (no final ack in time), :data:`EXIT_BROKER` (cannot connect or subscribe).
-Passing the same ``--request-id`` again is a safe retry: the device answers from its record.
+(the device answered ``failed``; its error is printed), :data:`EXIT_USAGE` (bad arguments, ``--json`` fields
+the verb's request type refuses, named: nothing is sent), :data:`EXIT_TIMEOUT` (no final ack in time),
+:data:`EXIT_BROKER` (cannot connect or subscribe, or the connection dropped). Passing the same ``--request-id``
+again is a safe retry: the device answers from its record.
+
+It speaks through the operator's one link, :mod:`agent.fleet.link` (as ``fleet`` does); this module also holds
+the connection options every operator command shares and :func:`operator_link`, which opens that link.
 """
 
 import argparse
 import json
 import logging
-import queue
-import ssl
 import sys
 import threading
 import time
@@ -19,14 +21,14 @@ import uuid
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 from urllib.parse import urlsplit
 
-from agent.config.mqtt_config import DEFAULT_PREFIX
-from agent.config.schema import ConfigError
+from agent.config.mqtt_config import DEFAULT_PREFIX, TlsConfig
 from agent.config.secrets import resolve_secret
+from agent.fleet.link import FleetLink, LinkError, open_link
 from agent.protocol.envelope import DEFAULT_SIGNED_TTL_S, CommandEnvelope, group_target
 from agent.protocol.messages import REQUEST_ID_RULE, SUCCEEDED, Ack, ProtocolError, is_request_id, parse_ack
 from agent.protocol.topics import ack_topic as build_ack_topic
 from agent.protocol.topics import check_topic_names, command_topic
-from agent.protocol.verbs import verb_names, verbs_help
+from agent.protocol.verbs import command_payload, parse_request, verb_names, verbs_help
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +40,6 @@ EXIT_BROKER = 4
 
 DEFAULT_BROKER = "mqtt://localhost:1883"
 DEFAULT_TIMEOUT_S = 30.0
-CONNECT_TIMEOUT_S = 10.0
-CONNECT_ATTEMPT_S = 5.0  # TCP (+TLS) bound per broker, so that a dead node of a cluster costs little
 PORTS = {"mqtt": 1883, "mqtts": 8883}
 
 
@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("device", help="device id (as in <prefix>/<device>/...)")
     parser.add_argument("verb", choices=verb_names(), help="command to send (listed below)")
     parser.add_argument("--json", dest="payload", default="{}", metavar="PAYLOAD",
-                        help="the verb's fields as a JSON object, e.g. '{\"bundle\": \"m-1.2\"}'")
+                        help="the verb's fields as a JSON object, e.g. '{\"bundle\": \"m-1.2\"}'; read as the box "
+                             "reads it, so a field it would refuse fails here (exit 2) and nothing is sent")
     add_broker_arguments(parser)
     parser.add_argument("--group", default=None, help="send to this group's topic; wait for DEVICE's acks")
     parser.add_argument("--request-id", default=None, help="reuse an id to retry safely (default: a new one)")
@@ -97,18 +98,17 @@ def broker_addresses(args: argparse.Namespace) -> List[Tuple[str, int, bool]]:
     return [broker_address(url) for url in (args.broker or [DEFAULT_BROKER])]
 
 
-def broker_label(args: argparse.Namespace) -> str:
-    return ", ".join(args.broker or [DEFAULT_BROKER])
-
-
-def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
-    """(request_id, command topic, ack topic, payload) from the arguments; ValueError says what is wrong."""
+def _command(args: argparse.Namespace) -> Tuple[str, str, str, Dict[str, Any]]:
+    """(request_id, command topic, ack topic, body) from the arguments; ValueError (or ConfigError, naming every
+    bad field of ``--json``) says what is wrong. The payload is read by the parse the box runs
+    (:func:`agent.protocol.verbs.parse_request`), so a typo fails here and nothing is sent."""
     try:
         fields = json.loads(args.payload)
     except ValueError as exc:
         raise ValueError("--json is not valid JSON: %s" % exc) from None
     if not isinstance(fields, dict):
         raise ValueError("--json must be a JSON object, got %s" % type(fields).__name__)
+    request = parse_request(args.verb, fields)
     request_id = args.request_id or "ctl-" + uuid.uuid4().hex[:16]
     if not is_request_id(request_id):
         raise ValueError("--request-id must be %s" % REQUEST_ID_RULE)
@@ -119,48 +119,65 @@ def _command(args: argparse.Namespace) -> Tuple[str, str, str, bytes]:
     else:
         topic = command_topic(args.prefix, args.verb, device=args.device)
     ack_topic = build_ack_topic(args.prefix, args.device, request_id)
-    fields["request_id"] = request_id
     envelope = CommandEnvelope.from_file(getattr(args, "ttl", None), getattr(args, "command_key", None))
-    fields = envelope.wrap(group_target(args.group) if args.group else args.device, args.verb, fields)
-    return request_id, topic, ack_topic, json.dumps(fields).encode("utf-8")
+    body = envelope.wrap(group_target(args.group) if args.group else args.device, args.verb,
+                         command_payload(args.verb, request, request_id))
+    return request_id, topic, ack_topic, body
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Send the command in ``args`` and follow its acks; returns the exit code."""
     try:
-        addresses = broker_addresses(args)
-        request_id, topic, ack_topic, payload = _command(args)
-        password = resolve_secret(args.password)
-    except (ValueError, ConfigError) as exc:
+        request_id, topic, ack_topic, body = _command(args)
+        link = operator_link(args, "ctl")
+    except ValueError as exc:  # also ConfigError: the --json fields, a secret or a TLS file, each bad one named
         print("atlas-edge ctl: %s" % exc, file=err)
         return EXIT_USAGE
-    events: "queue.Queue[Tuple[str, Any]]" = queue.Queue()
-    failures = []
-    for host, port, use_tls in addresses:  # in turn: the first broker that takes the connection
-        try:
-            client = make_client(args, "ctl", use_tls, password)
-        except ValueError as exc:
-            print("atlas-edge ctl: %s" % exc, file=err)
-            return EXIT_USAGE
-        # Callbacks only enqueue; this thread does the rest.
-        client.on_connect = lambda c, u, flags, rc, props: events.put(("connect", rc))
-        client.on_subscribe = lambda c, u, mid, codes, props: events.put(("subscribe", list(codes)))
-        client.on_message = lambda c, u, message: events.put(("ack", message.payload))
-        client.on_disconnect = lambda c, u, flags, rc, props: events.put(("disconnect", rc))
-        try:
-            client.connect(host, port, keepalive=30)
-            break
-        except (OSError, ValueError) as exc:
-            failures.append("%s:%d: %s" % (host, port, exc))
-    else:
-        print("atlas-edge ctl: cannot connect to %s" % "; ".join(failures), file=err)
+    except LinkError as exc:
+        print("atlas-edge ctl: %s" % exc, file=err)
         return EXIT_BROKER
-    client.loop_start()
     try:
-        return _converse(client, events, args, request_id, topic, ack_topic, payload, out, err)
+        try:
+            link.subscribe([ack_topic])  # before publishing: no ack can be missed
+        except LinkError as exc:
+            print("atlas-edge ctl: cannot subscribe to %s: %s" % (ack_topic, exc), file=err)
+            return EXIT_BROKER
+        return _follow(link, args, request_id, topic, link.publish(topic, body), out, err)
+    except LinkError as exc:  # the connection dropped while waiting: the same request id again is a safe retry
+        print("atlas-edge ctl: %s; re-run with --request-id %s to retry safely" % (exc, request_id), file=err)
+        return EXIT_BROKER
     finally:
-        client.disconnect()
-        client.loop_stop()
+        link.close()
+
+
+def _follow(link: FleetLink, args: argparse.Namespace, request_id: str, topic: str, sent: Any, out: TextIO,
+            err: TextIO) -> int:
+    """Print each ack until the final one (its exit code) or ``--timeout``."""
+    deadline = time.monotonic() + args.timeout
+    last_state = None
+    while True:
+        message = link.get(deadline - time.monotonic())
+        if message is None:
+            break
+        body = message.json()
+        try:
+            ack = parse_ack(body)
+        except ProtocolError as exc:
+            what = exc if body is not None else "not JSON"
+            print("atlas-edge ctl: ignoring a message on %s: %s" % (message.topic, what), file=err)
+            continue
+        print(json.dumps(body, sort_keys=True), file=out, flush=True)
+        last_state = ack.state
+        if ack.final:
+            if last_state == SUCCEEDED:
+                return EXIT_OK
+            _print_error(ack, err)
+            return EXIT_FAILED
+    if not sent.is_published():
+        print("atlas-edge ctl: the broker did not acknowledge the command on %s" % topic, file=err)
+    print("atlas-edge ctl: no final ack from %s for %s within %.0f s (last state: %s)"
+          % (args.device, request_id, args.timeout, last_state or "none; is the device online?"), file=err)
+    return EXIT_TIMEOUT
 
 
 def run_client_id(username: Optional[str], tool: str) -> str:
@@ -170,86 +187,30 @@ def run_client_id(username: Optional[str], tool: str) -> str:
     return "%s-%s-%s" % (username or "atlas-edge", tool, uuid.uuid4().hex[:12])
 
 
-def make_client(args: argparse.Namespace, name: str, use_tls: bool, password: Optional[str]) -> Any:
-    """A clean-session paho client (no own reconnecting) with the credentials and TLS options of ``args``, and a
-    client id of this run's own (:func:`run_client_id`; ``name`` is the tool: ``ctl``, ``fleet``).
+def operator_link(args: argparse.Namespace, tool: str) -> FleetLink:
+    """The operator's link (:func:`agent.fleet.link.open_link`) to the first ``--broker`` that takes the
+    connection, its clients made by :func:`make_client` (``tool``: ``ctl``, ``fleet``, ``fleet-metrics``).
 
-    ``password`` is already resolved (:func:`resolve_secret`); ValueError names a CA file that cannot be loaded.
+    ValueError names a bad ``--broker``, ConfigError a secret or CA file that cannot be read (both before anything
+    is sent); LinkError says what each broker did.
     """
-    import paho.mqtt.client as mqtt  # the box's dependency; imported here so --help works without it
-    from paho.mqtt.enums import CallbackAPIVersion
+    addresses = broker_addresses(args)
+    password = resolve_secret(args.password)
+    return open_link(addresses, lambda use_tls: make_client(args, tool, use_tls, password))
 
-    client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2,
-                         client_id=run_client_id(args.username, name), clean_session=True,
-                         reconnect_on_failure=False)
-    client.connect_timeout = CONNECT_ATTEMPT_S
-    if args.username is not None:
-        client.username_pw_set(args.username, password)
+
+def make_client(args: argparse.Namespace, name: str, use_tls: bool, password: Optional[str]) -> Any:
+    """A paho client (:func:`agent.ops.mqtt_client.new_client`) with the credentials and TLS options of
+    ``args``, and a client id of this run's own (:func:`run_client_id`; ``name`` is the tool).
+
+    ``password`` is already resolved (:func:`resolve_secret`); ConfigError names a CA file that cannot be loaded.
+    """
+    from agent.ops.mqtt_client import new_client, tls_context  # paho's: imported here so --help works without it
+
+    tls = None
     if use_tls or args.tls_ca:
-        try:
-            context = ssl.create_default_context(cafile=args.tls_ca)
-        except (OSError, ssl.SSLError) as exc:
-            raise ValueError("--tls-ca %s: %s" % (args.tls_ca, exc)) from None
-        context.check_hostname = not args.tls_insecure
-        client.tls_set_context(context)
-    return client
-
-
-def _expect(events: "queue.Queue[Tuple[str, Any]]", kind: str, deadline: float) -> Optional[Any]:
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        try:
-            got, value = events.get(timeout=remaining)
-        except queue.Empty:
-            return None
-        if got == kind:
-            return value
-        if got == "disconnect":
-            return None
-
-
-def _converse(client: Any, events: "queue.Queue[Tuple[str, Any]]", args: argparse.Namespace,
-              request_id: str, topic: str, ack_topic: str, payload: bytes, out: TextIO, err: TextIO) -> int:
-    setup_deadline = time.monotonic() + CONNECT_TIMEOUT_S
-    reason = _expect(events, "connect", setup_deadline)
-    if reason is None or reason.is_failure:
-        print("atlas-edge ctl: broker %s refused or dropped the connection: %s" % (broker_label(args), reason),
-              file=err)
-        return EXIT_BROKER
-    client.subscribe(ack_topic, qos=1)
-    granted = _expect(events, "subscribe", setup_deadline)
-    if not granted or granted[0].is_failure:
-        print("atlas-edge ctl: cannot subscribe to %s (%s): check the broker ACL for this user"
-              % (ack_topic, granted), file=err)
-        return EXIT_BROKER
-    info = client.publish(topic, payload, qos=1)
-    deadline = time.monotonic() + args.timeout
-    last_state = None
-    while True:
-        raw = _expect(events, "ack", deadline)
-        if raw is None:
-            break
-        try:
-            body: Dict[str, Any] = json.loads(raw)
-            ack = parse_ack(body)
-        except ValueError as exc:  # not JSON, or a ProtocolError naming the field
-            what = exc if isinstance(exc, ProtocolError) else "not JSON"
-            print("atlas-edge ctl: ignoring a message on %s: %s" % (ack_topic, what), file=err)
-            continue
-        print(json.dumps(body, sort_keys=True), file=out, flush=True)
-        last_state = ack.state
-        if ack.final:
-            if last_state == SUCCEEDED:
-                return EXIT_OK
-            _print_error(ack, err)
-            return EXIT_FAILED
-    if not info.is_published():
-        print("atlas-edge ctl: the broker did not acknowledge the command on %s" % topic, file=err)
-    print("atlas-edge ctl: no final ack from %s for %s within %.0f s (last state: %s)"
-          % (args.device, request_id, args.timeout, last_state or "none; is the device online?"), file=err)
-    return EXIT_TIMEOUT
+        tls = tls_context(TlsConfig(ca_file=args.tls_ca, insecure=args.tls_insecure), {"ca_file": "--tls-ca"})
+    return new_client(run_client_id(args.username, name), args.username, password, tls)
 
 
 def _print_error(ack: Ack, err: TextIO) -> None:

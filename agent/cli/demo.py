@@ -32,6 +32,7 @@ SAMPLE_SIZES_HW: Tuple[Tuple[int, int], ...] = ((1080, 1920), (720, 1280), (480,
                                                  (1080, 1920))
 SAMPLE_SEED = 2026
 DEMO_FPS = 5.0
+READ_POLL_S = 0.2  # how often the console view's reader looks whether it should stop
 
 log = logging.getLogger(__name__)
 
@@ -55,34 +56,43 @@ def write_sample_frames(directory: str, sizes_hw=SAMPLE_SIZES_HW, seed: int = SA
 
 
 class ConsoleView:
-    """Subscribes to the device's results over MQTT and prints them: proof that they really went out."""
+    """Subscribes to the device's results through the operator's link (:mod:`agent.fleet.link`) and prints them
+    as they come, on a thread of its own: proof that they really went out. LinkError when the broker does not
+    take the connection or the subscription."""
 
     def __init__(self, host: str, port: int, prefix: str, device_id: str) -> None:
-        import paho.mqtt.client as mqtt
+        from agent.fleet.link import open_link
+        from agent.ops.mqtt_client import new_client
+        from agent.protocol.topics import result_topic
 
-        self.topic = "%s/%s/results/#" % (prefix, device_id)
         self.received = 0
         self.model: Dict[str, Any] = {}  # the last result's model block (name, version, backend, precision)
         self.lock = threading.Lock()
-        self.subscribed = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="atlas-edge-demo-view-%d" % os.getpid())
-        self.client.on_connect = self._on_connect
-        self.client.on_subscribe = lambda *args: self.subscribed.set()
-        self.client.on_message = self._on_message
-        self.client.connect(host, port, keepalive=30)
-        self.client.loop_start()
-        self.started = time.monotonic()
-
-    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
-        if reason_code.is_failure:
-            print("console view: broker refused the connection: %s" % reason_code)
-            return
-        client.subscribe(self.topic, qos=1)
-
-    def _on_message(self, client, userdata, message) -> None:
+        client_id = "atlas-edge-demo-view-%d" % os.getpid()
+        self.link = open_link([(host, port, False)], lambda tls: new_client(client_id))
         try:
-            result = json.loads(message.payload)
-        except ValueError:
+            self.link.subscribe([result_topic(prefix, device_id, "#")])
+        except Exception:
+            self.link.close()
+            raise
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="console-view", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        from agent.fleet.link import LinkError
+
+        while not self._stop.is_set():
+            try:
+                message = self.link.get(READ_POLL_S)
+            except LinkError as exc:
+                print("console view: %s" % exc, flush=True)
+                return
+            if message is not None:
+                self._show(message.json())
+
+    def _show(self, result: Any) -> None:
+        if not isinstance(result, dict):
             return
         with self.lock:
             self.received += 1
@@ -108,8 +118,9 @@ class ConsoleView:
         return self.received
 
     def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
+        self._stop.set()
+        self._reader.join(READ_POLL_S * 10)
+        self.link.close()
 
 
 def _parse_broker(url: str) -> Tuple[str, int]:
@@ -211,9 +222,13 @@ def _serve(args: argparse.Namespace, work: str) -> int:
             "batching": {"max_batch": args.max_batch, "max_wait_ms": 10.0},
             "publish": {"telemetry_interval_s": 5.0},
         }, source="demo defaults")
-        view = ConsoleView(host, port, config.mqtt.prefix, config.device_id)
+        from agent.fleet.link import LinkError
+
+        try:
+            view = ConsoleView(host, port, config.mqtt.prefix, config.device_id)  # subscribed once it returns
+        except LinkError as exc:
+            raise SystemExit("demo: the console view cannot follow %s:%d: %s" % (host, port, exc)) from None
         cleanup.callback(view.close)
-        view.subscribed.wait(5.0)
         daemon = Daemon(config)
         daemon.install_signal_handlers()
         started = time.monotonic()

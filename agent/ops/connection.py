@@ -1,6 +1,7 @@
 """The connection supervisor: the one owner of reconnecting, and of which paho client is the live one.
 
-Each connection is a fresh paho client created with ``reconnect_on_failure=False``: paho runs the network loop
+Each connection is a fresh paho client (:func:`agent.ops.mqtt_client.new_client`, the one place clients and their
+TLS contexts are made, ``reconnect_on_failure=False``): paho runs the network loop
 (``loop_start``) for that one connection and its thread ends when the connection does; the supervisor then
 makes a new client. Nothing is marked connected until a CONNACK with a success reason code has been seen (a
 refused connect is logged and retried, never treated as connected). Callbacks of an older client (an older
@@ -23,18 +24,16 @@ import functools
 import json
 import logging
 import queue
-import ssl
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 
-from agent.config.mqtt_config import MqttConfig, TlsConfig
-from agent.config.schema import ConfigError, FieldError
-from agent.config.secrets import credential_path, resolve_secret
+from agent.config.mqtt_config import MqttConfig
+from agent.config.secrets import resolve_secret
 from agent.ops.inflight import InFlight
+from agent.ops.mqtt_client import new_client, tls_context
 from agent.protocol.messages import OFFLINE
 from agent.protocol.status import status_message
 
@@ -83,28 +82,6 @@ def _catch_and_log(callback: Callable[..., None]) -> Callable[..., None]:
     return guarded
 
 
-def build_tls_context(tls: TlsConfig) -> ssl.SSLContext:
-    """TLS client context from the config; bad or missing files fail here, naming the field."""
-    ca_file = credential_path(tls.ca_file, "mqtt.tls.ca_file")
-    cert_file = credential_path(tls.cert_file, "mqtt.tls.cert_file")
-    key_file = credential_path(tls.key_file, "mqtt.tls.key_file")
-    if key_file and not cert_file:
-        raise ConfigError([FieldError("mqtt.tls.cert_file", "required when key_file is set")])
-    try:
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError([FieldError("mqtt.tls.ca_file", "cannot load %s: %s" % (ca_file, exc))]) from exc
-    if cert_file:
-        try:
-            context.load_cert_chain(cert_file, key_file)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError([FieldError("mqtt.tls.cert_file", "cannot load %s / %s: %s"
-                                          % (cert_file, key_file, exc))]) from exc
-    if tls.insecure:
-        context.check_hostname = False  # the certificate chain is still verified
-    return context
-
-
 class ConnectionSupervisor:
     """Connects, reconnects with backoff, and tells its owner when a session begins and ends.
 
@@ -117,11 +94,12 @@ class ConnectionSupervisor:
     def __init__(self, config: MqttConfig, client_id: str, status_topic: str, device_id: str,
                  inflight: InFlight, subscriptions: Callable[[], List[str]],
                  on_session_start: Callable[[], None], on_session_end: Callable[[], None],
-                 on_message: Callable[[str, bytes], None]) -> None:
+                 on_message: Callable[[str, bytes], None], device_kind: Optional[str] = None) -> None:
         self.config = config
         self.client_id = client_id
         self.status_topic = status_topic
         self.device_id = device_id
+        self.device_kind = device_kind  # named in the last will too: the fleet judges an offline box's bundles
         self._inflight = inflight
         self._subscriptions = subscriptions
         self._on_session_start = on_session_start
@@ -129,7 +107,7 @@ class ConnectionSupervisor:
         self._on_message = on_message
         # Resolved now so that a missing secret or TLS file fails at start-up, naming the field.
         self._password = resolve_secret(config.password)
-        self._tls_context = build_tls_context(config.tls) if config.tls else None
+        self._tls_context = tls_context(config.tls) if config.tls else None
 
         self.state_lock = threading.Lock()  # connected/client; held across client.publish on the fast path
         self.client: Optional[mqtt.Client] = None
@@ -154,22 +132,16 @@ class ConnectionSupervisor:
     # -- one paho client per connection ---------------------------------------------------------------------
 
     def _new_client(self, generation: int, attempt_ts: float) -> mqtt.Client:
-        client = mqtt.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                             clean_session=True, userdata=generation, protocol=mqtt.MQTTv311,
-                             reconnect_on_failure=False)
+        client = new_client(self.client_id, self.config.username, self._password, self._tls_context,
+                            self.config.connect_timeout_s, userdata=generation)
         if logger.isEnabledFor(logging.DEBUG):
             # Only when debugging: paho 2.x logs a spurious error after every clean disconnect.
             client.enable_logger(logging.getLogger(__name__ + ".paho"))
         client.max_inflight_messages_set(MAX_INFLIGHT)
-        client.connect_timeout = self.config.connect_timeout_s
-        if self.config.username is not None:
-            client.username_pw_set(self.config.username, self._password)
-        if self._tls_context is not None:
-            client.tls_set_context(self._tls_context)
         # The broker publishes this, retained, when the connection dies without a DISCONNECT. It names the
-        # groups so that a fleet view filtered by group still lists the box while it is away.
+        # groups so that a fleet view filtered by group still lists the box while it is away, and its kind.
         will = status_message(OFFLINE, self.device_id, reason="connection lost", connected_at=attempt_ts,
-                              ts=attempt_ts, groups=list(self.config.groups))
+                              ts=attempt_ts, groups=list(self.config.groups), device_kind=self.device_kind)
         client.will_set(self.status_topic, encode_payload(will), qos=1, retain=True)
         client.on_connect = _catch_and_log(self._on_connect)
         client.on_disconnect = _catch_and_log(self._on_disconnect)

@@ -6,10 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from typing import Any, Dict, List, Tuple
 
 import pytest
-from conftest import REPO_ROOT, WAIT_S, wait_for
+from conftest import REPO_ROOT, WAIT_S, MqttProbe, wait_for
 
 from agent.cli import ctl
 from agent.commands.dispatcher import CommandDispatcher
@@ -18,8 +19,10 @@ from agent.devtools.broker import free_port
 from agent.errors import CommandError
 from agent.ops.outbox import Outbox
 from agent.ops.transport import MqttTransport
+from agent.protocol.verbs import command_payload, parse_request
 
 DEVICE = "ctl-box"
+SHA = "ab" * 32
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +79,41 @@ def test_failure_exits_one_and_prints_the_structured_error(mosquitto, box):
     assert acks[-1]["state"] == "failed"
     assert "failed: not_allowed (field state): cannot pause during a deploy" in err
 
-    deploys = box["deploy"]
-    code, acks, err = run_ctl(["--broker", mosquitto.url, DEVICE, "deploy", "--json", '{"bundle": 1}'])
-    assert code == ctl.EXIT_FAILED
-    assert "  bundle: expected a string, got 1" in err and "  sha256: required" in err
-    assert box["deploy"] == deploys  # refused by the protocol's request type before any handler
+
+@pytest.mark.parametrize("payload, named", [
+    ('{"bundel": "x", "sha256": "%s"}' % SHA, ["bundel: unknown key", "bundle: required"]),
+    ('{"bundle": 1}', ["bundle: expected a string, got 1", "sha256: required"]),
+])
+def test_fields_the_verb_refuses_fail_here_and_nothing_is_sent(mosquitto, box, payload, named):
+    # the parse the box runs (agent.protocol.verbs.parse_request), on the operator's machine: exit 2, every bad
+    # field named, and nothing reaches the broker (a subscriber on '#' records every message it passed on)
+    probe = MqttProbe(mosquitto, ["#"])
+    try:
+        deploys = box["deploy"]
+        code, acks, err = run_ctl(["--broker", mosquitto.url, DEVICE, "deploy", "--json", payload])
+        assert code == ctl.EXIT_USAGE and acks == [], err
+        assert all(text in err for text in named), err
+        marker = "ctl-test/marker/%s" % uuid.uuid4().hex  # published after ctl returned: it arrives after
+        probe.publish(marker, b"after ctl")               # anything ctl could have sent
+        assert wait_for(lambda: any(topic == marker for topic, *_ in probe.messages))
+        assert [topic for topic, *_ in probe.messages if "cmd" in topic.split("/")] == []
+        assert box["deploy"] == deploys
+    finally:
+        probe.close()
+
+
+def test_a_command_is_sent_as_the_protocol_builds_it(mosquitto, box):
+    probe = MqttProbe(mosquitto, ["atlas-edge/%s/cmd/#" % DEVICE])
+    try:
+        code, acks, err = run_ctl(["--broker", mosquitto.url, DEVICE, "deploy", "--json",
+                                   '{"bundle": "m-1.2", "sha256": "%s", "request_id": "ignored"}' % SHA])
+        assert code == ctl.EXIT_OK, err
+        request_id = acks[0]["request_id"]
+        sent = probe.on("atlas-edge/%s/cmd/deploy" % DEVICE)
+        request = parse_request("deploy", {"bundle": "m-1.2", "sha256": SHA})
+        assert sent == [command_payload("deploy", request, request_id)]
+    finally:
+        probe.close()
 
 
 def test_unknown_to_the_device_fails_fast(mosquitto, box):
