@@ -21,8 +21,7 @@ from agent.cli.ctl import (
     EXIT_BROKER,
     EXIT_OK,
     EXIT_USAGE,
-    broker_addresses,
-    make_client,
+    operator_link,
 )
 from agent.cli.fleet_options import (
     add_cancel,
@@ -36,7 +35,6 @@ from agent.cli.fleet_options import (
 )
 from agent.cli.fleet_preflight import Check
 from agent.config.schema import ConfigError
-from agent.config.secrets import resolve_secret
 from agent.fleet.inventory import Inventory, record_path
 from agent.fleet.journal import RolloutLock, RolloutState
 from agent.fleet.link import FleetLink, LinkError
@@ -61,15 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _link(args: argparse.Namespace, name: str) -> FleetLink:
     """A link to the first ``--broker`` that takes the connection (a cluster's nodes, in turn)."""
-    addresses, password = broker_addresses(args), resolve_secret(args.password)
-    failures = []
-    for host, port, use_tls in addresses:
-        client = make_client(args, name, use_tls, password)
-        try:
-            return FleetLink(client, host, port, "%s:%d" % (host, port)).connect()
-        except LinkError as exc:
-            failures.append(str(exc))
-    raise LinkError("; ".join(failures))
+    return operator_link(args, name)
 
 
 def _inventory(path: Optional[str]) -> Optional[List[str]]:
@@ -88,7 +78,7 @@ def _recorded_spec(args: argparse.Namespace) -> RolloutSpec:
     if state is None:
         raise RolloutError("no rollout %s in %s" % (args.rollout_id, _state_dir(args)))
     try:
-        spec = RolloutSpec(**state.data["spec"])
+        spec = RolloutSpec(**state.record.spec)
     except TypeError as exc:
         raise RolloutError("state file %s: its spec does not fit this version (%s)" % (state.path, exc)) from None
     if spec.prefix != args.prefix:
@@ -157,7 +147,9 @@ def _record(args: argparse.Namespace) -> Inventory:
 
 def _status(args: argparse.Namespace, link: FleetLink, out: TextIO) -> int:
     record = _record(args)
-    view = collect(link, FleetView(args.prefix), args.listen, group=args.group)
+    view = FleetView(args.prefix)
+    view.known_groups.update(record.known_groups())  # a recorded box whose status turns unreadable stays listed
+    collect(link, view, args.listen, group=args.group)
     view.judge_stale()
     record.fold(view)
     record.fill(view)  # boxes seen before and not heard now: listed as unknown, with their last sighting
@@ -273,7 +265,9 @@ def _rollout(args: argparse.Namespace, spec: Any, rollout_id: Any, envelope: Any
                      resume=resume, envelope=envelope)
     # A box the record or --inventory lists in the group whose status is too malformed to name its groups is
     # still the group's: reported malformed (counted in the exit code), never not_targeted.
-    engine.view.known_groups.update({device: [spec.group] for device in set(listed or []) | set(recorded)})
+    engine.view.known_groups.update(record.known_groups())
+    engine.view.known_groups.update({device: sorted(set(engine.view.known_groups.get(device, [])) | {spec.group})
+                                     for device in listed or []})
     engine.preflight = _gate(engine.view, spec.group, getattr(args, "allow_duplicate_ids", False), check)
     state = engine.run()
     record.fold(engine.view)

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 from agent.fleet.intake import Intake
 from agent.fleet.journal import RolloutState
 from agent.fleet.records import FAILURES, BoxRecord, Outcome, RevertState, identity
-from agent.fleet.status import BoxView
+from agent.fleet.status import SLOT_CONFIRMED, BoxView
 from agent.protocol.messages import FINAL_STATES
 from agent.protocol.topics import announce_topic
 
@@ -30,21 +30,21 @@ JUDGED_AGAIN = tuple(o for o in FAILURES if o != Outcome.DUPLICATE) + (Outcome.C
 
 def serving_now(view: Optional[BoxView], heard: bool, settled: bool) -> Optional[Dict[str, Any]]:
     """What a box serves according to its latest status (None: never heard, or no slot table known)."""
-    if view is None or not view.serving:
+    serving = view.serving if view is not None else None
+    if view is None or serving is None:
         return None
-    serving = view.serving
-    return dict(identity(serving), state=serving.get("state"), box=view.state, heard=heard, settled=settled)
+    return dict(identity(serving), state=serving.state, box=view.state.value, heard=heard, settled=settled)
 
 
 def reconcile(box: BoxRecord, view: BoxView, sha: str) -> Optional[Dict[str, Any]]:
     """The changes that make an executed box's outcome say what it serves; None when it already does."""
-    if view.malformed is not None or not view.serving:
-        return None
     serving = view.serving
-    on = serving.get("manifest_sha256")
+    if view.malformed is not None or serving is None:
+        return None
+    on = serving.manifest_sha256
     old = (box.old or {}).get("manifest_sha256")
     was = box.outcome
-    if on == sha and serving.get("state") == "confirmed" and was != Outcome.CONFIRMED:
+    if on == sha and serving.state == SLOT_CONFIRMED and was != Outcome.CONFIRMED:
         return {"outcome": Outcome.CONFIRMED, "new": identity(serving),
                 "error": "judged %s, serves the new bundle confirmed at the final check (%s)" % (was, box.error)}
     rollback = view.last_rollback or {}
@@ -53,7 +53,7 @@ def reconcile(box: BoxRecord, view: BoxView, sha: str) -> Optional[Dict[str, Any
             (Outcome.TIMED_OUT, Outcome.MALFORMED, Outcome.ABORTED, Outcome.CANCELLED))):
         why = rollback.get("reason") if rollback != box.baseline_rollback else None
         return {"outcome": Outcome.ROLLED_BACK, "error": "judged %s, serves %s again at the final check%s" % (
-            was, serving.get("version"), ": %s" % why if why else "")}
+            was, serving.version, ": %s" % why if why else "")}
     if on not in (sha, old) and was != Outcome.FAILED:
         return {"outcome": Outcome.FAILED, "error": "wrong_bundle: judged %s, serves manifest %s at the final "
                 "check" % (was, on)}
@@ -113,7 +113,7 @@ class FinalCheck:
         acked = self.intake.acked_at.get((device, revert.request_id or ""))
         if acked is None or self.intake.status_heard.get(device, float("-inf")) > acked:
             return None
-        return dict(serving, **dict(identity(revert.to), state="confirmed"))
+        return dict(serving, **dict(identity(revert.to), state=SLOT_CONFIRMED))
 
     def _settled(self, device: str, start: float) -> bool:
         """Heard since the check began, no deploy of its running, nothing pending in its slot table."""
@@ -125,5 +125,4 @@ class FinalCheck:
         if ack is not None and ack.state not in FINAL_STATES:
             return False
         view = intake.view.boxes.get(device)
-        slots = (view.slots.get("slots") or {}).values() if view is not None else ()
-        return not any(entry and entry.get("state") == "pending" for entry in slots)
+        return view is None or not view.pending

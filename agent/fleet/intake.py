@@ -19,6 +19,7 @@ from agent.fleet.records import BoxRecord, Outcome, Phase, RevertWish, RolloutSt
 from agent.fleet.status import FleetView
 from agent.protocol.messages import FAILED, FINAL_STATES, OFFLINE, Ack, ProtocolError, parse_ack
 from agent.protocol.topics import ACK, STATUS, device_topic, split_device_topic
+from agent.protocol.verbs import DEPLOY
 
 POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
 ANOMALIES_KEPT = 5
@@ -135,11 +136,11 @@ class Intake:
     def _take_in(self, state: RolloutState, device: str) -> None:
         """A box of the group that announced itself after the plan: a last wave (or reported, if too late)."""
         view = self.view.boxes[device]
-        rid = request_id(self.rollout_id, device, "deploy")
+        rid = request_id(self.rollout_id, device, DEPLOY)
         box = BoxRecord.planned(rid, outcome=Outcome.NOT_STARTED, error="announced itself after the plan")
         if state.status == RolloutStatus.RUNNING and view.online and not view.malformed:
-            waves = state.data["waves"]
-            late = state.data.get("late_wave")
+            waves = state.record.waves
+            late = state.record.late_wave
             if late is None or late != len(waves) - 1 or any(
                     state.boxes[d].phase != Phase.PLANNED for d in waves[late]):
                 waves = waves + [[]]

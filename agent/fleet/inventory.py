@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional
 from urllib.parse import quote
 
 from agent._util.atomic import atomic_write
-from agent.fleet.status import UNKNOWN, BoxView, FleetView
+from agent.fleet.records import BoxState
+from agent.fleet.status import BoxView, FleetView, slots_json, slots_view
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,22 @@ class Inventory:
         for device in view.cleared:  # decommissioned: its retained status was cleared on purpose
             self.boxes.pop(device, None)
         for device, box in view.boxes.items():
-            if box.state == UNKNOWN and box.status_ts is None and not box.heard_live:
+            if box.state == BoxState.UNKNOWN and box.status_ts is None and not box.heard_live:
                 continue  # only filled in from this record, or heard of without a status: nothing new
             entry = self.boxes.setdefault(device, {})
-            entry.update(state=box.state, groups=box.groups, slots=box.slots, broker=box.broker,
+            # A malformed status that names no groups (or slots) keeps the recorded ones: the box is still that
+            # group's, reported malformed there, never dropped from it by the record.
+            keep = box.malformed is not None
+            entry.update(state=box.state.value, groups=box.groups or (entry.get("groups", []) if keep else []),
+                         slots=slots_json(box.slots) or (entry.get("slots", {}) if keep else {}), broker=box.broker,
                          last_seen=now if box.heard_live else (box.last_seen or entry.get("last_seen")),
                          telemetry_interval_s=box.telemetry_interval_s)
+
+    def known_groups(self) -> Dict[str, List[str]]:
+        """Device -> the groups its last readable status named: what keeps a box whose status turns unreadable
+        in its group (:attr:`FleetView.known_groups`)."""
+        return {d: [str(g) for g in entry["groups"]] for d, entry in self.boxes.items()
+                if isinstance(entry.get("groups"), list) and entry["groups"]}
 
     def devices(self, group: str) -> List[str]:
         """The recorded boxes whose last status named ``group``."""
@@ -83,8 +94,8 @@ class Inventory:
             if device in view.boxes:
                 continue
             groups = entry.get("groups")
-            box = BoxView(device, state=UNKNOWN, groups=list(groups) if isinstance(groups, list) else [],
-                          slots=entry.get("slots") if isinstance(entry.get("slots"), dict) else {},
+            box = BoxView(device, state=BoxState.UNKNOWN, groups=list(groups) if isinstance(groups, list) else [],
+                          slots=slots_view(entry.get("slots")),
                           broker=entry.get("broker"))
             last = entry.get("last_seen")
             box.last_seen = last if isinstance(last, (int, float)) else None

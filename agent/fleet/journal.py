@@ -20,9 +20,17 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from agent._util.atomic import atomic_write
 from agent.config.schema import ConfigError, parse
 from agent.fleet.plan import RolloutError, RolloutSpec
-from agent.fleet.records import EXECUTED, FAILURES, BoxRecord, Outcome, RevertWish, RolloutStatus
+from agent.fleet.records import (
+    EXECUTED,
+    FAILURES,
+    STATE_SCHEMA,
+    BoxRecord,
+    Outcome,
+    RevertWish,
+    RolloutRecord,
+    RolloutStatus,
+)
 
-STATE_SCHEMA = 2
 BOX_KEYS = ("wave", "phase", "outcome", "error", "request_id", "sent_at", "finished_at", "revert")
 TOP_KEYS = ("rollout_id", "spec", "status", "waves", "boxes")
 ENUM_BOX_KEYS = ("phase", "outcome", "revert")  # states: members of their enums (BoxRecord.from_dict)
@@ -43,17 +51,82 @@ def _damaged(path: str, why: str) -> RolloutError:
         path, why))
 
 
-class RolloutState:
-    """The spec, the plan, every box's record; change through :meth:`set`, :meth:`add` and :meth:`top`.
+def _replay(journal: str, top: Dict[str, Any], boxes: Any) -> int:
+    """Apply the journal's change records to the snapshot as read (``top``: its own fields, ``boxes``: its plain
+    box objects); returns how many there were."""
+    try:
+        with open(journal, encoding="utf-8") as handle:
+            lines = handle.read().split("\n")
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        raise _damaged(journal, str(exc)) from None
+    count = 0
+    for number, line in enumerate(lines):
+        if not line.strip():
+            continue
+        count += 1
+        try:
+            entry = json.loads(line)
+            if "b" in entry:
+                boxes.setdefault(entry["b"], {}).update(entry["f"])
+            else:
+                top.update(entry["t"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            if number >= len(lines) - 2:  # the torn last line of a killed write
+                return count
+            raise _damaged(journal, "line %d is not a change record" % (number + 1)) from None
+    return count
 
-    ``data`` holds the rollout's own fields as the snapshot has them; ``boxes`` the typed records (the
-    snapshot's ``boxes`` object, written back by :meth:`compact`).
+
+def _check(path: str, top: Dict[str, Any], boxes: Any) -> None:
+    missing = [k for k in TOP_KEYS if k not in top and (k != "boxes" or boxes is None)]
+    if missing or not isinstance(boxes, dict) or not isinstance(top["waves"], list):
+        raise _damaged(path, "missing or bad %s" % (", ".join(missing) or "boxes/waves"))
+    for wave in top["waves"]:
+        for device in wave if isinstance(wave, list) else [None]:
+            if device not in boxes:
+                raise _damaged(path, "wave names %r, which has no box entry" % (device,))
+    for device, box in boxes.items():
+        if not isinstance(box, dict) or any(k not in box for k in BOX_KEYS):
+            raise _damaged(path, "box %r lacks %s" % (device, [k for k in BOX_KEYS if not (
+                isinstance(box, dict) and k in box)]))
+
+
+def _check_types(path: str, top: Dict[str, Any], boxes: Dict[str, Any]) -> None:
+    """Every field of the right type (a hand-edited or damaged file is refused here, never a traceback later):
+    the spec and each box by their dataclasses (states are checked as members of their enums by
+    :meth:`BoxRecord.from_dict` and :meth:`RolloutRecord.from_dict`), the rollout's own fields by
+    :data:`TOP_TYPES`."""
+    problems = ["%s has the wrong type (%s)" % (k, type(top[k]).__name__) for k, t in TOP_TYPES.items()
+                if k in top and (not isinstance(top[k], t) or isinstance(top[k], bool) and bool not in t)]
+    try:
+        parse(_StoredSpec, top.get("spec"), "spec")
+        for device, box in boxes.items():
+            parse(BoxRecord, {k: v for k, v in box.items() if k not in ENUM_BOX_KEYS}, "box %r" % device)
+    except ConfigError as exc:
+        problems.append(" ".join(str(exc).split()))
+    if problems:
+        raise _damaged(path, "; ".join(problems))
+
+
+def journal_path(path: str) -> str:
+    """``<id>.journal`` beside the snapshot ``<id>.json``."""
+    return path[:-len(".json")] + ".journal" if path.endswith(".json") else path + ".journal"
+
+
+class RolloutState:
+    """The rollout's own fields (:class:`RolloutRecord`) and every box's record; change through :meth:`set`,
+    :meth:`add` and :meth:`top`.
+
+    ``record`` and ``boxes`` are what the snapshot holds (its top-level fields and its ``boxes`` object),
+    written back by :meth:`compact`.
     """
 
-    def __init__(self, path: str, data: Dict[str, Any], boxes: Optional[Dict[str, BoxRecord]] = None) -> None:
+    def __init__(self, path: str, record: RolloutRecord, boxes: Optional[Dict[str, BoxRecord]] = None) -> None:
         self.path = path
-        self.journal = path[:-len(".json")] + ".journal" if path.endswith(".json") else path + ".journal"
-        self.data = {k: v for k, v in data.items() if k != "boxes"}
+        self.journal = journal_path(path)
+        self.record = record
         self.boxes: Dict[str, BoxRecord] = boxes if boxes is not None else {}
         self.bytes_written = 0  # what this process wrote to the state files (the bench reports it)
         self._pending: List[str] = []
@@ -62,6 +135,8 @@ class RolloutState:
 
     @classmethod
     def load(cls, path: str) -> Optional["RolloutState"]:
+        """The state file at ``path`` with its journal replayed, None when there is none; RolloutError when it is
+        damaged. Files written by earlier versions (plain strings for every state) load the same."""
         try:
             with open(path, encoding="utf-8") as handle:
                 data = json.load(handle)
@@ -71,89 +146,35 @@ class RolloutState:
             raise _damaged(path, str(exc)) from None
         if not isinstance(data, dict) or data.get("schema") != STATE_SCHEMA:
             raise RolloutError("state file %s has an unknown schema; move it away to start over" % path)
-        state = cls(path, data)
+        top = {k: v for k, v in data.items() if k != "boxes"}
         raw = data.get("boxes")
-        state._replay(raw)
-        state._check(raw)
+        journaled = _replay(journal_path(path), top, raw)
+        _check(path, top, raw)
+        boxes = {}
         for device, box in raw.items():
             try:
-                state.boxes[device] = BoxRecord.from_dict(box)
+                boxes[device] = BoxRecord.from_dict(box)
             except (ValueError, TypeError) as exc:
                 raise _damaged(path, "box %r: %s" % (device, exc)) from None
         try:  # the rollout's own states too: a member of its enum, or the file is damaged
-            RolloutStatus(state.data["status"])
-            if state.data.get("revert") is not None:
-                RevertWish(state.data["revert"])
-        except ValueError as exc:
+            record = RolloutRecord.from_dict(top)
+        except (ValueError, TypeError) as exc:
             raise _damaged(path, str(exc)) from None
-        state._check_types(raw)
+        _check_types(path, top, raw)
+        state = cls(path, record, boxes)
+        state.journaled = journaled
         return state
-
-    def _replay(self, boxes: Any) -> None:
-        """Apply the journal's change records to the snapshot as read (``boxes``: its plain box objects)."""
-        try:
-            with open(self.journal, encoding="utf-8") as handle:
-                lines = handle.read().split("\n")
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise _damaged(self.journal, str(exc)) from None
-        for number, line in enumerate(lines):
-            if not line.strip():
-                continue
-            self.journaled += 1
-            try:
-                entry = json.loads(line)
-                if "b" in entry:
-                    boxes.setdefault(entry["b"], {}).update(entry["f"])
-                else:
-                    self.data.update(entry["t"])
-            except (ValueError, KeyError, TypeError, AttributeError):
-                if number >= len(lines) - 2:  # the torn last line of a killed write
-                    return
-                raise _damaged(self.journal, "line %d is not a change record" % (number + 1)) from None
-
-    def _check(self, boxes: Any) -> None:
-        data = self.data
-        missing = [k for k in TOP_KEYS if k not in data and (k != "boxes" or boxes is None)]
-        if missing or not isinstance(boxes, dict) or not isinstance(data["waves"], list):
-            raise _damaged(self.path, "missing or bad %s" % (", ".join(missing) or "boxes/waves"))
-        for wave in data["waves"]:
-            for device in wave if isinstance(wave, list) else [None]:
-                if device not in boxes:
-                    raise _damaged(self.path, "wave names %r, which has no box entry" % (device,))
-        for device, box in boxes.items():
-            if not isinstance(box, dict) or any(k not in box for k in BOX_KEYS):
-                raise _damaged(self.path, "box %r lacks %s" % (device, [k for k in BOX_KEYS if not (
-                    isinstance(box, dict) and k in box)]))
-
-    def _check_types(self, boxes: Dict[str, Any]) -> None:
-        """Every field of the right type (a hand-edited or damaged file is refused here, never a traceback
-        later): the spec and each box by their dataclasses (states are checked as members of their enums by
-        :meth:`BoxRecord.from_dict`), the rollout's own fields by :data:`TOP_TYPES`."""
-        problems = ["%s has the wrong type (%s)" % (k, type(self.data[k]).__name__) for k, t in TOP_TYPES.items()
-                    if k in self.data and (not isinstance(self.data[k], t) or isinstance(self.data[k], bool)
-                                           and bool not in t)]
-        try:
-            parse(_StoredSpec, self.data.get("spec"), "spec")
-            for device, box in boxes.items():
-                parse(BoxRecord, {k: v for k, v in box.items() if k not in ENUM_BOX_KEYS}, "box %r" % device)
-        except ConfigError as exc:
-            problems.append(" ".join(str(exc).split()))
-        if problems:
-            raise _damaged(self.path, "; ".join(problems))
 
     # --- changes -----------------------------------------------------------------------------------------
 
     @property
     def status(self) -> RolloutStatus:
-        return RolloutStatus(self.data["status"])
+        return self.record.status
 
     @property
     def revert(self) -> Optional[RevertWish]:
         """Whether moved boxes are to go back (``--rollback-on-abort``, ``fleet cancel --revert``)."""
-        wish = self.data.get("revert")
-        return None if wish is None else RevertWish(wish)
+        return self.record.revert
 
     def set(self, device: str, **fields: Any) -> BoxRecord:
         """Change one box; the change is journaled at the next :meth:`save`."""
@@ -173,9 +194,9 @@ class RolloutState:
         self._pending.append(json.dumps({"b": device, "f": box.as_dict()}, sort_keys=True))
 
     def top(self, **fields: Any) -> None:
-        """Change the rollout's own fields (status, abort, waves...)."""
-        self.data.update(fields)
-        self._pending.append(json.dumps({"t": fields}, sort_keys=True))
+        """Change the rollout's own fields (status, abort, waves...); ValueError for a field it does not have."""
+        changed = self.record.update(**fields)
+        self._pending.append(json.dumps({"t": changed}, sort_keys=True))
 
     def save(self) -> None:
         """Append what changed since the last save, durably; nothing changed, nothing written."""
@@ -193,8 +214,8 @@ class RolloutState:
     def compact(self) -> None:
         """Rewrite the snapshot with everything and empty the journal (at the start and end of a run)."""
         self._pending = []
-        self.data["updated"] = time.time()
-        data = dict(self.data, boxes={device: box.as_dict() for device, box in self.boxes.items()})
+        self.record.updated = time.time()
+        data = dict(self.record.as_dict(), boxes={device: box.as_dict() for device, box in self.boxes.items()})
         text = json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
         atomic_write(self.path, text)
         self.bytes_written += len(text.encode("utf-8"))

@@ -20,6 +20,7 @@ from agent.fleet.intake import Intake, one_line
 from agent.fleet.journal import RolloutState
 from agent.fleet.plan import RETRY_BASE_S, RETRYABLE, RolloutSpec, deploy_verb, request_id
 from agent.fleet.records import EXECUTED, FAILURES, Outcome, Phase, identity
+from agent.fleet.status import SLOT_PENDING
 from agent.protocol.messages import FINAL_STATES, SUCCEEDED, Ack, ProtocolError, parse_deploy_result
 
 ALREADY_SERVING = "already_serving"  # the box's error code for a deploy of what it serves
@@ -73,15 +74,16 @@ class Judge:
             return self.intake.finish(state, device, Outcome.MALFORMED, view.malformed)
         if view is not None and box.phase in (Phase.SENT, Phase.DEPLOYED):
             serving = view.serving
+            on = serving.manifest_sha256 if serving is not None else None
             if view.serves_confirmed(self.sha):
                 return self.intake.finish(state, device, Outcome.CONFIRMED, None, new=box.new or identity(serving))
             rollback = view.last_rollback
             if rollback and rollback != box.baseline_rollback and rollback.get("manifest_sha256") == self.sha:
                 return self.intake.finish(state, device, Outcome.ROLLED_BACK, one_line(rollback.get("reason")))
             old = (box.old or {}).get("manifest_sha256")
-            if box.phase == Phase.DEPLOYED and view.online and serving.get("manifest_sha256") not in (self.sha, old):
+            if box.phase == Phase.DEPLOYED and view.online and on not in (self.sha, old):
                 return self.intake.finish(state, device, Outcome.FAILED, "wrong_bundle: its status serves manifest "
-                                          "%s, not %s" % (serving.get("manifest_sha256"), self.sha))
+                                          "%s, not %s" % (on, self.sha))
         return self._timed_out(state, device, view)
 
     def _ack(self, state: RolloutState, device: str, ack: Ack) -> Optional[bool]:
@@ -130,7 +132,7 @@ class Judge:
         if self.intake.monotonic() - anchor <= limit:
             return False
         where = "offline" if view is not None and not view.online else (
-            "pending" if view is not None and view.holds(self.sha) == "pending" else box.phase)
+            "pending" if view is not None and view.holds(self.sha) == SLOT_PENDING else box.phase)
         step = "confirmed" if box.phase == Phase.DEPLOYED else "heard from"
         return self.intake.finish(state, device, Outcome.TIMED_OUT, "not %s within %.0f s (last seen: %s)" % (
             step, limit, where))

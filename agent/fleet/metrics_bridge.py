@@ -29,18 +29,21 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from agent.fleet.inventory import Inventory, record_path
 from agent.fleet.journal import RolloutState
 from agent.fleet.link import FleetLink, LinkError, Message
 from agent.fleet.plan import RolloutError
-from agent.fleet.records import Outcome, Phase, RolloutStatus
-from agent.fleet.status import MALFORMED, ONLINE, STALE, UNKNOWN, FleetView, too_quiet
+from agent.fleet.records import BoxState, Outcome, Phase, RolloutStatus
+from agent.fleet.status import FleetView, too_quiet
+from agent.protocol.status import SlotsView
 from agent.protocol.topics import STATUS, TELEMETRY, announce_topic, device_topic, split_device_topic
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9469  # beside the box endpoint's; 127.0.0.1 unless --listen names another address
 DEFAULT_FORGET_AFTER_S = 24 * 3600.0  # a box silent for a day has left: its series go
-STATES = (ONLINE, STALE, "offline", MALFORMED, UNKNOWN)  # unknown: heard only by its telemetry, no status yet
+STATES = (BoxState.ONLINE, BoxState.STALE, BoxState.OFFLINE, BoxState.MALFORMED,
+          BoxState.UNKNOWN)  # unknown: heard only by its telemetry, no status yet
 SOURCES_KEPT = 16  # frame ages kept per box (a box's sources, by name); more are not mirrored
 LABEL_MAX = 120  # characters of a label value taken from a box's message
 RECONNECT_S = 5.0  # between attempts after the broker was lost
@@ -106,6 +109,8 @@ class BridgeState:
         self.view = FleetView(prefix)
         self.figures: Dict[str, Figures] = {}
         self.rollouts = RolloutReader(state_dir, forget_after_s) if state_dir else None
+        if state_dir:  # a recorded box whose status turns unreadable stays in its group's series (as malformed)
+            self.view.known_groups.update(Inventory(record_path(state_dir, prefix), prefix).known_groups())
         self.connected: Dict[str, bool] = {}  # broker -> connected now
         self.messages = 0
         self.forgotten = 0
@@ -136,8 +141,9 @@ class BridgeState:
             body = message.json() if parts[1] == (TELEMETRY,) else None
             if isinstance(body, dict):
                 read_telemetry(body, figures)
-            serving = box.slots.get("serving") if isinstance(box.slots, dict) else None
-            box.slots = {"serving": serving, "slots": {serving: box.serving}} if box.serving else {}
+            serving = box.serving
+            box.slots = SlotsView(serving=box.serving_slot, slots={box.serving_slot or "": serving}) \
+                if serving is not None else None
             self.view.identities.pop(device, None)  # duplicate ids are fleet status's question, not a series
             self.view.cleared.discard(device)
         return device
@@ -151,9 +157,9 @@ class BridgeState:
     def state(self, device: str, now: float) -> str:
         """``fleet status``'s state: ``online`` turns ``stale`` when silent too long (:func:`too_quiet`)."""
         box = self.view.boxes[device]
-        if box.state == ONLINE and too_quiet(self.last_word(device), box.telemetry_interval_s, now):
-            return STALE
-        return box.state if box.state in STATES else UNKNOWN
+        if box.state == BoxState.ONLINE and too_quiet(self.last_word(device), box.telemetry_interval_s, now):
+            return BoxState.STALE
+        return box.state if box.state in STATES else BoxState.UNKNOWN
 
     def forget(self, now: float) -> List[str]:
         """Drop every box silent for longer than ``forget_after_s``; returns their ids."""
@@ -213,10 +219,12 @@ def _box_families(bridge: "BridgeState", now: float) -> List[Any]:
         counts[current] += 1
         ids = [_label(device), _label(",".join(sorted(box.groups)))]
         serving = box.serving
-        info.add_metric(ids + [_label(box.kind), _label(serving.get("name") or box.model),
-                               _label(serving.get("version")), _label(box.backend), _label(box.precision)], 1)
+        info.add_metric(ids + [_label(box.kind), _label(serving.name if serving is not None and serving.name
+                                                        else box.model),
+                               _label(serving.version if serving is not None else None), _label(box.backend),
+                               _label(box.precision)], 1)
         for name in STATES:
-            state.add_metric(ids + [name], 1 if name == current else 0)
+            state.add_metric(ids + [name.value], 1 if name == current else 0)
         seen.add_metric(ids, bridge.last_word(device))
         for family, value in ((frames, figures.frames), (busy, figures.busy), (rss, figures.rss_bytes),
                               (outbox, figures.outbox)):
@@ -225,7 +233,7 @@ def _box_families(bridge: "BridgeState", now: float) -> List[Any]:
         for source, seconds in figures.ages.items():
             age.add_metric(ids + [source], seconds)
     for name in STATES:
-        totals.add_metric([name], counts[name])
+        totals.add_metric([name.value], counts[name])
     return [totals, info, state, seen, frames, age, busy, rss, outbox]
 
 

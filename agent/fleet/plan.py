@@ -12,6 +12,7 @@ from typing import Dict, List, Optional
 from agent.config.names import name_problem
 from agent.fleet.records import FAILURES
 from agent.protocol.messages import REQUEST_ID_MAX, REQUEST_ID_RE
+from agent.protocol.verbs import DEPLOY
 
 ROLLOUT_ID_MAX = 24  # leaves room in a 64-character request id for the device and the verb
 DEFAULT_CONFIRM_TIMEOUT_S = 900.0  # a deploy plus a box's default 60 s observation window, with a wide margin
@@ -128,7 +129,7 @@ def request_id(rollout_id: str, device: str, verb: str) -> str:
 
 def deploy_verb(attempt: int) -> str:
     """The request id's verb part for a deploy: a retry is a new request (the box's record answers the old)."""
-    return "deploy" if attempt == 0 else "deploy-r%d" % attempt
+    return DEPLOY if attempt == 0 else "%s-r%d" % (DEPLOY, attempt)
 
 
 def plan_waves(devices: List[str], canary: int, waves: int, wave_size: Optional[int]) -> List[List[str]]:

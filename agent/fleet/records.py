@@ -1,4 +1,5 @@
-"""A rollout's state, typed: each box's record, its phase and outcome, its revert, and the rollout's own status.
+"""A rollout's state, typed: each box's record, its phase and outcome, its revert, the rollout's own fields
+(:class:`RolloutRecord`) and status, and a box's state as the operator sees it (:class:`BoxState`).
 
 Every state a rollout can be in is a member of one enum here, valued by the string the state file has always
 held: a member *is* that string (``Outcome.CONFIRMED == "confirmed"``), so the journal's JSON stays readable
@@ -9,10 +10,12 @@ and a state file written before these types existed loads unchanged. The engine'
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from agent.fleet.status import BoxView
 from agent.protocol import messages
+
+if TYPE_CHECKING:  # status.py imports this module (BoxState): the view is only named here
+    from agent.fleet.status import BoxView
 
 
 class Named(str, Enum):
@@ -23,6 +26,16 @@ class Named(str, Enum):
 
     def __format__(self, spec: str) -> str:  # 3.11 would format the member's name ("Outcome.CONFIRMED")
         return format(str(self.value), spec)
+
+
+class BoxState(Named):
+    """A box as the operator sees it (``fleet status``'s STATE; :class:`agent.fleet.status.BoxView`)."""
+
+    ONLINE = messages.ONLINE  # its status says online (and it was heard lately, or its status is recent)
+    OFFLINE = messages.OFFLINE  # its status says offline: stopped, or its last will
+    STALE = "stale"  # said online, but not heard live and silent for a few telemetry intervals
+    UNKNOWN = "unknown"  # recorded earlier (or heard of without a status), not heard from this time
+    MALFORMED = "malformed"  # its status does not have the documented shape: shown with the reason
 
 
 class Phase(Named):
@@ -90,9 +103,14 @@ class RevertWish(Named):
     DONE = "done"
 
 
-def identity(entry: Dict[str, Any]) -> Dict[str, Any]:
-    """A model as a record keeps it: name, version and manifest."""
-    return {k: entry.get(k) for k in ("name", "version", "manifest_sha256")}
+MODEL_KEYS = ("name", "version", "manifest_sha256")
+
+
+def identity(entry: Any) -> Dict[str, Any]:
+    """A model as a record keeps it: name, version and manifest (of a slot, a ``ModelId`` or their JSON form)."""
+    if isinstance(entry, dict):
+        return {k: entry.get(k) for k in MODEL_KEYS}
+    return {k: getattr(entry, k, None) for k in MODEL_KEYS}
 
 
 def _optional(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -145,10 +163,10 @@ class BoxRecord:
     serving: Optional[Dict[str, Any]] = None  # what it serves at the end, read by the final check (final.py)
 
     @classmethod
-    def planned(cls, request: Optional[str], view: Optional[BoxView] = None, **changes: Any) -> "BoxRecord":
+    def planned(cls, request: Optional[str], view: "Optional[BoxView]" = None, **changes: Any) -> "BoxRecord":
         """A box's record at the plan, from what its status says (``view``) when there is one."""
-        serving = view.serving if view is not None else {}
-        record = cls(request_id=request, old=identity(serving) if serving else None,
+        serving = view.serving if view is not None else None
+        record = cls(request_id=request, old=identity(serving) if serving is not None else None,
                      baseline_rollback=view.last_rollback if view is not None else None)
         record.update(**changes)
         return record
@@ -183,3 +201,63 @@ def _plain(value: Any) -> Any:
 _FIELDS = tuple(f.name for f in fields(BoxRecord))
 _COERCE: Dict[str, Callable[[Any], Any]] = {
     "phase": Phase, "outcome": _optional(Outcome), "revert": _optional(Revert.from_dict)}
+
+
+STATE_SCHEMA = 2  # the state file's version (agent/fleet/journal.py)
+
+
+@dataclass
+class RolloutRecord:
+    """The rollout's own fields in the state file, beside its boxes (``journal.py`` keeps both).
+
+    Loaded from the JSON the state file has always held (:meth:`from_dict`; states given as strings become
+    members), changed through :meth:`update` (what :meth:`agent.fleet.journal.RolloutState.top` journals), and
+    written back by :meth:`as_dict`. A key this version does not know (a newer version's) is kept in ``extra``
+    and written back as it was.
+    """
+
+    rollout_id: str
+    spec: Dict[str, Any]  # the RolloutSpec's fields (a re-run must ask the same)
+    status: RolloutStatus = RolloutStatus.RUNNING
+    waves: List[List[str]] = field(default_factory=list)  # device ids per wave, the canary first
+    schema: int = STATE_SCHEMA
+    runs: int = 0  # runs of the command that drove it
+    started: Optional[float] = None  # wall times
+    finished: Optional[float] = None
+    updated: Optional[float] = None  # when the snapshot was last rewritten
+    abort: Optional[Dict[str, Any]] = None  # reason, wave (index), at
+    cancel: Optional[Dict[str, Any]] = None  # at, revert, after (the status a finished rollout had)
+    revert: Optional[RevertWish] = None  # moved boxes are to go back, or have been
+    approved: bool = False  # 'fleet resume' approved the waves after the canary
+    shortfall: Optional[str] = None  # fewer boxes heard than --expect
+    late_wave: Optional[int] = None  # the wave boxes that announced themselves after the plan go to
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "RolloutRecord":
+        """The rollout's fields as the state file holds them (``boxes`` left out); ValueError naming what does
+        not fit (a state that is not a member of its enum, a missing field)."""
+        missing = [name for name in ("rollout_id", "spec") if name not in data]
+        if missing:
+            raise ValueError("the rollout lacks %s" % ", ".join(missing))
+        record = cls(rollout_id=data["rollout_id"], spec=data["spec"])
+        record.update(**{k: v for k, v in data.items() if k in _ROLLOUT_FIELDS and k != "extra"})
+        record.extra = {k: v for k, v in data.items() if k not in _ROLLOUT_FIELDS and k != "boxes"}
+        return record
+
+    def update(self, **changes: Any) -> Dict[str, Any]:
+        """Change fields (states given as strings become members); returns the changes in their JSON form."""
+        for name, value in changes.items():
+            if name not in _ROLLOUT_FIELDS or name == "extra":
+                raise ValueError("a rollout has no field %r" % name)
+            setattr(self, name, _ROLLOUT_COERCE.get(name, _same)(value))
+        return {name: getattr(self, name) for name in changes}
+
+    def as_dict(self) -> Dict[str, Any]:
+        data = dict(self.extra)
+        data.update({name: getattr(self, name) for name in _ROLLOUT_FIELDS if name != "extra"})
+        return data
+
+
+_ROLLOUT_FIELDS = tuple(f.name for f in fields(RolloutRecord))
+_ROLLOUT_COERCE: Dict[str, Callable[[Any], Any]] = {"status": RolloutStatus, "revert": _optional(RevertWish)}

@@ -26,7 +26,7 @@ def report(state: RolloutState) -> Dict[str, Any]:
 
     States are given as their plain strings (what the state file holds).
     """
-    data = state.data
+    record = state.record
     executed, failures = state.executed_and_failures()
     counts: Dict[str, int] = {}
     boxes: List[Dict[str, Any]] = []
@@ -49,10 +49,11 @@ def report(state: RolloutState) -> Dict[str, Any]:
             "serving": box.serving,  # what it serves at the end, read by the final check (agent/fleet/final.py)
             "anomalies": list(box.anomalies)})
     not_reached = [b["device"] for b in boxes if b["outcome"] not in REACHED]
-    return {"rollout_id": data["rollout_id"], "spec": data["spec"], "status": state.status.value,
-            "abort": data["abort"], "cancel": data.get("cancel"), "started": data["started"],
-            "finished": data["finished"], "shortfall": data.get("shortfall"),
-            "wall_s": round(data["finished"] - data["started"], 3) if data["finished"] else None,
-            "runs": data.get("runs", 1), "waves": data["waves"], "counts": counts, "executed": executed,
+    return {"rollout_id": record.rollout_id, "spec": record.spec, "status": state.status.value,
+            "abort": record.abort, "cancel": record.cancel, "started": record.started,
+            "finished": record.finished, "shortfall": record.shortfall,
+            "wall_s": round(record.finished - record.started, 3) if record.finished and record.started is not None
+            else None,
+            "runs": record.runs, "waves": record.waves, "counts": counts, "executed": executed,
             "failures": failures, "failure_rate": round(failures / executed, 4) if executed else 0.0,
             "not_reached": not_reached, "state_bytes_written": state.bytes_written, "boxes": boxes}

@@ -32,11 +32,13 @@ from agent.fleet.journal import RolloutState
 from agent.fleet.plan import request_id
 from agent.fleet.records import SETTLED_REVERTS, BoxRecord, Revert, RevertState, identity
 from agent.protocol.messages import FINAL_STATES, SUCCEEDED
+from agent.protocol.requests import RollbackRequest
 from agent.protocol.topics import announce_topic
+from agent.protocol.verbs import ROLLBACK
 
 ASK_EVERY_S = 5.0  # how often the group is asked to announce itself while a box's status is older than its ack
 STATUS_WAIT_S = 10.0  # a box that said it switched and publishes no newer status is taken at its word then
-Send = Callable[[str, str, Dict[str, Any]], None]  # (device, verb, fields): one command, dated and signed
+Send = Callable[[str, str, Any, str], None]  # (device, verb, request, request id): one command, dated and signed
 
 
 class Reverter:
@@ -86,8 +88,8 @@ class Reverter:
 
     def _send(self, device: str, rid: str) -> None:
         self.delivery.sent(device, rid)
-        self.send(device, "rollback", {"request_id": rid,
-                                       "reason": "rollout %s %s" % (self.intake.rollout_id, self.state.status)})
+        self.send(device, ROLLBACK, RollbackRequest(reason="rollout %s %s" % (self.intake.rollout_id,
+                                                                          self.state.status)), rid)
 
     def _ask(self) -> None:
         """Ask the group to announce itself (at most every ASK_EVERY_S): a box that publishes no status of its
@@ -102,7 +104,8 @@ class Reverter:
         if view is None:
             return "never heard"
         serving = view.serving
-        return "%s, serving %s %s" % (view.state, serving.get("version"), serving.get("state"))
+        return "%s, serving %s %s" % (view.state, serving.version if serving is not None else None,
+                                      serving.state if serving is not None else None)
 
     def _step(self, device: str) -> bool:
         """One look at a box; True once it is settled (reverted, or proven never to have moved)."""
@@ -123,7 +126,7 @@ class Reverter:
             return False
         moved = self._moved(device, box)
         if moved:
-            rid = request_id(intake.rollout_id, device, "rollback")
+            rid = request_id(intake.rollout_id, device, ROLLBACK)
             state.set(device, revert=Revert(RevertState.SENT, request_id=rid, sent_at=intake.clock()))
             state.save()  # journaled before it is sent
             self._send(device, rid)
@@ -131,7 +134,7 @@ class Reverter:
         if moved is None:
             return False
         view = intake.view.boxes[device]
-        state.set(device, revert=Revert(RevertState.NOTHING, to=identity(view.serving),
+        state.set(device, revert=Revert(RevertState.NOTHING, to=identity(view.serving or {}),
                                         note="never moved (%s)" % self._where(device)))
         return True
 
@@ -140,19 +143,18 @@ class Reverter:
         intake = self.intake
         view = intake.view.boxes.get(device)
         old = (box.old or {}).get("manifest_sha256")
-        serving = view.serving if view is not None else {}
-        if serving and serving.get("manifest_sha256") != old:
+        serving = view.serving if view is not None else None
+        if serving is not None and serving.manifest_sha256 != old:
             return True  # its latest status (also a last will's kept slots) shows it moved
         switched = [at for (d, rid), at in intake.acked_at.items() if d == device and
-                    intake.acks[(d, rid)].state == SUCCEEDED and not rid.endswith(".rollback")]
+                    intake.acks[(d, rid)].state == SUCCEEDED and not rid.endswith("." + ROLLBACK)]
         heard = intake.status_heard.get(device)
         if switched and (heard is None or heard < max(switched)):
             self._ask()
             since = self._since.setdefault(device, intake.monotonic())
             waited = intake.monotonic() - since
             return True if waited >= min(STATUS_WAIT_S, self.spec.revert_timeout_s / 2) else None  # or a status
-        if view is None or not view.online or view.malformed or heard is None or \
-                any(entry and entry.get("state") == "pending" for entry in (view.slots.get("slots") or {}).values()):
+        if view is None or not view.online or view.malformed or heard is None or view.pending:
             if view is not None and view.online and heard is None:
                 self._ask()
             return None

@@ -42,7 +42,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 from agent.fleet.delivery import Delivery
 from agent.fleet.final import FinalCheck
 from agent.fleet.intake import POLL_S, Intake
-from agent.fleet.journal import STATE_SCHEMA, RolloutLock, RolloutState
+from agent.fleet.journal import RolloutLock, RolloutState
 from agent.fleet.judge import Judge, abort_reason
 from agent.fleet.link import FleetLink
 from agent.fleet.plan import RolloutError, RolloutSpec, check_rollout_id, plan_waves, request_id
@@ -54,12 +54,15 @@ from agent.fleet.records import (
     Outcome,
     Phase,
     RevertWish,
+    RolloutRecord,
     RolloutStatus,
 )
 from agent.fleet.revert import Reverter
 from agent.fleet.status import SETTLE_S, collect
 from agent.protocol.envelope import CommandEnvelope
+from agent.protocol.requests import DeployRequest
 from agent.protocol.topics import command_topic
+from agent.protocol.verbs import DEPLOY, command_payload
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +130,7 @@ class Rollout:
                 return state
             if state.journaled:
                 state.compact()  # fold the last run's journal in: each run starts from one snapshot
-            state.top(runs=state.data.get("runs", 0) + 1)
+            state.top(runs=state.record.runs + 1)
             try:
                 self._drive(state)
             finally:
@@ -136,7 +139,7 @@ class Rollout:
             return state
 
     def _check_same(self, state: RolloutState) -> None:
-        recorded = state.data["spec"]
+        recorded = state.record.spec
         differs = sorted(k for k, v in asdict(self.spec).items() if recorded.get(k) != v)
         if differs:
             raise RolloutError("rollout %s was started with different %s (state file %s): re-run it as it was "
@@ -164,7 +167,7 @@ class Rollout:
         movable: List[str] = []
         waiting: List[str] = []
         for view in self.view.in_group(None):
-            box = BoxRecord.planned(request_id(self.rollout_id, view.device, "deploy"), view)
+            box = BoxRecord.planned(request_id(self.rollout_id, view.device, DEPLOY), view)
             boxes[view.device] = box
             if self.spec.group not in view.groups:
                 box.update(outcome=Outcome.NOT_TARGETED)
@@ -200,10 +203,9 @@ class Rollout:
         shortfall = None
         if self.expect is not None and seen < self.expect:
             shortfall = "expected %d box(es) in group %s, heard %d" % (self.expect, self.spec.group, seen)
-        state = RolloutState(self.path, {
-            "schema": STATE_SCHEMA, "rollout_id": self.rollout_id, "spec": asdict(self.spec),
-            "status": RolloutStatus.RUNNING, "abort": None, "started": self.clock(), "finished": None, "runs": 0,
-            "waves": waves, "shortfall": shortfall, "revert": None, "approved": False}, boxes)
+        state = RolloutState(self.path, RolloutRecord(
+            rollout_id=self.rollout_id, spec=asdict(self.spec), status=RolloutStatus.RUNNING, waves=waves,
+            started=self.clock(), shortfall=shortfall), boxes)
         skipped = [d for d, b in boxes.items()
                    if b.outcome in (Outcome.OFFLINE, Outcome.MALFORMED, Outcome.UNSEEN) or b.waits]
         self.progress("rollout %s: %d box(es) in group %s; %d in %d wave(s), %d already there, %d not reachable "
@@ -222,8 +224,8 @@ class Rollout:
             state.top(status=RolloutStatus.RUNNING, approved=True)
             self.progress("rollout %s resumed" % self.rollout_id)
         index = 0
-        while state.status == RolloutStatus.RUNNING and index < len(state.data["waves"]):
-            waves = state.data["waves"]
+        while state.status == RolloutStatus.RUNNING and index < len(state.record.waves):
+            waves = state.record.waves
             todo = [d for d in waves[index] if state.boxes[d].phase != Phase.DONE]
             if todo:
                 canary = index == 0 and self.spec.canary > 0
@@ -244,9 +246,9 @@ class Rollout:
             state.top(revert=RevertWish.DONE)
         FinalCheck(self.intake, state).run()  # what each box serves now decides the report, not what it said
         if state.status == RolloutStatus.RUNNING:
-            incomplete = state.data.get("shortfall") or any(b.outcome not in REACHED for b in state.boxes.values())
+            incomplete = state.record.shortfall or any(b.outcome not in REACHED for b in state.boxes.values())
             state.top(status=RolloutStatus.PARTIAL if incomplete else RolloutStatus.COMPLETED)
-        if state.data.get("finished") is None:
+        if state.record.finished is None:
             state.top(finished=self.clock())
         state.save()
 
@@ -255,7 +257,7 @@ class Rollout:
         if failed and not self.spec.continue_after_canary_failure:
             self._abort(state, 0, "the canary failed (%s); --continue-after-canary-failure goes on regardless" %
                         ", ".join("%s %s" % (d, state.boxes[d].outcome) for d in failed))
-        elif self.spec.pause_after_canary and not state.data.get("approved"):
+        elif self.spec.pause_after_canary and not state.record.approved:
             state.top(status=RolloutStatus.PAUSED)
             state.save()
             self.progress("canary done; paused: 'fleet resume' sends the next waves, 'fleet cancel' stops here")
@@ -312,18 +314,18 @@ class Rollout:
 
     def _send_deploy(self, state: RolloutState, device: str, restart_clock: bool = True) -> None:
         self._pace()
-        box = state.boxes[device]
-        payload = {"request_id": box.request_id, "bundle": self.spec.bundle, "sha256": self.sha}
-        if self.spec.archive_sha256 is not None:
-            payload["archive_sha256"] = self.spec.archive_sha256.lower()
-        self.send(device, "deploy", payload)
-        self.delivery.sent(device, payload["request_id"])
+        rid = state.boxes[device].request_id or ""
+        archive = self.spec.archive_sha256.lower() if self.spec.archive_sha256 is not None else None
+        self.send(device, DEPLOY, DeployRequest(bundle=self.spec.bundle, sha256=self.sha, archive_sha256=archive), rid)
+        self.delivery.sent(device, rid)
         if restart_clock:
             self.intake.anchor[device] = self.monotonic()
         self._sends.append(self.monotonic())
 
-    def send(self, device: str, verb: str, fields: Dict[str, Any]) -> None:
-        """Publish one command to one box, dated and signed now (``--ttl``, ``--command-key``).
+    def send(self, device: str, verb: str, request: Any, rid: str) -> None:
+        """Publish one command to one box: ``request`` (the verb's request type) under request id ``rid``, built
+        by the protocol (:func:`agent.protocol.verbs.command_payload`), dated and signed now (``--ttl``,
+        ``--command-key``).
 
         Also a command sent again (a deploy re-sent with its request id when its box comes back, a rollback
         re-sent by a re-run) is dated and signed afresh: its validity counts from this send, so a box that was
@@ -331,7 +333,7 @@ class Rollout:
         answers a known id from its record).
         """
         self.link.publish(command_topic(self.spec.prefix, verb, device=device),
-                          self.envelope.wrap(device, verb, fields))
+                          self.envelope.wrap(device, verb, command_payload(verb, request, rid)))
 
     def _pace(self) -> None:
         """--max-per-minute: wait (reading messages) until fewer than N deploys went out in the last minute."""

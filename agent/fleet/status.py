@@ -20,17 +20,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+from agent.config.schema import ConfigError, parse, to_dict
 from agent.fleet.link import FleetLink, Message
+from agent.fleet.records import BoxState
 from agent.protocol.messages import JSON_DEPTH_MAX, ProtocolError
-from agent.protocol.status import parse_status
+from agent.protocol.status import BoxStatus, SlotsView, SlotView, parse_status
 from agent.protocol.topics import ALERT, STATUS, TELEMETRY, announce_topic, fleet_subscriptions, split_device_topic
 
-ONLINE = "online"
-STALE = "stale"  # said online, but not heard live and silent for STALE_INTERVALS telemetry intervals
-UNKNOWN = "unknown"  # recorded earlier (or heard of without a status), not heard from this time
 STALE_INTERVALS = 3.0  # telemetry intervals without a word before an "online" status is not believed
 DEFAULT_TELEMETRY_INTERVAL_S = 10.0  # a box's publish.telemetry_interval_s default, for statuses without it
-MALFORMED = "malformed"  # the box's status does not have the documented shape: shown with the reason
 DEFAULT_LISTEN_S = 2.0  # long enough for the retained burst of a few thousand boxes and some telemetry
 # The retained burst is over once no new box has appeared for this long after the SUBACK. A link that
 # stalls (a congested uplink, a bridge catching up) pauses the burst for a moment: a window of a fraction of
@@ -42,18 +40,43 @@ SETTLE_S = 2.0
 LIVENESS_INTERVALS = 1.5
 LIVENESS_WAIT_MAX_S = 15.0
 ALERTS_KEPT = 5  # most recent alerts shown per box
+# A slot's states as the box's slot table names them (agent/lifecycle/slots.py; docs/mqtt.md): the two the
+# operator judges by.
+SLOT_CONFIRMED, SLOT_PENDING = "confirmed", "pending"
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The one part of a status that does not parse as a whole which is still read: the groups it names."""
+
+    groups: List[str] = field(default_factory=list)
+
+
+def slots_view(data: Any) -> Optional[SlotsView]:
+    """A slot table as the operator's record keeps it (its JSON form), typed; None when it does not parse."""
+    if not data:
+        return None
+    try:
+        return parse(SlotsView, data, "slots", unknown="ignore")
+    except ConfigError:
+        return None
+
+
+def slots_json(slots: Optional[SlotsView]) -> Dict[str, Any]:
+    """A slot table's JSON form ({} when unknown): what ``--json`` prints and the record keeps."""
+    return to_dict(slots) if slots is not None else {}
 
 
 @dataclass
 class BoxView:
-    """One box as the operator sees it; ``slots`` is the box's slot table (``ModelManager.status()``)."""
+    """One box as the operator sees it; ``slots`` is the box's slot table as its status types it (None: unknown)."""
 
     device: str
-    state: str = "unknown"
+    state: BoxState = BoxState.UNKNOWN
     groups: List[str] = field(default_factory=list)
     model: Optional[str] = None
     backend: Optional[str] = None
-    slots: Dict[str, Any] = field(default_factory=dict)
+    slots: Optional[SlotsView] = None
     status_ts: Optional[float] = None
     last_seen: Optional[float] = None
     fps: Optional[float] = None
@@ -69,38 +92,53 @@ class BoxView:
 
     @property
     def online(self) -> bool:
-        return self.state == ONLINE
+        return self.state == BoxState.ONLINE
 
-    def slot(self, name: Optional[str]) -> Dict[str, Any]:
-        return dict((self.slots.get("slots") or {}).get(name or "", {}) or {})
+    def slot(self, name: Optional[str]) -> Optional[SlotView]:
+        return self.slots.slots.get(name or "") if self.slots is not None else None
 
     @property
-    def serving(self) -> Dict[str, Any]:
-        """The serving slot's entry (name, version, manifest_sha256, state) or {} when unknown."""
-        return self.slot(self.slots.get("serving"))
+    def serving(self) -> Optional[SlotView]:
+        """The serving slot (name, version, manifest_sha256, state), or None when unknown."""
+        return self.slot(self.slots.serving) if self.slots is not None else None
+
+    @property
+    def serving_slot(self) -> Optional[str]:
+        """The serving slot's name (``a``, ``b``), or None when unknown."""
+        return self.slots.serving if self.slots is not None else None
+
+    def entries(self) -> Dict[str, SlotView]:
+        """Every slot the table fills, by name."""
+        return {name: entry for name, entry in (self.slots.slots if self.slots is not None else {}).items()
+                if entry is not None}
+
+    @property
+    def pending(self) -> bool:
+        """A slot of its table is pending: a deploy in its probation."""
+        return any(entry.state == SLOT_PENDING for entry in self.entries().values())
 
     @property
     def last_rollback(self) -> Optional[Dict[str, Any]]:
-        return self.slots.get("last_rollback")
+        return self.slots.last_rollback if self.slots is not None else None
 
     def holds(self, sha256: str) -> Optional[str]:
         """The state (confirmed, pending, standby) of the slot holding manifest ``sha256``, else None."""
-        for entry in (self.slots.get("slots") or {}).values():
-            if entry and entry.get("manifest_sha256") == sha256:
-                return str(entry.get("state"))
+        for entry in self.entries().values():
+            if entry.manifest_sha256 == sha256:
+                return str(entry.state)
         return None
 
     def serves_confirmed(self, sha256: str) -> bool:
         serving = self.serving
-        return serving.get("manifest_sha256") == sha256 and serving.get("state") == "confirmed"
+        return serving is not None and serving.manifest_sha256 == sha256 and serving.state == SLOT_CONFIRMED
 
     def as_dict(self) -> Dict[str, Any]:
         serving = self.serving
-        return {"device": self.device, "state": self.state, "groups": self.groups, "model": self.model,
-                "backend": self.backend, "serving": serving or None, "slots": self.slots,
-                "last_seen": self.last_seen, "fps": self.fps, "alerts": self.alerts, "reason": self.reason,
-                "broker": self.broker, "heard_live": self.heard_live, "kind": self.kind,
-                "duplicate": self.duplicate}
+        return {"device": self.device, "state": self.state.value, "groups": self.groups, "model": self.model,
+                "backend": self.backend, "serving": to_dict(serving) if serving is not None else None,
+                "slots": slots_json(self.slots), "last_seen": self.last_seen, "fps": self.fps,
+                "alerts": self.alerts, "reason": self.reason, "broker": self.broker, "heard_live": self.heard_live,
+                "kind": self.kind, "duplicate": self.duplicate}
 
 
 class FleetView:
@@ -156,21 +194,21 @@ class FleetView:
             # body None: the payload is not UTF-8 JSON or nests deeper than JSON_DEPTH_MAX (Message.json)
             why = str(exc) if body is not None else "status: not JSON, or nested deeper than %d levels" % (
                 JSON_DEPTH_MAX)
-            box.state, box.malformed, box.reason = MALFORMED, why, why
-            groups = body.get("groups") if isinstance(body, dict) else None
-            if isinstance(groups, list) and all(isinstance(g, str) for g in groups):
-                box.groups = list(groups)  # still listed in its group: reported there, never sent anything
+            box.state, box.malformed, box.reason = BoxState.MALFORMED, why, why
+            groups = _named_groups(body)
+            if groups:
+                box.groups = groups  # still listed in its group: reported there, never sent anything
             elif not box.groups:
                 box.groups = list(self.known_groups.get(device, []))
             return
-        _fill(box, body, status)
+        _fill(box, status)
         if live and not box.online:  # that box stopped (or its will fired): a later start is not a second box
             for key in [k for k in self.identities.get(device, {}) if k[0] == tuple(sorted(box.groups))]:
                 del self.identities[device][key]
         if live and box.online:
             key = (tuple(sorted(box.groups)), box.kind)
             twin = self.identities.setdefault(device, {}).setdefault(key, BoxView(device))
-            _fill(twin, body, status)
+            _fill(twin, status)
             twin.heard_live = True
             if len(self.identities[device]) > 1:
                 for each in [box] + list(self.identities[device].values()):
@@ -202,7 +240,7 @@ class FleetView:
 
     def unconfirmed(self, now: float) -> List[BoxView]:
         """Online boxes not heard live whose status is old enough that :meth:`judge_stale` would mark them."""
-        return [box for box in self.boxes.values() if box.state == ONLINE and not box.heard_live and
+        return [box for box in self.boxes.values() if box.state == BoxState.ONLINE and not box.heard_live and
                 too_quiet(box.last_seen, box.telemetry_interval_s, now)]
 
     def judge_stale(self, now: Optional[float] = None) -> int:
@@ -215,7 +253,7 @@ class FleetView:
         stale = self.unconfirmed(now)  # a status without "ts" (no last_seen) is never judged stale
         for box in stale:
             interval = box.telemetry_interval_s or DEFAULT_TELEMETRY_INTERVAL_S
-            box.state = STALE
+            box.state = BoxState.STALE
             box.reason = "online %.0f s ago and not heard since (%.0f x its %.0f s telemetry interval)" % (
                 now - (box.last_seen or now), STALE_INTERVALS, interval)
         return len(stale)
@@ -234,26 +272,40 @@ def too_quiet(last_word: Optional[float], interval_s: Optional[float], now: floa
         interval_s or DEFAULT_TELEMETRY_INTERVAL_S)
 
 
-def _fill(box: BoxView, body: Dict[str, Any], status: Any) -> None:
-    """Fold a status that parsed (``status``: its :class:`BoxStatus`; ``body``: its JSON) into ``box``."""
-    box.malformed = None
-    box.state = str(body.get("state", "unknown"))
-    groups = body.get("groups")
-    if isinstance(groups, list):
-        box.groups = [str(g) for g in groups]
-    if box.online or body.get("slots"):  # an offline will carries no slots: keep the last ones known
-        box.model = body.get("model", box.model)
-        box.backend = body.get("backend", box.backend)
+def _named_groups(body: Any) -> List[str]:
+    """The groups a status that does not parse still names (a list of strings under ``groups``), else []."""
+    try:
+        return list(parse(_Groups, body, "status", unknown="ignore").groups)
+    except ConfigError:
+        return []
+
+
+def _state(status: BoxStatus) -> Tuple[BoxState, Optional[str]]:
+    """The box's state from a parsed status, and why it is malformed when its ``state`` is neither online nor
+    offline (docs/mqtt.md: those two are the status's states)."""
+    if status.state in (BoxState.ONLINE, BoxState.OFFLINE):
+        return BoxState(status.state), None
+    return BoxState.MALFORMED, "malformed status: state: %r is not %s or %s" % (
+        status.state[:40], BoxState.ONLINE, BoxState.OFFLINE)
+
+
+def _fill(box: BoxView, status: BoxStatus) -> None:
+    """Fold a status that parsed into ``box``."""
+    box.state, box.malformed = _state(status)
+    if status.groups or box.state != BoxState.OFFLINE:  # a will that names no groups keeps the box in its own
+        box.groups = list(status.groups)
+    if box.online or status.slots is not None:  # an offline will carries no slots: keep the last ones known
+        box.model = status.model if status.model is not None else box.model
+        box.backend = status.backend if status.backend is not None else box.backend
         box.kind = status.device_kind or box.kind
         box.precision = status.precision or box.precision
-        if isinstance(body.get("slots"), dict):
-            box.slots = body["slots"]
-    box.reason = body.get("reason")
-    box.broker = body.get("broker", box.broker)
-    interval = body.get("telemetry_interval_s")
-    if isinstance(interval, (int, float)) and interval > 0:
-        box.telemetry_interval_s = float(interval)
-    box.status_ts = body.get("ts") if isinstance(body.get("ts"), (int, float)) else None
+        if status.slots is not None:
+            box.slots = status.slots
+    box.reason = box.malformed or status.reason
+    box.broker = status.broker if status.broker is not None else box.broker
+    if status.telemetry_interval_s is not None:
+        box.telemetry_interval_s = float(status.telemetry_interval_s)
+    box.status_ts = status.ts
     box.last_seen = _latest(box.last_seen, box.status_ts)
 
 
@@ -312,11 +364,9 @@ def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
     lines = [header]
     for box in boxes:
         serving = box.serving
-        name = "%s %s" % (serving.get("name") or "?", serving.get("version") or "") if serving else (
-            box.model or "?")
-        slot = "%s:%s" % (box.slots.get("serving") or "?", serving.get("state") or "?") if serving else "?"
-        others = [v for k, v in (box.slots.get("slots") or {}).items() if k != box.slots.get("serving") and v]
-        other = "/".join(str(v.get("state")) for v in others) or "-"
+        name = "%s %s" % (serving.name or "?", serving.version or "") if serving is not None else (box.model or "?")
+        slot = "%s:%s" % (box.serving_slot or "?", serving.state or "?") if serving is not None else "?"
+        other = "/".join(str(v.state) for k, v in box.entries().items() if k != box.serving_slot) or "-"
         fps = "%.1f" % box.fps if isinstance(box.fps, (int, float)) else "-"
         seen = "%.0fs ago" % max(0.0, now - box.last_seen) if box.last_seen else "-"
         note = ", ".join(str(a.get("kind", "alert")) for a in box.alerts)
@@ -329,15 +379,15 @@ def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
             note = (note + "; " if note else "") + "rolled back %s %s" % (
                 box.last_rollback.get("version"), box.last_rollback.get("at"))
         lines.append("%-20s %-8s %-34s %-12s %-9s %6s %9s %-21s  %s" % (
-            box.device[:20], box.state[:8], name[:34], slot[:12], other[:9], fps, seen, (box.broker or "-")[:21],
-            note[:80]))
+            box.device[:20], box.state.value[:8], name[:34], slot[:12], other[:9], fps, seen,
+            (box.broker or "-")[:21], note[:80]))
     lines.append(totals_line(boxes))
     return "\n".join(lines)
 
 
 def totals_line(boxes: Sequence[BoxView]) -> str:
     """``N box(es): a online, b offline`` and each other state that occurs (stale, unknown, ...), as it is."""
-    counts: Dict[str, int] = {ONLINE: 0, "offline": 0}
+    counts: Dict[BoxState, int] = {BoxState.ONLINE: 0, BoxState.OFFLINE: 0}
     for box in boxes:
         counts[box.state] = counts.get(box.state, 0) + 1
     return "%d box(es): %s" % (len(boxes), ", ".join("%d %s" % (n, state) for state, n in counts.items()))

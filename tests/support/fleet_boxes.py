@@ -52,6 +52,12 @@ FAULTS = (
     "no_announce",       # predates the announce: never answers one, its retained status is old; telemetry every 2 s
     "away_on_rollback",  # the first rollback finds it away (lost); back away_s later on what it served
 )
+# Statuses no reader parses (SimBox.make_unreadable): its body inside a JSON list; its body with a field nested
+# 40 levels deep, past agent.protocol.messages.JSON_DEPTH_MAX (32), which the operator refuses before parsing.
+UNREADABLE: Dict[str, Callable[[Dict[str, Any]], bytes]] = {
+    "list": lambda body: json.dumps([body]).encode("utf-8"),
+    "deep": lambda body: json.dumps(dict(body, extra=json.loads("[" * 40 + "]" * 40))).encode("utf-8"),
+}
 TELEMETRY_S = 2.0  # a no_announce box's telemetry interval
 TICK_S = 0.05
 RECONNECT_S = 0.5  # the daemon's reconnect_min_s: a box whose broker is gone tries the next one this much later
@@ -92,6 +98,7 @@ class SimBox:
         self._pending_token = 0  # bumps when a pending model is resolved: cancels its confirm timer
         self._running: Dict[str, str] = {}  # request id -> verb, while it runs: a repeat is answered in_progress
         self._malformed_next = False  # malformed_status: the next status has slots.slots as a list
+        self.unreadable: Optional[str] = None  # set by make_unreadable(): every status from then on has that shape
 
     # --- connection --------------------------------------------------------------------------------------
 
@@ -200,7 +207,20 @@ class SimBox:
     def publish_status(self, asked: bool = False) -> None:
         if self.fault == "announce_only" and not asked:
             return
+        if self.unreadable is not None:
+            payload = UNREADABLE[self.unreadable](self.status_body())
+            if self.client is not None:
+                self.client.publish(self.topic("status"), payload, qos=1, retain=True)
+            return
         self.send(self.topic("status"), self.status_body(), retain=True)
+
+    def make_unreadable(self, shape: str) -> None:
+        """From now on its status (published now, retained, and each answer to an announce) has ``shape`` of
+        :data:`UNREADABLE`: a box the operator knew, whose status then turns into something no reader parses."""
+        if shape not in UNREADABLE:
+            raise ValueError("unknown shape %r (one of %s)" % (shape, ", ".join(UNREADABLE)))
+        self.unreadable = shape
+        self.publish_status()
 
     def ack(self, request_id: str, verb: str, state: str, **fields: Any) -> None:
         body = dict(fields, request_id=request_id, verb=verb, state=state, ts=time.time())

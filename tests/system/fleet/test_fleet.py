@@ -177,7 +177,7 @@ def test_a_resumed_rollout_charges_the_wall_time_since_sent_once(tmp_path, gap_s
     # A new process: its monotonic clock has another origin; the wall clock moved on by the gap.
     second = SimulatedLink({"box-0": _online("box-0")}, start=5000.0, offset=first.mono + gap_s - 5000.0)
     state = _rollout(second, tmp_path, confirm_timeout_s=100.0).run()
-    assert state.boxes["box-0"].outcome == Outcome.TIMED_OUT and state.data["runs"] == 2
+    assert state.boxes["box-0"].outcome == Outcome.TIMED_OUT and state.record.runs == 2
     left = 100.0 - max(0.0, first.mono - sent + gap_s)
     assert left < second.marks["timed_out"] - second.start <= left + 1.0 + 2 * POLL_S  # 1.0: the re-run's start-up
 
@@ -196,11 +196,11 @@ def test_fleet_view_folds_status_will_telemetry_and_cleared_topics():
     online = {"state": "online", "groups": ["g1"], "model": "m 2", "slots": slots, "ts": 100.0}
     assert view.apply(Message("site/a/cam-1/status", json.dumps(online).encode(), True)) == "cam-1"
     box = view.boxes["cam-1"]
-    assert box.online and box.serving["version"] == "2" and box.serves_confirmed("f" * 64)
+    assert box.online and box.serving.version == "2" and box.serves_confirmed("f" * 64)
     # the last will: offline, groups only; the slot table last seen is kept
     will = {"state": "offline", "device": "cam-1", "reason": "connection lost", "groups": ["g1"]}
     view.apply(Message("site/a/cam-1/status", json.dumps(will).encode(), True))
-    assert not box.online and box.reason == "connection lost" and box.serving["version"] == "2"
+    assert not box.online and box.reason == "connection lost" and box.serving.version == "2"
     assert [b.device for b in view.in_group("g1")] == ["cam-1"] and view.in_group("g2") == []
     view.apply(Message("site/a/cam-1/telemetry", json.dumps({"fps": 12.5, "ts": 130.0}).encode(), False))
     view.apply(Message("site/a/cam-1/telemetry/alert", json.dumps({"kind": "rss_leak", "ts": 140.0}).encode(),

@@ -21,6 +21,7 @@ from agent.fleet.records import (
     Revert,
     RevertState,
     RevertWish,
+    RolloutRecord,
     RolloutStatus,
 )
 from agent.fleet.report import report
@@ -82,9 +83,15 @@ def test_state_files_of_the_untyped_engine_load_as_typed_records(tmp_path):
     assert (retried.phase, retried.attempt, retried.request_id) == (Phase.SENT, 1, "ro-today.box-2.deploy-r1")
     assert (late.wave, late.phase, late.old) == (3, Phase.PLANNED, OLD)  # journaled whole, after the plan
     assert state.boxes["box-5"].outcome is Outcome.NOT_TARGETED and state.boxes["box-9"].outcome is Outcome.UNSEEN
+    # the rollout's own fields, typed too (the journal's {"t": ...} lines replayed onto them)
+    record = state.record
+    assert type(record) is RolloutRecord and record.rollout_id == ROLLOUT_ID and record.runs == 1
+    assert record.waves == [["box-0"], ["box-1", "box-2"], ["box-3", "box-4"], ["box-6"]] and record.late_wave == 3
+    assert (record.started, record.finished, record.abort, record.approved) == (1800000000.3, None, None, False)
 
     reverting = RolloutState.load(_copy("reverting", tmp_path / "reverting"))
     assert reverting.status is RolloutStatus.ABORTED and reverting.revert is RevertWish.WANTED
+    assert reverting.record.abort["wave"] == 1 and reverting.record.finished == 1800000002.5
     assert reverting.boxes["box-1"].revert == Revert(RevertState.SENT, request_id="ro-today.box-1.rollback",
                                                      sent_at=reverting.boxes["box-1"].revert.sent_at)
     nothing = reverting.boxes["box-2"].revert
@@ -93,7 +100,27 @@ def test_state_files_of_the_untyped_engine_load_as_typed_records(tmp_path):
     state.compact()  # written back in the typed engine's own form: the same strings, readable, and equal
     snapshot = json.load(open(state.path, encoding="utf-8"))
     assert snapshot["status"] == "running" and snapshot["boxes"]["box-2"]["phase"] == "sent"
-    assert RolloutState.load(state.path).boxes == state.boxes
+    assert snapshot["late_wave"] == 3 and snapshot["waves"][-1] == ["box-6"] and snapshot["runs"] == 1
+    again = RolloutState.load(state.path)
+    assert again.boxes == state.boxes and again.record == state.record
+
+
+def test_a_field_of_a_newer_version_is_kept_and_a_change_to_an_unknown_field_refused(tmp_path):
+    path = _copy("in_progress", tmp_path)
+    data = json.load(open(path, encoding="utf-8"))
+    data["gate"] = {"window_s": 60}  # written by a later version
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle)
+    state = RolloutState.load(path)
+    assert state.record.extra == {"gate": {"window_s": 60}}
+    state.compact()
+    assert json.load(open(path, encoding="utf-8"))["gate"] == {"window_s": 60}
+    with pytest.raises(ValueError, match="no field 'gate'"):
+        state.top(gate=None)
+    state.top(status="aborted")  # a state given as its string becomes the member, journaled as the string
+    assert state.status is RolloutStatus.ABORTED
+    state.save()
+    assert RolloutState.load(path).status is RolloutStatus.ABORTED
 
 
 def test_an_in_progress_rollout_of_the_untyped_engine_resumes_where_it_stopped(tmp_path):
@@ -112,7 +139,7 @@ def test_an_in_progress_rollout_of_the_untyped_engine_resumes_where_it_stopped(t
                                   ("box-3", "deploy", "ro-today.box-3.deploy"),
                                   ("box-4", "deploy", "ro-today.box-4.deploy"),
                                   ("box-6", "deploy", "ro-today.box-6.deploy")]
-    assert state.status is RolloutStatus.PARTIAL and state.data["runs"] == 2  # box-9 was never heard
+    assert state.status is RolloutStatus.PARTIAL and state.record.runs == 2  # box-9 was never heard
     assert state.outcomes() == {Outcome.CONFIRMED: 6, Outcome.NOT_TARGETED: 1, Outcome.UNSEEN: 1}
     result = report(RolloutState.load(path))
     assert result["status"] == "partial" and result["not_reached"] == ["box-9"]

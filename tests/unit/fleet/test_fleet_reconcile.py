@@ -4,8 +4,8 @@ decides the outcome the report gives it."""
 import pytest
 
 from agent.fleet.final import reconcile
-from agent.fleet.records import BoxRecord, Outcome
-from agent.fleet.status import BoxView
+from agent.fleet.records import BoxRecord, BoxState, Outcome
+from agent.fleet.status import BoxView, slots_view
 
 NEW, OLD, OTHER = "2" * 64, "1" * 64, "e" * 64
 
@@ -15,7 +15,7 @@ def view(sha, state="confirmed", rollback=None, malformed=None):
                                              "manifest_sha256": sha, "state": state}}}
     if rollback is not None:
         slots["last_rollback"] = rollback
-    return BoxView("box", state="online", slots=slots, malformed=malformed)
+    return BoxView("box", state=BoxState.ONLINE, slots=slots_view(slots), malformed=malformed)
 
 
 def box(outcome):

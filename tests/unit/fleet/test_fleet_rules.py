@@ -12,7 +12,9 @@ from agent.fleet.journal import RolloutState
 from agent.fleet.judge import abort_reason
 from agent.fleet.link import Message
 from agent.fleet.plan import RolloutError, RolloutSpec
-from agent.fleet.status import MALFORMED, FleetView, render_table
+from agent.fleet.records import BoxState
+from agent.fleet.status import FleetView, render_table
+from agent.protocol.status import SlotsView, SlotView
 from tests.conftest import REPO_ROOT
 
 FIXTURE = os.path.join(REPO_ROOT, "tests", "fixtures", "fleet_journal", "in_progress")
@@ -60,8 +62,27 @@ def test_every_unparseable_status_is_malformed_and_stays_in_its_recorded_group(p
     view.known_groups["cam"] = ["g"]  # the operator's record lists it in g
     view.apply(Message("site/cam/status", payload, True))
     box = view.boxes["cam"]
-    assert box.state == MALFORMED and why in box.malformed, box.malformed
+    assert box.state == BoxState.MALFORMED and why in box.malformed, box.malformed
     assert [b.device for b in view.in_group("g")] == ["cam"]  # reported in g (malformed), never not_targeted
+
+
+def test_the_view_reads_a_status_through_its_types():
+    view = FleetView("site")
+    slots = {"serving": "b", "slots": {"a": {"name": "m", "version": "1", "manifest_sha256": "a" * 64,
+                                             "state": "standby"},
+                                       "b": {"name": "m", "version": "2", "manifest_sha256": "b" * 64,
+                                             "state": "pending", "shiny": "a newer box's key"}, "c": None}}
+    view.apply(status("cam", ["g"], slots=slots, telemetry_interval_s=5))
+    box = view.boxes["cam"]
+    assert box.state is BoxState.ONLINE and box.online and box.telemetry_interval_s == 5.0
+    assert type(box.slots) is SlotsView and type(box.serving) is SlotView and box.serving.version == "2"
+    assert box.pending and box.holds("a" * 64) == "standby" and not box.serves_confirmed("b" * 64)
+    assert box.as_dict()["state"] == "online" and box.as_dict()["serving"]["state"] == "pending"
+    view.apply(status("cam", ["g"], state="offline"))  # a will without slots keeps the last table known
+    assert box.state is BoxState.OFFLINE and box.serving.version == "2"
+    view.apply(status("cam", ["g"], state="asleep"))  # neither online nor offline: not a state of the protocol
+    assert box.state is BoxState.MALFORMED and "'asleep' is not online or offline" in box.malformed
+    assert "1 malformed" in render_table([box])
 
 
 def test_two_boxes_answering_as_one_id_are_a_duplicate_shown_once_each():

@@ -21,6 +21,7 @@ from agent.fleet.metrics_bridge import (  # noqa: E402
     BridgeState,
     registry_for,
 )
+from agent.fleet.status import slots_json  # noqa: E402
 from tests.conftest import REPO_ROOT  # noqa: E402
 
 PREFIX = "t"
@@ -151,7 +152,9 @@ def test_memory_per_box_is_bounded(clock):
     bridge.apply(msg("cam-1", "telemetry/alert", {"kind": "x", "message": "y" * 10000}))  # not mirrored
     figures, box = bridge.figures["cam-1"], bridge.view.boxes["cam-1"]
     assert len(figures.ages) == SOURCES_KEPT
-    assert box.slots == {"serving": "b", "slots": {"b": SLOTS["slots"]["b"]}}  # the serving entry only
+    kept = {"serving": "b", "slots": {"b": dict(SLOTS["slots"]["b"], since=None)}, "last_rollback": None,
+            "pending": None}
+    assert slots_json(box.slots) == kept  # the serving entry only
     assert box.alerts == [] and bridge.view.identities == {}
     _, samples = scrape(bridge)
     groups = {dict(k[1]).get("group") for k in samples if "group" in dict(k[1])}
