@@ -146,7 +146,7 @@ class Intake:
                 waves = waves + [[]]
                 late = len(waves) - 1
             waves[late] = waves[late] + [device]
-            box = BoxRecord.planned(rid, view, wave=late, phase=Phase.PLANNED)
+            box = BoxRecord.planned(rid, view.serving, view.last_rollback, wave=late, phase=Phase.PLANNED)
             state.top(waves=waves, late_wave=late)
             self.progress("  %-24s announced itself after the plan: taken into wave %d" % (device, late + 1))
         state.add(device, box)

@@ -10,12 +10,10 @@ and a state file written before these types existed loads unchanged. The engine'
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from agent.protocol import messages
-
-if TYPE_CHECKING:  # status.py imports this module (BoxState): the view is only named here
-    from agent.fleet.status import BoxView
+from agent.protocol.status import SlotView
 
 
 class Named(str, Enum):
@@ -163,11 +161,11 @@ class BoxRecord:
     serving: Optional[Dict[str, Any]] = None  # what it serves at the end, read by the final check (final.py)
 
     @classmethod
-    def planned(cls, request: Optional[str], view: "Optional[BoxView]" = None, **changes: Any) -> "BoxRecord":
-        """A box's record at the plan, from what its status says (``view``) when there is one."""
-        serving = view.serving if view is not None else None
+    def planned(cls, request: Optional[str], serving: Optional[SlotView] = None,
+                last_rollback: Optional[Dict[str, Any]] = None, **changes: Any) -> "BoxRecord":
+        """A box's record at the plan, from what its status says it serves and its last rollback, when known."""
         record = cls(request_id=request, old=identity(serving) if serving is not None else None,
-                     baseline_rollback=view.last_rollback if view is not None else None)
+                     baseline_rollback=last_rollback)
         record.update(**changes)
         return record
 

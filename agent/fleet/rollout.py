@@ -167,7 +167,8 @@ class Rollout:
         movable: List[str] = []
         waiting: List[str] = []
         for view in self.view.in_group(None):
-            box = BoxRecord.planned(request_id(self.rollout_id, view.device, DEPLOY), view)
+            box = BoxRecord.planned(request_id(self.rollout_id, view.device, DEPLOY), view.serving,
+                                    view.last_rollback)
             boxes[view.device] = box
             if self.spec.group not in view.groups:
                 box.update(outcome=Outcome.NOT_TARGETED)
