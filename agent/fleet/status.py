@@ -185,6 +185,12 @@ class FleetView:
             return device
         return None
 
+    def _keep_recorded_groups(self, box: BoxView) -> None:
+        """A malformed box whose status names no groups stays in those the operator's record knows for it: it
+        is reported there as malformed, never dropped from a rollout of its group as not targeted."""
+        if not box.groups:
+            box.groups = list(self.known_groups.get(box.device, []))
+
     def _status(self, device: str, body: Any, live: bool = False) -> None:
         box = self.boxes.setdefault(device, BoxView(device))
         self.updates += 1
@@ -195,13 +201,12 @@ class FleetView:
             why = str(exc) if body is not None else "status: not JSON, or nested deeper than %d levels" % (
                 JSON_DEPTH_MAX)
             box.state, box.malformed, box.reason = BoxState.MALFORMED, why, why
-            groups = _named_groups(body)
-            if groups:
-                box.groups = groups  # still listed in its group: reported there, never sent anything
-            elif not box.groups:
-                box.groups = list(self.known_groups.get(device, []))
+            box.groups = _named_groups(body) or box.groups  # still listed in its group: reported, never sent
+            self._keep_recorded_groups(box)
             return
         _fill(box, status)
+        if box.malformed:  # parsed, but no documented state: a box that names no groups stays in its recorded ones
+            self._keep_recorded_groups(box)
         if live and not box.online:  # that box stopped (or its will fired): a later start is not a second box
             for key in [k for k in self.identities.get(device, {}) if k[0] == tuple(sorted(box.groups))]:
                 del self.identities[device][key]

@@ -56,6 +56,7 @@ def status(device, groups, state="online", kind="cpu-dev", retain=False, **field
     (b"not json", "not JSON"),
     (json.dumps({"state": "online", "groups": "g", "slots": []}).encode(), "groups"),
     (json.dumps({"state": 5}).encode(), "state"),
+    (json.dumps({"state": "rebooting"}).encode(), "'rebooting' is not online or offline"),  # parses, no groups
 ])
 def test_every_unparseable_status_is_malformed_and_stays_in_its_recorded_group(payload, why):
     view = FleetView("site")
