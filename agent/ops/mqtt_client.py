@@ -1,6 +1,6 @@
 """The one place that makes a paho MQTT client and its TLS context: for the box's connection supervisor
 (:mod:`agent.ops.connection`) and for the operator's link (``atlas-edge ctl``, ``fleet``, ``demo``'s console view,
-through :func:`agent.cli.ctl.open_link`).
+through :func:`agent.cli.ctl.operator_link`, which opens :func:`agent.fleet.link.open_link`).
 
 Every client is built the same way: paho's version-2 callbacks, MQTT 3.1.1, a clean session and no reconnecting
 of paho's own (``reconnect_on_failure=False``: exactly one layer reconnects, the box's supervisor; the operator's

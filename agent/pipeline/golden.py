@@ -29,6 +29,7 @@ QUANTIZED_PRECISIONS = ("int8", "int8-sim")
 FLOAT_PRECISIONS = ("float32", "float16")
 # The axis along which a task's raw output holds one kind of value (docs/bundle.md): yolov8 (B, 4+nc, N) has a
 # channel per row, yolov5 (B, N, 5+nc) per column; a classifier's (B, nc) logits move together, one group.
+TINY = float(np.finfo(np.float32).tiny)  # the least floor: a 0/0 ratio would be NaN, and NaN passes every limit
 CHANNEL_AXIS = {"detect-yolov8": 1, "detect-yolov5": -1, "classify": None}
 
 
@@ -61,6 +62,7 @@ def judge_quantized(got: np.ndarray, expected: np.ndarray, reference: np.ndarray
     """The quantized rule (module docstring): ``expected`` is the host's output of this artifact, ``reference``
     the host's output of a float artifact on the same case; ``floor`` (the strict ``atol``) keeps a channel where
     int8 and float agree exactly from demanding more than a float artifact would get."""
+    floor = max(floor, TINY)  # atol 0 is allowed: a channel where int8 equals float then demands exactly that
     got64, expected64 = got.astype(np.float64), expected.astype(np.float64)
     axis = CHANNEL_AXIS.get(task)
     moved = _per_channel(got64 - expected64, axis)  # (C, M)

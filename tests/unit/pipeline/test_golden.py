@@ -73,6 +73,15 @@ def test_a_channel_where_int8_equals_float_is_held_to_the_strict_atol_not_to_zer
     assert "channel 6" in judge(got, expected, reference).failure
 
 
+def test_with_atol_0_a_channel_where_int8_equals_float_still_judges_the_others():
+    expected, reference, _ = yolov8_outputs()
+    expected[0, 0] = reference[0, 0]  # 0/0 in that channel must not become a NaN that passes every limit
+    got = expected.copy()
+    got[0, 1] += 5.0
+    verdict = judge_quantized(got, expected, reference, "detect-yolov8", rms_ratio=0.2, max_ratio=1.0, floor=0.0)
+    assert verdict.failure is not None and "channel 1" in verdict.failure
+
+
 def test_channels_follow_the_tasks_layout():
     expected, reference, rng = yolov8_outputs()
     got = expected.copy()
