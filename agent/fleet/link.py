@@ -1,7 +1,7 @@
 """The operator's one link to the broker (``atlas-edge ctl``, ``fleet``, ``demo``'s console view): connect, subscribe
 and wait for the SUBACK, publish commands, read messages.
 
-Its paho clients are made by the caller (``agent.cli.ctl.open_link`` hands :func:`open_link` a function that
+Its paho clients are made by the caller (``agent.cli.ctl.operator_link`` hands :func:`open_link` a function that
 makes one through :mod:`agent.ops.mqtt_client`: credentials, TLS, and a client id of this run's own,
 ``<username>-<tool>-<random>``, so a ``fleet status`` never takes over a running rollout's session), so this
 group needs no CLI or box code. Callbacks only enqueue; the caller's thread reads :meth:`FleetLink.get`, and

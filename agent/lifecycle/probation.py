@@ -22,7 +22,6 @@ TRIGGER_LATENCY = "latency"
 TRIGGER_ERRORS = "errors"
 
 
-
 class Verdict(Enum):
     """How a window ends; the events that follow name it in the protocol's words (agent.protocol.events)."""
 

@@ -174,10 +174,6 @@ class ServingLoop:
     def stop_sources(self, timeout: float = SOURCES_STOP_S) -> bool:
         return self.sources.stop(timeout)
 
-    def source_states(self) -> Dict[str, int]:
-        """How many sources are in each state (the watchdog's 'no input' versus 'stuck'); any thread."""
-        return self.sources.summary()
-
     def replace_sources(self, configs: List[SourceConfig]) -> Tuple[List[str], List[str]]:
         """Between batches only (a handover item, as the daemon's config switch): stop the sources removed or
         changed and start the added or changed ones (the others keep their workers), paused when the loop is.

@@ -20,7 +20,6 @@ judge whether a bundle runs there. ``device`` is the id again, for readers from 
 (the wire has always carried the id there).
 """
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -70,9 +69,6 @@ class BoxStatus:
     @property
     def online(self) -> bool:
         return self.state == ONLINE
-
-
-STATUS_FIELDS = frozenset(f.name for f in dataclasses.fields(BoxStatus))
 
 
 def status_message(state: str, device_id: str, **fields: Any) -> Dict[str, Any]:
