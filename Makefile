@@ -7,7 +7,8 @@ MINDSPORE_GS := mindspore-gs==1.3.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: venv demo test lint imports pycompat mosquitto rabbitmq camera-rig demo-bundle bench bench-quick \
-	install-service clean lite test-lite test-wheel systemd-tools test-systemd prometheus
+	install-service clean lite test-lite test-wheel systemd-tools test-systemd prometheus arm64-tools test-arm64 \
+	wheelhouse
 
 # The Lite lane: a Python 3.7 venv with mindspore-lite 2.0.0 (PyPI's only wheel of it is for CPython 3.7), the
 # box package and the test runner. The box's oldest Python is 3.7 (CANN on the Atlas 200 DK), so the whole
@@ -93,6 +94,7 @@ test: venv mosquitto rabbitmq camera-rig prometheus lint imports pycompat $(if $
 	@tests/lanes.sh $(PY) "$(HOST_MARKS)" $(if $(PYTHON37),$(LITE_PY) "$(LITE_MARKS)")
 	@$(MAKE) --no-print-directory test-wheel
 	@$(MAKE) --no-print-directory test-systemd
+	@$(MAKE) --no-print-directory test-arm64
 
 # The box as a user installs it (tests/system/installed/lane.sh): the wheel built from this tree, installed into a fresh
 # venv under /tmp (from a wheelhouse cached in ~/.cache/atlas-edge), the daemon run from another directory, and
@@ -120,6 +122,34 @@ test-systemd: venv
 		timeout -s INT -k 60 $(SYSTEMD_LANE_TIMEOUT) $(BIN)/pytest -q -rP -p no:cacheprovider tests/system/systemd; \
 		rc=$$?; echo "systemd lane: $$(( $$(date +%s) - start )) s"; \
 		if [ $$rc -eq 5 ]; then echo "systemd lane collected no tests" >&2; exit 1; fi; exit $$rc; fi
+
+# The box on its own CPU (tests/system/arm64, docs/install-boxes.md): a Debian 11 arm64 root (debootstrap, cached in
+# ~/.cache/atlas-edge) run through qemu-user, the box installed there with --no-index and no network from the wheelhouse
+# `atlas-edge wheelhouse` makes of this tree, the daemon's detections compared with x86's under two emulated cores
+# (QEMU_CPU cortex-a53 and cortex-a76), and the box's own tests (-m box) there. Root only: binfmt_misc, chroot,
+# namespaces. Where that cannot be, pytest's summary says "aarch64 lane skipped: WHY".
+ARM64_LANE_TIMEOUT ?= 1500
+arm64-tools:
+	@command -v qemu-aarch64-static >/dev/null && command -v debootstrap >/dev/null && command -v unshare >/dev/null \
+		&& command -v ip >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends qemu-user-static binfmt-support debootstrap util-linux iproute2)
+
+test-arm64: venv
+	@if [ "$$(id -u)" != 0 ]; then echo "aarch64 lane skipped: not root (binfmt_misc, chroot and namespaces need it)"; \
+	elif [ ! -d /proc/sys/fs/binfmt_misc ]; then echo "aarch64 lane skipped: this kernel has no binfmt_misc"; \
+	elif ! $(MAKE) --no-print-directory arm64-tools; then \
+		echo "aarch64 lane skipped: qemu-user-static/debootstrap could not be installed"; \
+	else start=$$(date +%s); \
+		timeout -s INT -k 60 $(ARM64_LANE_TIMEOUT) $(BIN)/pytest -q -rfEsP -p no:cacheprovider tests/system/arm64; \
+		rc=$$?; echo "aarch64 lane: $$(( $$(date +%s) - start )) s"; \
+		if [ $$rc -eq 5 ]; then echo "aarch64 lane collected no tests" >&2; exit 1; fi; exit $$rc; fi
+
+# A box's offline wheelhouse (docs/install-boxes.md): `make wheelhouse WHEELHOUSE_PYTHON=3.7` for the Atlas 200 DK.
+WHEELHOUSE_PYTHON ?= 3.9
+WHEELHOUSE_PLATFORM ?= aarch64
+wheelhouse: venv
+	$(BIN)/atlas-edge wheelhouse --python $(WHEELHOUSE_PYTHON) --platform $(WHEELHOUSE_PLATFORM) \
+		--out out/wheelhouse-py$(WHEELHOUSE_PYTHON)-$(WHEELHOUSE_PLATFORM)
 
 # The whole suite on the box's oldest Python with the real mindspore_lite, less the fleet rigs (LITE_MARKS);
 # host-only tests skip themselves (no MindSpore there) and tests/conftest.py does not collect quant/'s.

@@ -34,7 +34,28 @@ HAS_MINDSPORE = importlib.util.find_spec("mindspore") is not None
 collect_ignore_glob = [] if HAS_MINDSPORE else list(HOST_ONLY_TESTS)
 # Lanes with a make target of their own (they boot a container, or need the package installed from its wheel):
 # collected only when a path inside them is named on the command line, not by a plain `pytest`.
-OWN_LANES = ("system/systemd", "system/installed")
+OWN_LANES = ("system/systemd", "system/installed", "system/arm64")
+# The box's own tests: every module under these folders (the box-side groups of agent/) is marked `box`, and the
+# aarch64 lane (`make test-arm64`) runs `-m box` on the box's CPU and Python; a new module there joins it unlisted.
+BOX_TEST_FOLDERS = ("unit/_util", "unit/bundle", "unit/commands", "unit/config", "unit/devtools", "unit/health",
+                    "unit/lifecycle", "unit/ops", "unit/pipeline", "unit/protocol")
+
+
+def is_box_test(path: "os.PathLike[str]", tests_dir: str = os.path.dirname(os.path.abspath(__file__))) -> bool:
+    """Whether the test module at ``path`` is one of the box's own tests (under :data:`BOX_TEST_FOLDERS`)."""
+    relative = os.path.relpath(os.path.abspath(str(path)), tests_dir).replace(os.sep, "/")
+    return any(relative.startswith(folder + "/") for folder in BOX_TEST_FOLDERS)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "box: the box's own tests (tests/conftest.py BOX_TEST_FOLDERS); the aarch64 "
+                            "lane runs them on the box's CPU")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    for item in items:
+        if is_box_test(item.path):
+            item.add_marker(pytest.mark.box)
 
 
 def pytest_ignore_collect(collection_path: "os.PathLike[str]", config: pytest.Config) -> Optional[bool]:

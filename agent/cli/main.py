@@ -23,6 +23,7 @@ EPILOG = """examples:
   atlas-edge bundle verify examples/demo-bundle
   atlas-edge bundle create --model yolov8n.onnx --out out/yolov8n-bundle
   atlas-edge fleet rollout --group site-a --bundle m-1.2.tar.gz --sha256 HEX --max-failure-rate 0.05
+  atlas-edge wheelhouse --python 3.9 --platform aarch64 --out wheels-a2
   atlas-edge qat --config quant/examples/shapes.yaml --out out/shapes-bundle
   atlas-edge convert --bundle out/shapes-bundle --device atlas-200dk --to om --dry-run
   atlas-edge bench --quick --json bench.json
@@ -36,6 +37,8 @@ COMMANDS = {
     "validate": ("agent.cli.main", "check a daemon config or device config; per-field errors", "edge"),
     "bundle": ("agent.cli.bundle", "create (from ONNX/MindIR), verify, sign, make keys: model bundles", "edge"),
     "fleet": ("agent.cli.fleet", "every box at a glance; staged rollouts with canary, waves and abort", "edge"),
+    "wheelhouse": ("agent.cli.wheelhouse", "download a box's pinned wheels for its Python and CPU (offline install)",
+                   "edge"),
     "qat": ("quant.cli", "train / quantization-aware training / export to a bundle (workstation)", "host"),
     "convert": ("converters.cli", "convert a bundle's model with ATC or converter_lite (workstation)", "host"),
     "bench": ("benchmarks.cli", "measure preprocessing, decoding, batching, MQTT, memory, start-up", "dev"),

@@ -1,0 +1,229 @@
+"""The aarch64 lane's session: a Debian 11 arm64 root under qemu-user with the box installed from its wheelhouse.
+
+Built once per run (``make test-arm64``): the cached root (rootfs.py), the CPython 3.9 aarch64 wheelhouse made by
+``atlas-edge wheelhouse`` from this tree, the box installed from it inside the root with ``pip install --no-index``
+and no network, the frames (the demo's sizes, 1080p included, two seeds), the committed demo bundle and the
+YOLOv8-shaped stand-in's int8 bundle (made here as the bench makes it), and the x86 daemon's results on them.
+Skips, saying why, where it cannot run (not root, no binfmt_misc, no qemu-user-static or debootstrap).
+"""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+
+from tests.system.arm64 import compare as comparing
+from tests.system.arm64.compare import REPORTS, TIMINGS
+from tests.system.arm64.rootfs import CACHE_DIR, BoxRoot, Unavailable, ensure_binfmt, rootfs
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+CPUS = ("cortex-a53", "cortex-a76")  # ARMv8.0 without dot product (Atlas 500's cores); ARMv8.2 with it (A55-like)
+BOX_PYTHON = "3.9"
+CONF = 0.25
+FRAME_SEEDS = (2026, 2027)
+VENV = "/opt/atlas-edge/venv"
+TOOLS = "/opt/lane-tests"
+# (name, bundle folder under the share, precision): what each CPU model serves, and x86 serves for the comparison
+# The box's tests run as two pytest processes side by side (about 8.5 min as one under emulation): these folders,
+# and every other box folder (so a new one joins the second).
+FIRST_SHARD = ("unit/pipeline", "unit/_util", "unit/bundle", "unit/config", "unit/devtools")
+RUNS = (("demo", "demo-bundle", "int8"), ("demo", "demo-bundle", "float"), ("standin", "standin-bundle", "int8"))
+KEPT = os.path.join(CACHE_DIR, "arm64", "last-run")  # each run's results (JSON), for a look after the run
+
+
+def log(line: str) -> None:
+    print("arm64 lane: %s" % line, file=sys.__stderr__, flush=True)
+
+
+class Lane:
+    def __init__(self, share: str, root: BoxRoot) -> None:
+        self.share, self.root = share, root
+        self.x86: Dict[Tuple[str, str], Dict[str, Any]] = {}
+        self.arm: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
+        self.install_output = ""
+        self.box_tests: Dict[int, Any] = {}
+
+    def serve_x86(self, name: str, bundle: str, precision: str) -> Dict[str, Any]:
+        out = os.path.join(self.share, "x86-%s-%s.json" % (name, precision))
+        subprocess.run([sys.executable, os.path.join(HERE, "serve_frames.py"), "--bundle",
+                        os.path.join(self.share, bundle), "--precision", precision, "--frames",
+                        os.path.join(self.share, "frames"), "--work", tempfile.mkdtemp(dir=self.share),
+                        "--out", out, "--conf", str(CONF)], cwd=REPO_ROOT, timeout=900, capture_output=True)
+        with open(out) as handle:
+            return json.load(handle)
+
+    def serve_arm(self, cpu: str, name: str, bundle: str, precision: str) -> Dict[str, Any]:
+        out = "arm-%s-%s-%s.json" % (cpu, name, precision)
+        done = self.root.run([VENV + "/bin/python", "/srv/lane/serve_frames.py", "--bundle", "/srv/lane/" + bundle,
+                              "--precision", precision, "--frames", "/srv/lane/frames", "--work",
+                              "/tmp/work", "--out", "/srv/lane/" + out, "--conf", str(CONF)], cpu=cpu,
+                             timeout=1200)
+        path = os.path.join(self.share, out)
+        if not os.path.exists(path):
+            return {"served": False, "exit": done.returncode, "golden": [], "output_tail": done.stdout[-4000:],
+                    "results": {}, "cpu": {"qemu_cpu": cpu}}
+        with open(path) as handle:
+            return json.load(handle)
+
+
+def _timed(name: str, function, *args, **kwargs):
+    start = time.monotonic()
+    try:
+        return function(*args, **kwargs)
+    finally:
+        TIMINGS[name] = time.monotonic() - start
+        log("%s: %.0f s" % (name, TIMINGS[name]))
+
+
+def _share(share: str) -> None:
+    """The frames, bundles, scripts and tests the root sees at /srv/lane."""
+    from agent.cli.demo import DEMO_BUNDLE, SAMPLE_SIZES_HW, write_sample_frames
+    from agent.cli.wheelhouse import build_wheelhouse, check_wheelhouse, download, read_pins
+
+    wheels = os.path.join(share, "wheels")
+    found = build_wheelhouse(BOX_PYTHON, "aarch64", wheels, source=REPO_ROOT)
+    log("wheelhouse for CPython %s aarch64: %d wheels (%s)" % (BOX_PYTHON, len(found), ", ".join(
+        sorted(os.path.basename(p) for n, p in found.items() if n in ("onnxruntime", "numpy", "atlas-edge")))))
+    tools = os.path.join(share, "test-wheels")
+    os.makedirs(tools)
+    for path in glob.glob(os.path.join(wheels, "*.whl")):
+        shutil.copy(path, tools)
+    box_pins = read_pins(os.path.join(REPO_ROOT, "constraints", "box-py39.txt"))
+    tool_pins = read_pins(os.path.join(HERE, "test-tools-py39.txt"))
+    download(tool_pins, tools, "3.9.2", "aarch64", "2.31")
+    check_wheelhouse(tools, dict(box_pins, **tool_pins), "3.9.2", "aarch64", "2.31",
+                     roots=[("atlas-edge", "edge"), ("pytest", ""), ("hypothesis", ""), ("onnx", "")])
+    for path in glob.glob(os.path.join(tools, "*.whl")):
+        if os.path.basename(path).split("-")[0].lower().replace("_", "-") not in tool_pins:
+            os.remove(path)
+    frames = os.path.join(share, "frames")
+    for seed in FRAME_SEEDS:
+        written = os.path.join(share, "frames-%d" % seed)
+        write_sample_frames(written, SAMPLE_SIZES_HW, seed=seed)
+        os.makedirs(frames, exist_ok=True)
+        for name in sorted(os.listdir(written)):
+            if name.endswith(".png"):
+                shutil.move(os.path.join(written, name), os.path.join(frames, "s%d_%s" % (seed, name)))
+        shutil.rmtree(written)
+    shutil.copytree(DEMO_BUNDLE, os.path.join(share, "demo-bundle"))
+    from benchmarks.quant_models import standin_model
+
+    standin = standin_model(tempfile.mkdtemp(dir=share), 16)
+    shutil.move(standin.bundle_dir, os.path.join(share, "standin-bundle"))
+    shutil.copy(os.path.join(HERE, "serve_frames.py"), share)
+    _source_copy(os.path.join(share, "src"))
+
+
+def _source_copy(target: str) -> None:
+    """The tree as git sees it (tracked and new files), less agent/: the box's tests import the installed wheel's
+    agent, and read the checkout's examples/, docs/ and deploy/ as they do on the host."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-c", "-o", "--exclude-standard"], cwd=REPO_ROOT,
+                            capture_output=True, check=True, timeout=60).stdout.decode()
+    for name in listed.split("\0"):
+        path = os.path.join(REPO_ROOT, name)
+        if not name or name.startswith(("agent/", "tests/system/")) or not os.path.lexists(path):
+            continue
+        os.makedirs(os.path.join(target, os.path.dirname(name)), exist_ok=True)
+        shutil.copy2(path, os.path.join(target, name), follow_symlinks=False)
+
+
+def _install(lane: Lane) -> None:
+    """The box from the wheelhouse only (install.sh: --no-index), in a root whose network is the loopback alone."""
+    probe = ("import urllib.request\ntry:\n    urllib.request.urlopen('https://pypi.org/simple/', timeout=10)\n"
+             "    print('NETWORK REACHABLE')\nexcept Exception as exc:\n    print('no network: %s' % exc)\n")
+    done = lane.root.run(["sh", "-c", "python3 -c \"$0\" && sh /srv/lane/wheels/install.sh %s && "
+                          "%s/bin/python -m pip list --format=freeze" % (VENV, VENV), probe], keep="install")
+    lane.install_output = done.stdout
+    if done.returncode != 0:
+        raise AssertionError("the box did not install from the wheelhouse (exit %d):\n%s" % (
+            done.returncode, done.stdout[-4000:]))
+    tools = lane.root.run(["sh", "-c", "%s/bin/python -m pip install -q --no-index --no-deps --target %s "
+                           "/srv/lane/test-wheels/*.whl" % (VENV, TOOLS)], keep="tools")
+    if tools.returncode != 0:
+        raise AssertionError("the test runner did not install: %s" % tools.stdout[-3000:])
+
+
+@pytest.fixture(scope="session")
+def lane() -> Iterator[Lane]:
+    try:
+        ensure_binfmt()
+        share_root = tempfile.mkdtemp(prefix="atlas-edge-arm64-")
+        tree = _timed("arm64 root (debootstrap or cache)", rootfs, log=log)
+    except Unavailable as exc:
+        pytest.skip("aarch64 lane skipped: %s" % exc)
+    share = os.path.join(share_root, "share")
+    os.makedirs(share)
+    os.chmod(share_root, 0o755)
+    try:
+        lane = Lane(share, BoxRoot(tree, os.path.join(share_root, "layers"), share))
+        _timed("wheelhouse, frames, bundles", _share, share)
+        _timed("offline install in the root", _install, lane)
+        _timed("x86 runs, then emulated runs and box tests side by side", _serve_all, lane)
+        yield lane
+    finally:
+        shutil.rmtree(KEPT, ignore_errors=True)
+        os.makedirs(KEPT)
+        for path in glob.glob(os.path.join(share, "*.json")):
+            shutil.copy(path, KEPT)
+        shutil.rmtree(share_root, ignore_errors=True)
+
+
+def _serve_all(lane: Lane) -> None:
+    """x86 first (seconds), then side by side: each CPU model's runs, and the box's tests under the first."""
+    for name, bundle, precision in RUNS:
+        lane.x86[(name, precision)] = lane.serve_x86(name, bundle, precision)
+
+    def one_cpu(cpu: str) -> None:
+        for name, bundle, precision in RUNS:
+            start = time.monotonic()
+            lane.arm[(cpu, name, precision)] = lane.serve_arm(cpu, name, bundle, precision)
+            log("%s %s %s: %.0f s" % (cpu, name, precision, time.monotonic() - start))
+
+    from tests.conftest import BOX_TEST_FOLDERS
+
+    shards = [[f for f in BOX_TEST_FOLDERS if f in FIRST_SHARD], [f for f in BOX_TEST_FOLDERS if f not in FIRST_SHARD]]
+
+    def box_tests_run(index: int) -> None:
+        start = time.monotonic()
+        lane.box_tests[index] = box_tests(lane, CPUS[0], shards[index])
+        log("box tests (%s) on %s: %.0f s" % (", ".join(shards[index]), CPUS[0], time.monotonic() - start))
+
+    with ThreadPoolExecutor(len(CPUS) + len(shards)) as pool:
+        done = [pool.submit(box_tests_run, i) for i in range(len(shards))] + [pool.submit(one_cpu, c) for c in CPUS]
+        for future in done:
+            future.result()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not REPORTS and not TIMINGS:
+        return
+    write = terminalreporter.write_line
+    write("")
+    write("aarch64 lane (Debian 11 arm64, CPython 3.9, qemu-user; conf %.2f; confident: score >= conf + %.2f, box <= "
+          "%.0f px, score <= %.2f):" % (CONF, comparing.MARGIN, comparing.BOX_PX, comparing.SCORE))
+    for cpu in CPUS:
+        parts = []
+        for (c, name, precision), report in sorted(REPORTS.items()):
+            if c == cpu:
+                parts.append("%s %s: %s" % (name, precision, report["line"]))
+        features = next((r.get("features", "") for (c, _n, _p), r in REPORTS.items() if c == cpu and
+                         r.get("features")), "")
+        write("  %s [%s]: %s" % (cpu, features, "; ".join(parts) or "not run"))
+    for name, seconds in TIMINGS.items():
+        write("  time %s: %.0f s" % (name, seconds))
+
+
+def box_tests(lane: Lane, cpu: str, folders: List[str]) -> "subprocess.CompletedProcess[str]":
+    """pytest ``-m box`` in the root over some of the box's test folders (tests/conftest.py BOX_TEST_FOLDERS)."""
+    return lane.root.run(["sh", "-c", "cd /srv/lane/src && exec %s/bin/python -m pytest -m box -q -p no:cacheprovider "
+                          "-rfE --durations=5 %s" % (VENV, " ".join("tests/" + f for f in folders))],
+                         cpu=cpu, env={"PYTHONPATH": TOOLS}, timeout=1800)

@@ -1,0 +1,71 @@
+"""The box on its own CPU: installed offline from the aarch64 wheelhouse, the real daemon serving the demo bundle
+(int8 and float) and the YOLOv8-shaped stand-in's int8 bundle on onnxruntime under two emulated Arm cores, each
+result compared with the x86 daemon's on the same frames; and the box's own tests on aarch64. ``make test-arm64``.
+"""
+
+import re
+
+import pytest
+
+from tests.system.arm64 import compare as comparing
+from tests.system.arm64.compare import record
+from tests.system.arm64.conftest import CONF, CPUS, RUNS, VENV
+
+
+def test_the_box_installs_from_its_wheelhouse_with_no_network(lane):
+    output = lane.install_output
+    assert "no network:" in output and "NETWORK REACHABLE" not in output, output[-2000:]
+    assert "atlas-edge installed in %s (offline" % VENV in output, output[-3000:]
+    installed = dict(line.split("==", 1) for line in output.splitlines() if re.match(r"^[A-Za-z0-9_.-]+==", line))
+    assert installed.get("onnxruntime") == "1.19.2" and "atlas-edge" in installed, installed
+
+
+# Open (issue 38): the stand-in's int8 bundle is refused by its golden self-test on both emulated Arm CPUs
+# (channel 0 moved 0.766 RMS, 0.58x its int8-vs-float error, limit 0.2x; max abs diff 45.3), while x86 serves it.
+# Strict: the lane fails the day it passes, so this mark cannot outlive the fix.
+STANDIN_REFUSED_ON_ARM = pytest.mark.xfail(strict=True, reason="open: the stand-in's int8 golden self-test refuses "
+                                           "it on Arm (0.58x its int8-vs-float error, limit 0.2x)")
+
+
+def _run(name, precision):
+    marks = [STANDIN_REFUSED_ON_ARM] if (name, precision) == ("standin", "int8") else []
+    return pytest.param(name, precision, marks=marks, id="-".join((name, precision)))
+
+
+@pytest.mark.parametrize("name,precision", [_run(n, p) for n, _b, p in RUNS])
+@pytest.mark.parametrize("cpu", CPUS)
+def test_the_daemon_on_arm_detects_what_it_detects_on_x86(lane, cpu, name, precision):
+    x86 = lane.x86[(name, precision)]
+    arm = lane.arm[(cpu, name, precision)]
+    features = " ".join(arm["cpu"].get("features", [])) + " -> int8 kernels: %s" % arm["cpu"].get("int8_kernels")
+    print("%s %s %s: onnxruntime %s on %s" % (cpu, name, precision, arm.get("onnxruntime"), features))
+    assert x86["served"], "x86 did not serve %s %s: %s" % (name, precision, x86["output_tail"][-3000:])
+    if not arm["served"]:
+        golden = [line.strip() for line in arm.get("golden", []) if "golden:" in line or "golden set" in line]
+        record(cpu, name, precision, "REFUSED at load (%s)" % ("; ".join(golden) or "exit %s" % arm["exit"]),
+               features)
+        pytest.fail("%s %s refused on %s (exit %s); its golden self-test: %s\n%s" % (
+            name, precision, cpu, arm["exit"], "; ".join(golden) or "-", arm["output_tail"][-2500:]))
+    report = comparing.compare(x86["results"], arm["results"], CONF)
+    frames, detections = comparing.counts(arm["results"])
+    line = "%d frames, %d detections (x86 %d); %s; %.0f s" % (frames, detections, comparing.counts(x86["results"])[1],
+                                                             comparing.summary(report), arm["seconds"])
+    record(cpu, name, precision, ("DIFFERS: " if report["problems"] else "") + line, features)
+    print(line)
+    for note in report["marginal_notes"]:
+        print("  marginal: %s" % note)
+    assert report["confident"] > 0, "no confident detection to compare: %s" % line
+    assert report["problems"] == [], "\n".join(report["problems"][:20])
+
+
+def test_the_box_tests_pass_on_aarch64(lane):
+    """The box's own tests (marker ``box``, by folder: tests/conftest.py) on the box's CPU and Python."""
+    summaries = []
+    assert len(lane.box_tests) == 2, lane.box_tests
+    for _index, done in sorted(lane.box_tests.items()):
+        summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
+        summaries.append(summary)
+        print(done.stdout[-2500:])
+        assert done.returncode == 0, done.stdout[-6000:]
+        assert re.search(r"\d+ passed", summary), summary
+    record(CPUS[0], "box-tests", "", " + ".join(summaries))
