@@ -182,8 +182,12 @@ def test_input_options_that_make_ffmpeg_connect_are_refused_with_the_default_pol
             ack = box.refused(request_id, [box.cam, dict(web, input_options=options)])
             assert ack["error"]["field"] == "sources[1].input_options.%s" % next(iter(options)), ack
 
+        polls = iter(range(10 ** 6))  # a new request id per poll: the count of messages seen may not have moved
+
         def web_refused():
-            web_status = box.command("status", "st-%d" % len(box.probe.messages))["result"]["sources"]["web"]
+            ack = box.command("status", "st-%d" % next(polls))
+            assert "result" in ack, ack
+            web_status = ack["result"]["sources"]["web"]
             return web_status if (web_status["last_error"] or {}).get("cause") == "refused" else None
 
         assert wait_for(web_refused, timeout=ANSWER_S), "the web source never reported its refused connection"
