@@ -118,7 +118,8 @@ def platform_tags(platform: str, glibc: str) -> List[str]:
 
 
 def checkout() -> Optional[str]:
-    """The source checkout this module runs from, if it runs from one."""
+    """The source checkout this module runs from, if it runs from one; None from an installed wheel (site-packages
+    has no pyproject.toml), where ``--source`` or ``--constraints`` with ``--wheel`` say where the pins are."""
     top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return top if os.path.isfile(os.path.join(top, "pyproject.toml")) else None
 

@@ -11,6 +11,7 @@ import zipfile
 
 import pytest
 
+import agent.cli.wheelhouse as wheelhouse_module
 from agent.cli.wheelhouse import (
     BOX_PYTHONS,
     WheelhouseError,
@@ -120,3 +121,11 @@ def test_the_atlas_200dk_wheelhouse_resolves_completely_for_python_37_on_aarch64
     with open(os.path.join(out, "install.sh")) as handle:
         script = handle.read()
     assert "--no-index" in script and "onnxruntime==1.14.1" in script and "python3.7" in script
+
+
+def test_outside_a_checkout_it_names_the_options_that_say_where_the_pins_and_wheel_are(monkeypatch, tmp_path):
+    # an installed wheel has no source tree: nothing is guessed from site-packages, the error names the options
+    monkeypatch.setattr(wheelhouse_module, "checkout", lambda: None)
+    with pytest.raises(WheelhouseError, match="no checkout here: pass --constraints"):
+        build_wheelhouse("3.9", "aarch64", str(tmp_path / "out"), glibc="2.31")
+    assert not (tmp_path / "out").exists()
