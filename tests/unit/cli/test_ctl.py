@@ -111,6 +111,8 @@ def test_a_command_is_sent_as_the_protocol_builds_it(mosquitto, box):
                                    '{"bundle": "m-1.2", "sha256": "%s", "request_id": "ignored"}' % SHA])
         assert code == ctl.EXIT_OK, err
         request_id = acks[0]["request_id"]
+        # the box's ack can reach ctl before the broker's copy of the command reaches this probe
+        assert wait_for(lambda: probe.on("atlas-edge/%s/cmd/deploy" % DEVICE))
         sent = probe.on("atlas-edge/%s/cmd/deploy" % DEVICE)
         request = parse_request("deploy", {"bundle": "m-1.2", "sha256": SHA})
         assert sent == [command_payload("deploy", request, request_id)]
