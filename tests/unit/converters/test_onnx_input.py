@@ -180,25 +180,100 @@ def _stemmed(int8: onnx.ModelProto, spec: PreprocessSpec):
     return folded, stemmed, count
 
 
+def _stem_quantizers(model: onnx.ModelProto):
+    """The stem Conv nodes (reading the Cast of the pixels) and the QuantizeLinear reading each."""
+    cast = next(n for n in model.graph.node if n.op_type == "Cast")
+    stem = [n for n in model.graph.node if n.op_type == "Conv" and n.input[0] == cast.output[0]]
+    return stem, [next(q for q in model.graph.node if q.op_type == "QuantizeLinear" and q.input[0] == n.output[0])
+                  for n in stem]
+
+
+def _with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.UINT8, None) for n in names)
+    return out
+
+
+def _run_all(model: onnx.ModelProto, inputs: np.ndarray, level) -> list:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = level
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: inputs})
+
+
+def _exact_reference(model: onnx.ModelProto, conv, quantize, frame: np.ndarray) -> np.ndarray:
+    """The stem's quantized output computed in int64 (no float sums at all): what every CPU must give."""
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    weight, bias = values[conv.input[1]].astype(np.int64), values[conv.input[2]].astype(np.int64)
+    pads = next(a.ints for a in conv.attribute if a.name == "pads")
+    pixels = np.pad(frame.transpose(2, 0, 1).astype(np.int64),  # BGR as it comes: the fold permuted the weights
+                    ((0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    k = weight.shape[2]
+    rows, cols = pixels.shape[1] - k + 1, pixels.shape[2] - k + 1
+    windows = np.stack([pixels[:, i:i + rows, j:j + cols] for i in range(k) for j in range(k)], axis=1)
+    acc = np.einsum("ckhw,ock->ohw", windows, weight.reshape(weight.shape[0], 3, k * k)) + bias[:, None, None]
+    scale, zero = values[quantize.input[1]].astype(np.float32), values[quantize.input[2]]
+    ratio = (acc.astype(np.float32) / scale.reshape(-1, 1, 1)).astype(np.float32)
+    return np.clip(np.rint(ratio) + zero.reshape(-1, 1, 1).astype(np.int64), 0, 255).astype(np.uint8)[None]
+
+
 @pytest.mark.parametrize("first", ["conv", "two-convs"])
-def test_float_stem_runs_the_input_convs_in_float_on_their_int8_weights(tmp_path, first):
+def test_float_stem_runs_the_input_convs_in_float_on_their_int8_values(tmp_path, first):
     int8 = _quantized(_model(first, 1), ULTRALYTICS, tmp_path)
     _unit_input_scale(int8)
     folded, stemmed, count = _stemmed(int8, ULTRALYTICS)
     assert count == (2 if first == "two-convs" else 1)
-    floats = {t.name: numpy_helper.to_array(t) for t in stemmed.graph.initializer if t.data_type == TensorProto.FLOAT}
-    cast = next(n for n in stemmed.graph.node if n.op_type == "Cast")
-    stem = [n for n in stemmed.graph.node if n.op_type == "Conv" and n.input[0] == cast.output[0]]
-    assert len(stem) == count and all(n.input[1] in floats and floats[n.input[1]].ndim == 4 for n in stem)
+    values = {t.name: numpy_helper.to_array(t) for t in stemmed.graph.initializer}
+    stem, quantizers = _stem_quantizers(stemmed)
+    assert len(stem) == count
+    for conv, quantize in zip(stem, quantizers):
+        weight = values[conv.input[1]]  # the int8 values themselves, as float: products and sums stay integers
+        assert weight.dtype == np.float32 and weight.ndim == 4 and np.array_equal(weight, np.rint(weight))
+        assert np.abs(weight).max() <= 127 and np.abs(weight).max() >= 64  # per-channel int8: the range is used
+        if len(conv.input) > 2:
+            assert np.array_equal(values[conv.input[2]], np.rint(values[conv.input[2]]))
+        assert values[quantize.input[1]].shape == (weight.shape[0],)  # the scales moved to the quantizer
     others = [n for n in stemmed.graph.node if n.op_type == "Conv" and n not in stem]
     dequantized = {n.output[0] for n in stemmed.graph.node if n.op_type == "DequantizeLinear"}
     assert others and all(n.input[0] in dequantized and n.input[1] in dequantized for n in others)
-    # the stem's weights are the int8 values times their scales and the input's 1/255: the same sums in float32
+    # the same int8 model: its outputs are the integer kernel's but where a rounding tie divides differently
     frames = _frames(8, seed=4)
     want = np.concatenate([_run(folded, f[None]) for f in frames])
     got = np.concatenate([_run(stemmed, f[None]) for f in frames])
     differing = np.mean(np.abs(got - want) > ATOL)
-    assert differing < 0.01, "%.2f %% of the outputs moved" % (100 * differing)  # a rounding tie may flip
+    assert differing < 0.01, "%.2f %% of the outputs moved" % (100 * differing)
+
+
+def test_float_stem_gives_the_exact_integer_result_whatever_the_kernel(tmp_path):
+    """Issue 38: the stem's quantized output equals an int64 computation on every frame, under onnxruntime's
+    fused (NCHWc) kernels and its plain ones alike: no float sum ever rounds, so no CPU's summation order can
+    move a value to the next step."""
+    int8 = _quantized(_model("conv", 1), ULTRALYTICS, tmp_path)
+    _unit_input_scale(int8)
+    _folded, stemmed, _count = _stemmed(int8, ULTRALYTICS)
+    (conv,), (quantize,) = _stem_quantizers(stemmed)
+    probed = _with_outputs(stemmed, [quantize.output[0]])
+    for frame in _frames(16, seed=9):
+        want = _exact_reference(stemmed, conv, quantize, frame)
+        for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+            got = _run_all(probed, frame[None], level)[1]
+            assert np.array_equal(got, want), "%d of %d stem values differ at %s" % (
+                np.count_nonzero(got != want), want.size, level)
+
+
+def test_float_stem_stays_int8_where_float_sums_could_round(tmp_path):
+    """A bias so large that accumulator + bias could pass 2**24 (float32's last exact integer): the stem is left
+    to the integer kernels, not run in float."""
+    int8 = _quantized(_model("conv", 1), ULTRALYTICS, tmp_path)
+    _unit_input_scale(int8)
+    conv = next(n for n in int8.graph.node if n.op_type == "Conv")
+    bias_dq = next(n for n in int8.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == conv.input[2])
+    for tensor in int8.graph.initializer:
+        if tensor.name == bias_dq.input[0]:
+            tensor.CopyFrom(numpy_helper.from_array(np.full(tensor.dims, 2 ** 24 - 1000, np.int32), tensor.name))
+    folded, stemmed, count = _stemmed(int8, ULTRALYTICS)
+    assert count == 0 and stemmed.SerializeToString() == folded.SerializeToString()
 
 
 def test_float_stem_leaves_a_calibrated_input_quantizer_alone(tmp_path):
