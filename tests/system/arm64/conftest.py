@@ -37,6 +37,8 @@ TOOLS = "/opt/lane-tests"
 # and every other box folder (so a new one joins the second).
 FIRST_SHARD = ("unit/pipeline", "unit/_util", "unit/bundle", "unit/config", "unit/devtools")
 RUNS = (("demo", "demo-bundle", "int8"), ("demo", "demo-bundle", "float"), ("standin", "standin-bundle", "int8"))
+# (name, bundle folder): its int8 models damaged (tests/support/golden_damage.py), judged on x86 and on each CPU model
+DAMAGED = (("demo", "demo-bundle"), ("standin", "standin-bundle"))
 KEPT = os.path.join(CACHE_DIR, "arm64", "last-run")  # each run's results (JSON), for a look after the run
 
 
@@ -51,6 +53,7 @@ class Lane:
         self.arm: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
         self.install_output = ""
         self.box_tests: Dict[int, Any] = {}
+        self.damage: Dict[Tuple[str, str], Tuple[int, str]] = {}  # (cpu or "x86", name) -> (exit, report)
 
     def serve_x86(self, name: str, bundle: str, precision: str) -> Dict[str, Any]:
         out = os.path.join(self.share, "x86-%s-%s.json" % (name, precision))
@@ -60,6 +63,19 @@ class Lane:
                         "--out", out, "--conf", str(CONF)], cwd=REPO_ROOT, timeout=900, capture_output=True)
         with open(out) as handle:
             return json.load(handle)
+
+    def judge_damaged(self, cpu: str, name: str) -> Tuple[int, str]:
+        """The golden self-test of the intact and every damaged copy of ``name``'s bundle, on x86 or in the root:
+        exit 0 when the intact one passed and every damaged one was refused."""
+        check = "-m tests.support.golden_damage check %s" % os.path.join("damaged-" + name)
+        if cpu == "x86":
+            done = subprocess.run([sys.executable] + check.split(), cwd=self.share, timeout=900,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+        else:
+            done = self.root.run(["sh", "-c", "cd /srv/lane && PYTHONPATH=/srv/lane/src exec %s/bin/python %s" % (
+                VENV, check)], cpu=cpu, timeout=1200)
+        return done.returncode, done.stdout
 
     def serve_arm(self, cpu: str, name: str, bundle: str, precision: str) -> Dict[str, Any]:
         out = "arm-%s-%s-%s.json" % (cpu, name, precision)
@@ -119,6 +135,10 @@ def _share(share: str) -> None:
 
     standin = standin_model(tempfile.mkdtemp(dir=share), 16)
     shutil.move(standin.bundle_dir, os.path.join(share, "standin-bundle"))
+    from tests.support.golden_damage import make
+
+    for name, bundle in DAMAGED:
+        make(os.path.join(share, bundle), os.path.join(share, "damaged-" + name))
     shutil.copy(os.path.join(HERE, "serve_frames.py"), share)
     _source_copy(os.path.join(share, "src"))
 
@@ -181,12 +201,18 @@ def _serve_all(lane: Lane) -> None:
     """x86 first (seconds), then side by side: each CPU model's runs, and the box's tests under the first."""
     for name, bundle, precision in RUNS:
         lane.x86[(name, precision)] = lane.serve_x86(name, bundle, precision)
+    for name, _bundle in DAMAGED:
+        lane.damage[("x86", name)] = lane.judge_damaged("x86", name)
 
     def one_cpu(cpu: str) -> None:
         for name, bundle, precision in RUNS:
             start = time.monotonic()
             lane.arm[(cpu, name, precision)] = lane.serve_arm(cpu, name, bundle, precision)
             log("%s %s %s: %.0f s" % (cpu, name, precision, time.monotonic() - start))
+        for name, _bundle in DAMAGED:
+            start = time.monotonic()
+            lane.damage[(cpu, name)] = lane.judge_damaged(cpu, name)
+            log("%s %s damaged int8 models judged: %.0f s" % (cpu, name, time.monotonic() - start))
 
     from tests.conftest import BOX_TEST_FOLDERS
 

@@ -7,9 +7,10 @@ import re
 
 import pytest
 
+from tests.support.golden_damage import DAMAGES, INTACT
 from tests.system.arm64 import compare as comparing
 from tests.system.arm64.compare import record
-from tests.system.arm64.conftest import CONF, CPUS, RUNS, VENV
+from tests.system.arm64.conftest import CONF, CPUS, DAMAGED, RUNS, VENV
 
 
 def test_the_box_installs_from_its_wheelhouse_with_no_network(lane):
@@ -20,19 +21,7 @@ def test_the_box_installs_from_its_wheelhouse_with_no_network(lane):
     assert installed.get("onnxruntime") == "1.19.2" and "atlas-edge" in installed, installed
 
 
-# Open (issue 38): the stand-in's int8 bundle is refused by its golden self-test on both emulated Arm CPUs
-# (channel 0 moved 0.766 RMS, 0.58x its int8-vs-float error, limit 0.2x; max abs diff 45.3), while x86 serves it.
-# Strict: the lane fails the day it passes, so this mark cannot outlive the fix.
-STANDIN_REFUSED_ON_ARM = pytest.mark.xfail(strict=True, reason="open: the stand-in's int8 golden self-test refuses "
-                                           "it on Arm (0.58x its int8-vs-float error, limit 0.2x)")
-
-
-def _run(name, precision):
-    marks = [STANDIN_REFUSED_ON_ARM] if (name, precision) == ("standin", "int8") else []
-    return pytest.param(name, precision, marks=marks, id="-".join((name, precision)))
-
-
-@pytest.mark.parametrize("name,precision", [_run(n, p) for n, _b, p in RUNS])
+@pytest.mark.parametrize("name,precision", [(n, p) for n, _b, p in RUNS], ids=["-".join((n, p)) for n, _b, p in RUNS])
 @pytest.mark.parametrize("cpu", CPUS)
 def test_the_daemon_on_arm_detects_what_it_detects_on_x86(lane, cpu, name, precision):
     x86 = lane.x86[(name, precision)]
@@ -56,6 +45,21 @@ def test_the_daemon_on_arm_detects_what_it_detects_on_x86(lane, cpu, name, preci
         print("  marginal: %s" % note)
     assert report["confident"] > 0, "no confident detection to compare: %s" % line
     assert report["problems"] == [], "\n".join(report["problems"][:20])
+
+
+@pytest.mark.parametrize("name", [n for n, _b in DAMAGED])
+@pytest.mark.parametrize("cpu", ("x86",) + CPUS)
+def test_a_wrong_int8_model_is_refused_on_both_architectures(lane, cpu, name):
+    """The golden self-test that lets Arm's int8 through still refuses an int8 model with its activation scales
+    off or its weights damaged (tests/support/golden_damage.py), on x86 and on each emulated Arm CPU."""
+    exit_code, report = lane.damage[(cpu, name)]
+    print(report)
+    verdicts = dict(re.findall(r"^(\S+)\s+(passed|refused)\s", report, re.M))
+    assert verdicts == dict({INTACT: "passed"}, **dict.fromkeys(DAMAGES, "refused")), report[-3000:]
+    assert exit_code == 0 and "WRONG" not in report, report[-3000:]
+    if cpu != "x86":
+        record(cpu, name, "int8 damaged", "intact passed, %d of %d damaged refused" % (
+            len(DAMAGES), len(DAMAGES)))
 
 
 def test_the_box_tests_pass_on_aarch64(lane):
