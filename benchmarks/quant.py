@@ -216,19 +216,24 @@ def demo_map(model: ModelUnderTest, lane: Lane) -> float:
 
 
 def agreement(model: ModelUnderTest, lane: Lane, frames: Sequence[np.ndarray]) -> Dict[str, Any]:
-    """Detections of ``lane`` against onnxruntime float's on the same frames, kept as ``bundle create --int8``
-    counts them (converters/byom/int8.py: same conf, class, IoU >= 0.5)."""
+    """Detections of ``lane`` against onnxruntime float's on the same frames, measured as ``bundle create --int8``
+    measures them (agent/pipeline/agreement.py): ``kept`` the float detections reported by the lane too (same
+    class, IoU >= 0.5), ``score_aware_f1`` what the check decides on."""
+    from agent.pipeline.agreement import AgreementMeter
     from agent.pipeline.postprocess import decode
     from agent.pipeline.preprocess import letterbox_for
-    from converters.byom.int8 import match_detections
 
     boxed = [letterbox_for(frame, model.tier, model.spec)[0] for frame in frames]
     reference = next(x for x in model.lanes if x.name == "ort_float")
-    want = decode(model.task, _outputs(model, reference, boxed), model.post)
-    got = decode(model.task, _outputs(model, lane, boxed), model.post)
-    found = sum(len(w) for w in want)
-    kept = sum(len(match_detections(w, g)) for w, g in zip(want, got))
-    return {"float_detections": found, "kept": kept, "kept_share": kept / found if found else None}
+    meter = AgreementMeter(float(model.post.conf))
+    low = dataclasses.replace(model.post, conf=meter.low)
+    for want, got in zip(decode(model.task, _outputs(model, reference, boxed), low),
+                         decode(model.task, _outputs(model, lane, boxed), low)):
+        meter.add(want, got)
+    report = meter.report()
+    found, kept = report["reference_detections"], report["strict"]["tp"]
+    return {"float_detections": found, "kept": kept, "kept_share": kept / found if found else None,
+            "score_aware_f1": report["score_aware"]["f1"], "strict_f1": report["strict"]["f1"]}
 
 
 # --- the Lite lane ----------------------------------------------------------------------------------------------

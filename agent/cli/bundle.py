@@ -146,6 +146,7 @@ def _create(args: argparse.Namespace) -> int:
 def _print_int8_checks(out: str) -> None:
     """--int8: each int8 artifact's check against the float model (int8_check.json, written by create)."""
     from converters.byom.create import INT8_CHECK_FILE
+    from converters.byom.int8 import Int8Check
 
     path = os.path.join(out, INT8_CHECK_FILE)
     if not os.path.isfile(path):
@@ -153,12 +154,10 @@ def _print_int8_checks(out: str) -> None:
     with open(path) as handle:
         report = json.load(handle)
     for file, check in sorted(report["checks"].items()):
-        print("  int8: %s keeps %d of %d float detections (%.1f%%, threshold %.0f%%; %d int8 detection(s) matching "
-              "none) on %d held-out image(s), mean score diff %.4f, mean box diff %.2f px%s" % (
-                  file, check["kept"], check["float_detections"], 100 * check["kept_share"],
-                  100 * check["threshold"], check["int8_extra"], check["images"], check["mean_score_diff"],
-                  check["mean_box_diff_px"],
-                  "; WRITTEN WITH --force ALTHOUGH BELOW THE THRESHOLD" if check["forced"] else ""))
+        summary = Int8Check(check["images"], check["float_detections"], check["kept"], check["int8_extra"],
+                            check.get("agreement") or {}).summary()
+        print("  int8: %s %s%s" % (file, summary, "; WRITTEN WITH --force ALTHOUGH BELOW THE THRESHOLD"
+                                   if check["forced"] else ""))
 
 
 def _triple(flag: str, text: Optional[str]) -> Optional[Tuple[float, float, float]]:

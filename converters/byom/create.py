@@ -250,7 +250,7 @@ def _folded_onnx(staging: str, nchw_path: str, tier: Tier, spec: Any) -> List[Ar
 
 def _int8_onnx(staging: str, plan: _Plan, task: str) -> List[ArtifactPlan]:
     """``--int8``: per tier, the calibrated int8 ONNX (converters/byom/int8.py), refused (CreateError) when it
-    keeps too few of the float model's detections on the held-out images, unless ``--force``."""
+    agrees too little with the float model on the held-out images (score-aware F1), unless ``--force``."""
     calibration, held_out = split_images(plan.images)
     artifacts, checks = [], {}
     for tier in plan.tiers:
@@ -261,6 +261,9 @@ def _int8_onnx(staging: str, plan: _Plan, task: str) -> List[ArtifactPlan]:
         os.chmod(path, 0o644)
         check = check_int8(nchw, path, plan.preprocessing, tier, task, plan.postprocessing, held_out)
         log.info("%s: %s", file, check.summary())
+        if check.warning():
+            log.warning("--int8: %s: the check's sample is small (%s): give --images more frames like the box's",
+                        file, check.warning())
         refusal = check.refusal()
         if refusal is not None:
             if not plan.options.force:

@@ -14,14 +14,15 @@ the float model finds.
   (:class:`agent.pipeline.input_batch.BatchPreprocessor`). A network normalised as ``x/255`` gets its input
   quantized as exactly ``x/255`` (scale 1/255, zero point 0), so that once the input is folded
   (:mod:`converters.onnx_input`) the uint8 frame *is* the quantized input and its QuantizeLinear disappears;
-  the convolutions reading it then run in float on their dequantized int8 weights (:mod:`converters.int8_stem`).
-* **The check** (:func:`check_int8`): on held-out images (never calibrated on) the int8 model, fed uint8 as the box
-  feeds it, against the float model on the host-normalised frames, both on onnxruntime and decoded with the
-  bundle's own postprocessing, the same ``conf``, NMS and ``max_det`` for both. A float detection is *kept* when
-  the box would report it at int8 too: an int8 detection (so scoring at least ``conf``) of the same class overlaps
-  it with IoU >= :data:`MATCH_IOU` (the mean score and box differences of the pairs, and the int8 detections
-  that match none, are reported beside it); a classification is kept when its top-1 class is the same. Fewer
-  than :data:`KEEP_THRESHOLD` kept and the int8 model is refused (``--force`` writes it anyway, saying so).
+  the convolutions reading it then run in float on their int8 values, exactly (:mod:`converters.int8_stem`).
+* **The check** (:func:`check_int8`): on held-out images (never calibrated on: at least :data:`HELD_OUT_MIN`
+  when there are images enough, every image beyond :data:`MAX_CALIBRATION_IMAGES` calibrating ones) the int8
+  model, fed uint8 as the box feeds it, against the float model on the host-normalised frames, both on
+  onnxruntime and decoded with the bundle's own postprocessing, measured by the project's one agreement measure
+  (:mod:`agent.pipeline.agreement`, the one a box's shadow run uses): same class, IoU >= :data:`MATCH_IOU`, strict
+  and score-aware F1 with a 95 % interval, the score distance and the box offset. A score-aware F1 below
+  :data:`KEEP_THRESHOLD` and the int8 model is refused (``--force`` writes it anyway, saying so); a sample too
+  small to mean much is said plainly. A classifier is checked by its top-1 classes.
 """
 
 import dataclasses
@@ -32,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from agent.pipeline.agreement import MATCH_IOU, AgreementMeter
 from agent.pipeline.input_batch import BatchPreprocessor
 from agent.pipeline.postprocess import decode
 from agent.pipeline.preprocess import PreprocessSpec
@@ -41,11 +43,11 @@ from converters.onnx_input import MODEL_INPUT, fold_input
 
 log = logging.getLogger(__name__)
 
-KEEP_THRESHOLD = 0.95  # share of the float model's detections the int8 one must keep (docs/converters.md)
-# a float detection is kept by an int8 detection (at the bundle's conf, as the box reports it) of the same class
-# overlapping it this much: PASCAL VOC's (and mAP@0.5's) rule for "the same object"
-MATCH_IOU = 0.5
-HELD_OUT_SHARE = 0.25  # of --images, checked and never calibrated on (at least one image)
+KEEP_THRESHOLD = 0.95  # the score-aware F1 of int8 against float that --int8 requires (docs/converters.md)
+HELD_OUT_MIN = 16  # held-out images by default: fewer and the check proves little (agent.pipeline.agreement)
+MAX_CALIBRATION_IMAGES = 64  # MinMax ranges settle well before this; every image beyond calibrates nothing
+MIN_CALIBRATION_IMAGES = 8  # fewer and the 16 held out would starve the calibration: split 3:1 instead
+FALLBACK_HELD_OUT_SHARE = 0.25
 MIN_IMAGES = 4  # calibration needs a few images, and the check at least one more
 QDQ_OPSET = 13  # per-channel QuantizeLinear/DequantizeLinear (axis) need opset 13
 MAX_OPSET, MAX_IR_VERSION = 18, 8  # what onnxruntime 1.14.1 reads (the newest for the box's Python 3.7)
@@ -54,51 +56,73 @@ UNIT_SCALE = np.float32(1.0 / 255.0)
 
 @dataclasses.dataclass
 class Int8Check:
-    """The int8 model against the float one on held-out images."""
+    """The int8 model against the float one on held-out images: for detections the agreement report
+    (:class:`agent.pipeline.agreement.AgreementMeter`, float the reference, int8 the candidate), for a classifier
+    the top-1 classes."""
 
     images: int
-    float_found: int  # float detections (or classifications)
-    kept: int  # found again by the int8 model: an int8 detection (score >= conf) of its class, IoU >= MATCH_IOU
-    int8_extra: int  # int8 detections that match no float one (new boxes the float model did not report)
-    mean_score_diff: float  # over kept detections
-    mean_box_diff_px: float  # mean absolute corner difference, in input pixels, over kept detections
+    float_found: int  # float detections reported (score >= conf), or classifications
+    kept: int  # strict: reported by int8 too (same class, IoU >= MATCH_IOU, int8 score >= conf), or same top-1
+    int8_extra: int  # strict: int8 detections reported that match no reported float one
+    agreement: Dict[str, Any] = dataclasses.field(default_factory=dict)  # detections only
 
     @property
     def kept_share(self) -> float:
         return self.kept / self.float_found if self.float_found else 1.0
+
+    @property
+    def score_aware_f1(self) -> float:
+        """What the check decides on: threshold noise (a detection scored just under conf on one side) is not a
+        disagreement, a lost, moved or reclassified detection is. A classifier: the top-1 share."""
+        return float(self.agreement["score_aware"]["f1"]) if self.agreement else self.kept_share
 
     def refusal(self) -> Optional[str]:
         """Why this int8 model must not be written unchecked, or None. Held-out images on which the float model
         finds nothing check nothing: that is a refusal too, not a pass."""
         if self.float_found == 0:
             return "the float model found nothing on the %d held-out image(s), so nothing was checked" % self.images
-        if self.kept_share < KEEP_THRESHOLD:
-            return "it keeps too few detections: %s" % self.summary()
+        if self.score_aware_f1 < KEEP_THRESHOLD:
+            return "it agrees too little with the float model: %s" % self.summary()
         return None
+
+    def warning(self) -> Optional[str]:
+        return self.agreement.get("warning")
 
     def as_dict(self) -> Dict[str, Any]:
         return {"images": self.images, "float_detections": self.float_found, "kept": self.kept,
-                "int8_extra": self.int8_extra, "match_iou": MATCH_IOU,
-                "kept_share": round(self.kept_share, 4), "threshold": KEEP_THRESHOLD,
-                "mean_score_diff": round(self.mean_score_diff, 6),
-                "mean_box_diff_px": round(self.mean_box_diff_px, 4)}
+                "int8_extra": self.int8_extra, "match_iou": MATCH_IOU, "kept_share": round(self.kept_share, 4),
+                "score_aware_f1": round(self.score_aware_f1, 4), "threshold": KEEP_THRESHOLD,
+                "mean_box_diff_px": self.agreement.get("mean_box_offset_px", 0.0), "agreement": self.agreement}
 
     def summary(self) -> str:
-        return "%d of %d float detections kept (%.1f%%, threshold %.0f%%; same class, IoU >= %.2g, int8 score >= " \
-               "conf) on %d held-out image(s), %d int8 detection(s) matching none; mean score difference %.4f, " \
-               "mean box difference %.2f px" % (
-                   self.kept, self.float_found, 100 * self.kept_share, 100 * KEEP_THRESHOLD, MATCH_IOU, self.images,
-                   self.int8_extra, self.mean_score_diff, self.mean_box_diff_px)
+        if not self.agreement:
+            return "%d of %d top-1 classes the same (%.1f%%, threshold %.0f%%) on %d held-out image(s)" % (
+                self.kept, self.float_found, 100 * self.kept_share, 100 * KEEP_THRESHOLD, self.images)
+        aware, strict = self.agreement["score_aware"], self.agreement["strict"]
+        return ("score-aware F1 %.3f (95%% interval %.3f-%.3f; threshold %.2f), strict F1 %.3f: %d of %d float "
+                "detections reported at int8 too (same class, IoU >= %.2g), %d int8 detection(s) matching none, on "
+                "%d held-out image(s); score distance (W1) %.4f, mean box difference %.2f px%s" % (
+                    aware["f1"], aware["f1_interval"][0], aware["f1_interval"][1], KEEP_THRESHOLD, strict["f1"],
+                    self.kept, self.float_found, MATCH_IOU, self.int8_extra, self.images,
+                    self.agreement["score_wasserstein1"], self.agreement["mean_box_offset_px"],
+                    "; " + self.warning() if self.warning() else ""))
 
 
 def split_images(images: Sequence[np.ndarray]) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-    """(calibration, held-out): every 1/HELD_OUT_SHARE-th image is held out, the rest calibrate."""
-    if len(images) < MIN_IMAGES:
+    """(calibration, held-out): at most MAX_CALIBRATION_IMAGES calibrate and every other image is held out, at
+    least HELD_OUT_MIN of them; with too few images for that, a quarter is held out (the check then warns that
+    its sample is small). The held-out images are spread over the folder's order, never calibrated on."""
+    count = len(images)
+    if count < MIN_IMAGES:
         raise CreateError("--int8 needs at least %d images (calibration and a held-out check), got %d: give "
-                          "--images DIR with frames like the box's" % (MIN_IMAGES, len(images)))
-    every = max(2, int(round(1 / HELD_OUT_SHARE)))
-    held = [image for i, image in enumerate(images) if i % every == every - 1]
-    calibration = [image for i, image in enumerate(images) if i % every != every - 1]
+                          "--images DIR with frames like the box's" % (MIN_IMAGES, count))
+    if count - HELD_OUT_MIN >= MIN_CALIBRATION_IMAGES:
+        held_count = count - min(MAX_CALIBRATION_IMAGES, count - HELD_OUT_MIN)
+    else:
+        held_count = max(1, int(count * FALLBACK_HELD_OUT_SHARE))
+    held_at = {i * count // held_count for i in range(held_count)}
+    held = [image for i, image in enumerate(images) if i in held_at]
+    calibration = [image for i, image in enumerate(images) if i not in held_at]
     return calibration, held
 
 
@@ -224,25 +248,19 @@ def _opset(model: Any) -> int:
 def check_int8(float_path: str, int8_path: str, spec: PreprocessSpec, tier: Tier, task: str,
                postprocessing: Dict[str, Any], held_out: Sequence[np.ndarray]) -> Int8Check:
     """The int8 model (uint8 in) against the float model (host-normalised in) on ``held_out``, both on
-    onnxruntime, decoded with the bundle's ``postprocessing``."""
+    onnxruntime, decoded with the bundle's ``postprocessing`` at the agreement's low threshold."""
     float_out = _outputs(float_path, host_inputs(held_out, spec, tier, False))
     int8_out = _outputs(int8_path, host_inputs(held_out, spec, tier, True))
     if task == "classify":
         same = [int(np.argmax(a)) == int(np.argmax(b)) for a, b in zip(float_out, int8_out)]
-        return Int8Check(len(held_out), len(same), sum(same), 0, 0.0, 0.0)
-    found = kept = extra = 0
-    score_diffs: List[float] = []
-    box_diffs: List[float] = []
+        return Int8Check(len(held_out), len(same), sum(same), 0)
+    meter = AgreementMeter(float(postprocessing["conf"]))
+    low = dict(postprocessing, conf=meter.low)
     for a, b in zip(float_out, int8_out):
-        want, got = decode(task, a, postprocessing)[0], decode(task, b, postprocessing)[0]
-        pairs = match_detections(want, got)
-        found += len(want)
-        kept += len(pairs)
-        extra += len(got) - len(pairs)
-        score_diffs += [abs(float(want[i, 4]) - float(got[j, 4])) for i, j in pairs]
-        box_diffs += [float(np.abs(want[i, :4] - got[j, :4]).mean()) for i, j in pairs]
-    return Int8Check(len(held_out), found, kept, extra, float(np.mean(score_diffs)) if score_diffs else 0.0,
-                     float(np.mean(box_diffs)) if box_diffs else 0.0)
+        meter.add(decode(task, a, low)[0], decode(task, b, low)[0])
+    report = meter.report()
+    strict = report["strict"]
+    return Int8Check(len(held_out), report["reference_detections"], strict["tp"], strict["fp"], report)
 
 
 def _outputs(path: str, inputs: np.ndarray) -> List[np.ndarray]:
@@ -252,30 +270,3 @@ def _outputs(path: str, inputs: np.ndarray) -> List[np.ndarray]:
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     return [session.run(None, {name: x[None]})[0] for x in inputs]
-
-
-def match_detections(want: np.ndarray, got: np.ndarray) -> List[Tuple[int, int]]:
-    """Greedy pairs (i, j): each of ``want``'s rows (x1, y1, x2, y2, score, class), best score first, with the
-    unused row of ``got`` of its class that overlaps it most, if that IoU reaches MATCH_IOU."""
-    used = set()
-    pairs = []
-    for i in np.argsort(-want[:, 4], kind="stable") if len(want) else []:
-        best, best_iou = -1, MATCH_IOU
-        for j in range(len(got)):
-            if j in used or got[j, 5] != want[i, 5]:
-                continue
-            overlap = iou(want[i, :4], got[j, :4])
-            if overlap >= best_iou:
-                best, best_iou = j, overlap
-        if best >= 0:
-            used.add(best)
-            pairs.append((int(i), best))
-    return pairs
-
-
-def iou(a: np.ndarray, b: np.ndarray) -> float:
-    width = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    height = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = width * height
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return float(inter / union) if union > 0 else 0.0

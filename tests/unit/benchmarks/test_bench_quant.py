@@ -59,10 +59,11 @@ def test_standin_computes_what_the_trained_fixture_computes(tmp_path):
     first 3 class scores are the trained YOLOv8's, its other 77 classes never score, and on a scene it finds the
     fixture's detections (real ones, not noise at the threshold)."""
     from agent.devtools.scenes import generate_scenes
+    from agent.pipeline.agreement import match_detections
     from agent.pipeline.postprocess import decode
     from agent.pipeline.preprocess import PreprocessSpec
     from benchmarks.yolov8_standin import TRAINED
-    from converters.byom.int8 import host_inputs, match_detections
+    from converters.byom.int8 import host_inputs
 
     wide = build_yolov8n(str(tmp_path / "wide.onnx"), imgsz=256)
     images = [image for image, _boxes, _classes in generate_scenes(3, 2, (256, 256))]
