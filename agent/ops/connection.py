@@ -197,7 +197,7 @@ class ConnectionSupervisor:
         delay = self.config.reconnect_min_s
         failed = 0  # attempts in a row that never reached CONNACK: a whole round of them means back off
         while not self.stopping.is_set():
-            if self._attempt():
+            if self._attempt_guarded():
                 delay, failed = self.config.reconnect_min_s, 0
                 wait = delay  # a lost connection: the same broker again after the shortest delay
             else:
@@ -208,6 +208,17 @@ class ConnectionSupervisor:
                     delay = min(delay * 2, self.config.reconnect_max_s)
             if self.stopping.is_set() or (wait and self.stopping.wait(wait)):
                 break
+
+    def _attempt_guarded(self) -> bool:
+        """:meth:`_attempt`, where an unexpected error counts as a failed attempt: the supervisor is the box's one
+        way back to its operator, so it logs the error and backs off rather than ending (and the box with it
+        serving results to an outbox nobody drains)."""
+        try:
+            return self._attempt()
+        except Exception:  # noqa: BLE001 - any bug in building a session must not end the reconnect loop
+            self._inflight.count("connect_failures")
+            logger.exception("MQTT connection attempt to %s failed unexpectedly; trying again", self._address)
+            return False
 
     def _attempt(self) -> bool:
         """One connection to the current broker, followed until it ends; True when it reached CONNACK."""

@@ -152,3 +152,28 @@ def test_the_status_after_a_move_means_commands_reach_the_box_and_none_from_its_
             assert commands == [b"at-once", b"after"]  # nothing kept for it while it was away
         finally:
             again.stop(5.0)
+
+
+def test_an_unexpected_error_building_a_session_is_a_failed_attempt_not_the_end_of_the_supervisor(
+        mosquitto, tmp_path, monkeypatch, caplog):
+    """The first two attempts raise (a bug in building the session: here the last will's status); the supervisor
+    logs each, counts it as a failed connect and backs off, and the third connects."""
+    from agent.ops import connection
+
+    real, calls = connection.status_message, []
+
+    def broken_twice(*args, **kwargs):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise ValueError("planted: status_message failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(connection, "status_message", broken_twice)
+    transport = make_transport(tmp_path, ["%s:%d" % (mosquitto.host, mosquitto.port)])
+    transport.start()
+    try:
+        assert wait_for(lambda: transport.connected), "the supervisor stopped after the planted errors"
+        assert len(calls) >= 3 and transport.stats()["connect_failures"] == 2
+        assert caplog.text.count("failed unexpectedly; trying again") == 2, caplog.text
+    finally:
+        transport.stop(5.0)
