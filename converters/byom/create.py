@@ -224,7 +224,7 @@ def _produce(staging: str, plan: _Plan) -> Dict[str, Any]:
 
     spec = plan.preprocessing
     if options.int8:
-        artifacts += _int8_onnx(staging, plan, task)
+        artifacts += _int8_onnx(staging, plan, task, labels)
     boxed = np.stack([letterbox_for(image, tiers[0], spec)[0] for image in plan.images])
     calibration = write_calibration(staging, boxed, spec, plan.calibration_count, CALIBRATION_SEED)
     golden = write_golden(staging, plan.images, artifacts, spec, tiers, plan.golden_cases, plan.golden_config.atol,
@@ -248,7 +248,7 @@ def _folded_onnx(staging: str, nchw_path: str, tier: Tier, spec: Any) -> List[Ar
             ArtifactPlan(os.path.basename(nchw_path), tier, 1, "onnx", "float32", "convert")]
 
 
-def _int8_onnx(staging: str, plan: _Plan, task: str) -> List[ArtifactPlan]:
+def _int8_onnx(staging: str, plan: _Plan, task: str, labels: List[str]) -> List[ArtifactPlan]:
     """``--int8``: per tier, the calibrated int8 ONNX (converters/byom/int8.py), refused (CreateError) when it
     agrees too little with the float model on the held-out images (score-aware F1), unless ``--force``."""
     calibration, held_out = split_images(plan.images)
@@ -259,7 +259,7 @@ def _int8_onnx(staging: str, plan: _Plan, task: str) -> List[ArtifactPlan]:
         path = os.path.join(staging, file)
         quantize_int8(nchw, path, plan.preprocessing, tier, calibration)
         os.chmod(path, 0o644)
-        check = check_int8(nchw, path, plan.preprocessing, tier, task, plan.postprocessing, held_out)
+        check = check_int8(nchw, path, plan.preprocessing, tier, task, plan.postprocessing, held_out, labels)
         log.info("%s: %s", file, check.summary())
         if check.warning():
             log.warning("--int8: %s: the check's sample is small (%s): give --images more frames like the box's",

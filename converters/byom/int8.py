@@ -246,15 +246,17 @@ def _opset(model: Any) -> int:
 
 
 def check_int8(float_path: str, int8_path: str, spec: PreprocessSpec, tier: Tier, task: str,
-               postprocessing: Dict[str, Any], held_out: Sequence[np.ndarray]) -> Int8Check:
+               postprocessing: Dict[str, Any], held_out: Sequence[np.ndarray],
+               labels: Optional[Sequence[str]] = None) -> Int8Check:
     """The int8 model (uint8 in) against the float model (host-normalised in) on ``held_out``, both on
-    onnxruntime, decoded with the bundle's ``postprocessing`` at the agreement's low threshold."""
+    onnxruntime, decoded with the bundle's ``postprocessing`` at the agreement's low threshold; ``labels`` (the
+    bundle's) name the per-class figures."""
     float_out = _outputs(float_path, host_inputs(held_out, spec, tier, False))
     int8_out = _outputs(int8_path, host_inputs(held_out, spec, tier, True))
     if task == "classify":
         same = [int(np.argmax(a)) == int(np.argmax(b)) for a, b in zip(float_out, int8_out)]
         return Int8Check(len(held_out), len(same), sum(same), 0)
-    meter = AgreementMeter(float(postprocessing["conf"]))
+    meter = AgreementMeter(float(postprocessing["conf"]), reference_labels=labels, candidate_labels=labels)
     low = dict(postprocessing, conf=meter.low)
     for a, b in zip(float_out, int8_out):
         meter.add(decode(task, a, low)[0], decode(task, b, low)[0])

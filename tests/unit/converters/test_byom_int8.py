@@ -73,6 +73,8 @@ def test_int8_artifact_keeps_the_float_detections(int8_bundle):
     assert check["agreement"]["strict"]["f1"] <= check["score_aware_f1"] and check["mean_box_diff_px"] < 2.0
     assert check["images"] == 16 and json.load(open(os.path.join(int8_bundle, "int8_check.json")))[
         "calibration_images"] == 24
+    named = set(check["agreement"]["per_label"])  # by the bundle's labels, not class ids
+    assert named and named <= set(verify_bundle(int8_bundle).manifest.labels), named
     aware = check["agreement"]["score_aware"]
     assert aware["f1_interval"][0] <= aware["f1"] <= aware["f1_interval"][1] and "warning" not in check["agreement"]
 
