@@ -9,7 +9,9 @@ the float model finds.
   tail. Quantizing that arithmetic (box coordinates in pixels next to scores in 0..1 in one tensor) is what
   loses every detection with onnxruntime's default op list (issue 28: 0 of 53 kept on a YOLOv8n).
 * **How**: onnxruntime's quantization pre-processing (BatchNorm folded into its Conv), then its static
-  quantization, QDQ format, uint8 activations and per-channel int8 weights, MinMax calibration on the
+  quantization, QDQ format, uint8 activations and per-channel int8 weights in 7 bits (``reduce_range``: on an x86
+  CPU without VNNI, onnxruntime's u8s8 kernels add two uint8 x int8 products in 16 bits, which saturates with
+  8-bit weights; with 7 no sum can, so every CPU computes the same integers), MinMax calibration on the
   calibration images through the box's own letterbox and normalisation
   (:class:`agent.pipeline.input_batch.BatchPreprocessor`). A network normalised as ``x/255`` gets its input
   quantized as exactly ``x/255`` (scale 1/255, zero point 0), so that once the input is folded
@@ -196,8 +198,8 @@ def quantize_int8(float_path: str, out_path: str, spec: PreprocessSpec, tier: Ti
         quantization.quantize_static(
             named, quantized, _Reader(), quant_format=quantization.QuantFormat.QDQ,
             activation_type=quantization.QuantType.QUInt8, weight_type=quantization.QuantType.QInt8,
-            per_channel=True, calibrate_method=quantization.CalibrationMethod.MinMax, nodes_to_exclude=excluded,
-            extra_options=options)
+            per_channel=True, reduce_range=True, calibrate_method=quantization.CalibrationMethod.MinMax,
+            nodes_to_exclude=excluded, extra_options=options)
         int8 = onnx.load(quantized)
     fold_input(int8, spec)
     stem = float_stem(int8)

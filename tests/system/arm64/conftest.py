@@ -39,6 +39,10 @@ FIRST_SHARD = ("unit/pipeline", "unit/_util", "unit/bundle", "unit/config", "uni
 RUNS = (("demo", "demo-bundle", "int8"), ("demo", "demo-bundle", "float"), ("standin", "standin-bundle", "int8"))
 # (name, bundle folder): its int8 models damaged (tests/support/golden_damage.py), judged on x86 and on each CPU model
 DAMAGED = (("demo", "demo-bundle"), ("standin", "standin-bundle"))
+# An x86 CPU without VNNI or AVX-512 (qemu-x86_64's Haswell: AVX2), where onnxruntime's u8s8 kernels add two
+# products in 16 bits: a workstation of that kind must compute the integers this one and the Arm cores do
+X86_NO_VNNI = "Haswell-noTSX"
+QEMU_X86 = shutil.which("qemu-x86_64-static") or shutil.which("qemu-x86_64")
 KEPT = os.path.join(CACHE_DIR, "arm64", "last-run")  # each run's results (JSON), for a look after the run
 
 
@@ -54,6 +58,7 @@ class Lane:
         self.install_output = ""
         self.box_tests: Dict[int, Any] = {}
         self.damage: Dict[Tuple[str, str], Tuple[int, str]] = {}  # (cpu or "x86", name) -> (exit, report)
+        self.no_vnni: Dict[str, Tuple[int, str, str]] = {}  # bundle folder -> (exit, output, outputs folder)
 
     def serve_x86(self, name: str, bundle: str, precision: str) -> Dict[str, Any]:
         out = os.path.join(self.share, "x86-%s-%s.json" % (name, precision))
@@ -76,6 +81,15 @@ class Lane:
             done = self.root.run(["sh", "-c", "cd /srv/lane && PYTHONPATH=/srv/lane/src exec %s/bin/python %s" % (
                 VENV, check)], cpu=cpu, timeout=1200)
         return done.returncode, done.stdout
+
+    def int8_outputs_without_vnni(self, bundle: str) -> Tuple[int, str, str]:
+        """(exit, output, folder): the bundle's int8 outputs on its golden cases under an emulated x86 without
+        VNNI (int8_outputs.py)."""
+        out = os.path.join(self.share, "no-vnni-" + bundle)
+        done = subprocess.run([QEMU_X86, "-cpu", X86_NO_VNNI, sys.executable, os.path.join(HERE, "int8_outputs.py"),
+                               os.path.join(self.share, bundle), out], timeout=900, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        return done.returncode, done.stdout[-3000:], out
 
     def serve_arm(self, cpu: str, name: str, bundle: str, precision: str) -> Dict[str, Any]:
         out = "arm-%s-%s-%s.json" % (cpu, name, precision)
@@ -223,8 +237,17 @@ def _serve_all(lane: Lane) -> None:
         lane.box_tests[index] = box_tests(lane, CPUS[0], shards[index])
         log("box tests (%s) on %s: %.0f s" % (", ".join(shards[index]), CPUS[0], time.monotonic() - start))
 
-    with ThreadPoolExecutor(len(CPUS) + len(shards)) as pool:
+    def no_vnni() -> None:
+        for _name, bundle in DAMAGED:
+            start = time.monotonic()
+            lane.no_vnni[bundle] = lane.int8_outputs_without_vnni(bundle)
+            log("x86 without VNNI (%s): %s int8 golden outputs: %.0f s" % (
+                X86_NO_VNNI, bundle, time.monotonic() - start))
+
+    with ThreadPoolExecutor(len(CPUS) + len(shards) + 1) as pool:
         done = [pool.submit(box_tests_run, i) for i in range(len(shards))] + [pool.submit(one_cpu, c) for c in CPUS]
+        if QEMU_X86:
+            done.append(pool.submit(no_vnni))
         for future in done:
             future.result()
 
