@@ -41,10 +41,12 @@ WORKER_START_S = 30.0  # a worker's Python start (import of OpenCV) on a slow bo
 STOP_GRACE_S = 0.5  # a worker given its stdin's end gets this long before SIGKILL
 STDERR_LINES = 20
 READ_TIMEOUT_SLACK_S = 0.5  # a read that ended this close to the read timeout was cut by it: the camera stalled
-# (text in FFmpeg's or OpenCV's error lines, cause); first match wins.
-CAUSE_PATTERNS = (("401", "auth"), ("Unauthorized", "auth"), ("403", "auth"), ("404", "not_found"),
-                  ("Not Found", "not_found"), ("Connection refused", "refused"), ("timeout", "timeout"),
-                  ("timed out", "timeout"), ("No such file", "not_found"), ("can't open camera", "not_found"))
+# (a pattern in FFmpeg's or OpenCV's error lines, cause); first match wins. A status code is a whole number
+# ("401 Unauthorized"), never digits inside another: a camera on port 40337 refused is "refused", not "auth".
+CAUSE_PATTERNS = tuple((re.compile(pattern), cause) for pattern, cause in (
+    (r"\b401\b", "auth"), (r"Unauthorized", "auth"), (r"\b403\b", "auth"), (r"\b404\b", "not_found"),
+    (r"Not Found", "not_found"), (r"Connection refused", "refused"), (r"timeout", "timeout"),
+    (r"timed out", "timeout"), (r"No such file", "not_found"), (r"can't open camera", "not_found")))
 
 
 # OpenCV's prefixes ("[OPENCV:FFMPEG:16] ", "[ WARN:0@3.3] global cap.cpp:215 open ") and a line it adds to
@@ -57,8 +59,8 @@ CRASH_SIGNALS = tuple(int(getattr(signal, n)) for n in ("SIGSEGV", "SIGBUS", "SI
 
 
 def classify(text: str) -> str:
-    for needle, cause in CAUSE_PATTERNS:
-        if needle in text:
+    for pattern, cause in CAUSE_PATTERNS:
+        if pattern.search(text):
             return cause
     return "unavailable"
 

@@ -188,6 +188,19 @@ def test_ffmpegs_connection_refused_lines_are_cause_refused_never_timeout(lines)
     assert classify(REFUSED_LINES[0]) == "unavailable"  # the attempt alone says nothing yet
 
 
+@pytest.mark.parametrize("port", [40137, 40337, 40437, 14010, 34043])
+def test_a_port_whose_digits_hold_a_status_code_is_still_refused(port):
+    """A clean-clone run failed on this: the free port the test drew was 40337, and "403" inside it read as
+    HTTP 403 (auth). Status codes count as whole numbers only."""
+    from agent.pipeline.sources.stream import classify
+
+    assert classify("; ".join(line.replace("33977", str(port)) for line in REFUSED_LINES)) == "refused"
+    assert classify("method DESCRIBE failed: 401 Unauthorized") == "auth"
+    assert classify("Server returned 403 Forbidden (access denied)") == "auth"
+    assert classify("method DESCRIBE failed: 404 Not Found") == "not_found"
+    assert classify("Server returned 404") == "not_found"
+
+
 def test_a_camera_port_nobody_listens_on_fails_the_open_as_refused():
     """A real worker and FFmpeg against a port held bound and never listened on (nobody else can take it):
     the cause comes from FFmpeg's own text, as the daemon's log shows it ("[refused]")."""
