@@ -8,7 +8,8 @@
 #
 # The Lite lane's output goes to a log file, printed whole when it ends (two lanes' progress dots would interleave
 # mid-line). Both lanes always run to their end; the script fails if either failed or collected no tests
-# (pytest's exit 5).
+# (pytest's exit 5). The failed tests of both lanes are listed again last, after the verdicts: a CI log that
+# keeps only its tail would otherwise end with the Lite lane's output and hide which host test failed.
 set -uo pipefail
 HOST_PY=${1:?usage: tests/lanes.sh HOST_PY HOST_MARKS [LITE_PY LITE_MARKS]}
 HOST_MARKS=${2:?usage: tests/lanes.sh HOST_PY HOST_MARKS [LITE_PY LITE_MARKS]}
@@ -23,6 +24,7 @@ verdict() {  # verdict LANE RC SECONDS: prints the lane's line, returns non-zero
 }
 
 lite_pid=
+lite_log=
 if [ -n "$LITE_PY" ]; then
     lite_log=$(mktemp /tmp/atlas-edge-lite-lane.XXXXXX.log)
     lite_start=$(date +%s)
@@ -37,9 +39,10 @@ if [ -n "$LITE_PY" ]; then
 fi
 
 echo "== host lane ($("$HOST_PY" --version 2>&1))"
+host_log=$(mktemp /tmp/atlas-edge-host-lane.XXXXXX.log)
 host_start=$(date +%s)
-"$HOST_PY" -m pytest -m "$HOST_MARKS" -q
-host_rc=$?
+"$HOST_PY" -m pytest -m "$HOST_MARKS" -q 2>&1 | tee "$host_log"
+host_rc=${PIPESTATUS[0]}
 host_s=$(( $(date +%s) - host_start ))
 
 failed=0
@@ -56,4 +59,8 @@ else
     echo "Lite lane skipped: no Python 3.7"
 fi
 verdict "host lane" "$host_rc" "$host_s" || failed=1
+if [ "$failed" -ne 0 ]; then
+    echo "== failed tests (host lane: $host_log${lite_log:+, Lite lane: $lite_log})"
+    grep -hE '^(FAILED|ERROR) ' "$host_log" ${lite_log:+"$lite_log"} || echo "(none listed: see the logs above)"
+fi
 exit "$failed"
