@@ -128,7 +128,8 @@ class Daemon:
                                        on_connected=self._publish_discovery if discovery else None,
                                        on_alert=self._publish_alert, device_kind=self.device.name)
         self.models = ModelManager(lambda: self.config, self.device, self.backend, on_event=self._publish_event,
-                                   handover=self.handover, on_phase=self._start_step, manifest=self.manifest)
+                                   handover=self.handover, on_phase=self._start_step, manifest=self.manifest,
+                                   on_shadow_report=self._publish_shadow_report)
         self.notifier = SystemdNotifier()
         self.progress = ProgressMonitor(cfg.watchdog.inference_deadline_s)
         npu = NpuSmiProbe(self.device.device_id) if self.device.target == "ascend" else None
@@ -305,7 +306,7 @@ class Daemon:
         return status_answer(
             self.config.device_id, broker=extras["mqtt"]["broker"], model_info=model.describe(),
             uptime_s=None if self._ready_at is None else round(time.monotonic() - self._ready_at, 1),
-            overrides=redact_all(self.overrides.report()),
+            overrides=redact_all(self.overrides.report()), shadow=self.models.shadow_report(),
             **self._presence(model), **self.loop.status(windows), **extras)
 
     def _presence(self, model: Any = None) -> Dict[str, Any]:
@@ -331,6 +332,13 @@ class Daemon:
         self.transport.publish(self.transport.events_topic(), event)
         if self._announced and event_of(event) in SLOT_EVENTS:
             self.transport.set_status(self._presence())
+
+    def _publish_shadow_report(self, report: Dict[str, Any]) -> None:
+        """A shadow run's report, retained (the latest replaces the one before; an operator who looks later
+        reads where the run stands or how it ended). The final one is durable (it outlives a broker outage in
+        the outbox); a running one is not: the next replaces it anyway."""
+        self.transport.publish(self.transport.shadow_topic(), dict(report, ts=time.time()), qos=1, retain=True,
+                               durable=report.get("state") != "running")
 
     def _publish_alert(self, alert: Dict[str, Any]) -> None:
         self.transport.publish(self.transport.alert_topic(), dict(alert, ts=time.time()))

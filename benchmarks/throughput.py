@@ -57,13 +57,17 @@ class _NoProgress:
 
 
 class _OneModel:
-    """The model source of a run with no swaps: always ``model``."""
+    """The model source of a run with no swaps: always ``model`` (and ``shadow``'s tap, when one is open)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, shadow: Any = None) -> None:
         self.current = model
+        self.shadow = shadow
 
     def between_batches(self) -> None:
         pass
+
+    def shadow_tap(self) -> Any:
+        return self.shadow
 
     def record_batch(self, frames: int, infer_ms_per_frame: float, failed: bool) -> None:
         pass

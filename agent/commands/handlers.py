@@ -1,5 +1,5 @@
 """The daemon's command verbs: what ``status``, ``validate``, ``set-config``, ``pause``, ``snapshot``, ``restart``
-(and, through the model manager, ``deploy`` and ``rollback``) do.
+(and, through the model manager, ``deploy``, ``rollback``, ``shadow`` and ``shadow-stop``) do.
 
 Handlers run on the command dispatcher's workers. Anything that changes what the next batch sees goes to the
 serving loop through the between-batches handover: set-config submits the daemon's switch, pause and resume
@@ -21,7 +21,14 @@ from agent.lifecycle.model_manager import TRIGGER_OPERATOR, ModelManager
 from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.results import annotate
 from agent.pipeline.seams import ServingControl
-from agent.protocol.requests import ConfigRequest, DeployRequest, NoFields, RollbackRequest
+from agent.protocol.requests import (
+    ConfigRequest,
+    DeployRequest,
+    NoFields,
+    RollbackRequest,
+    ShadowRequest,
+    ShadowStopRequest,
+)
 
 # A set-config, pause or resume waits this long for the serving loop (one batch plus a model's between-batches
 # work); a change the loop did not take by then is withdrawn, and the command fails with nothing changed.
@@ -81,6 +88,12 @@ class CommandHandlers:
 
     def cancel(self, request: NoFields, progress: Progress) -> Dict[str, Any]:
         return self.models.cancel()
+
+    def shadow(self, request: ShadowRequest, progress: Progress) -> Dict[str, Any]:
+        return self.models.shadow(request, progress)
+
+    def shadow_stop(self, request: ShadowStopRequest, progress: Progress) -> Dict[str, Any]:
+        return self.models.shadow_stop(request.discard)
 
     def validate(self, request: ConfigRequest, progress: Progress) -> Dict[str, Any]:
         changes = request.config

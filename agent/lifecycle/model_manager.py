@@ -37,7 +37,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from agent._util.redact import redact
@@ -68,9 +68,10 @@ from agent.lifecycle.unpack import Pin, Scan, check_manifest_pin
 from agent.pipeline.artifacts import select_artifacts
 from agent.pipeline.handover import BetweenBatches, HandoverTimeout
 from agent.pipeline.model import LoadedModel, load_model
+from agent.pipeline.shadow import ShadowRun
 from agent.protocol.events import EVENT_KEY, Event, event_message
-from agent.protocol.requests import DeployRequest
-from agent.protocol.verbs import ROLLBACK
+from agent.protocol.requests import DeployRequest, ShadowRequest
+from agent.protocol.verbs import ROLLBACK, SHADOW_STOP
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +110,35 @@ def check_succession(serving: Slot, manifest: Manifest, request: DeployRequest) 
                            "it anyway" % (manifest.version, why, serving.version), field="allow_downgrade")
 
 
+@dataclass
+class _Candidate:
+    """A shadow run's candidate (docs/shadow.md): the run, and the bundle's store entry, installed for the
+    inactive slot and kept out of gc until a deploy of it takes it into the table or it is discarded. A
+    restart forgets it (the entry is then garbage)."""
+
+    run: ShadowRun
+    installed: str  # store-relative
+    bundle: Bundle
+
+
 class ModelManager:
-    """The serving model, its A/B slots, deploys, the probation window and rollbacks (see module doc)."""
+    """The serving model, its A/B slots, deploys, the probation window and rollbacks, and shadow runs (see
+    module doc)."""
 
     def __init__(self, config: Callable[[], DaemonConfig], device: DeviceConfig, backend: str,
                  on_event: Callable[[Dict[str, Any]], None], handover: BetweenBatches,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  switch_timeout_s: float = DEFAULT_SWITCH_TIMEOUT_S,
-                 on_phase: Optional[Callable[[str], None]] = None, manifest: Optional[Manifest] = None) -> None:
+                 on_phase: Optional[Callable[[str], None]] = None, manifest: Optional[Manifest] = None,
+                 on_shadow_report: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
         """``config`` returns the daemon's config each time it is called: the daemon owns the live config
         (set-config and SIGHUP replace it between batches), so a deploy or a rollback reads the batching and
         thresholds in effect then. The store, the key and the fetch policy are restart-only: read here once.
 
         ``manifest`` is ``model.bundle``'s manifest as the daemon read it (and chose the backend by): a first
-        start installs that bundle only if the copy it verifies still has that manifest."""
+        start installs that bundle only if the copy it verifies still has that manifest.
+
+        ``on_shadow_report(report)`` gets each report of a shadow run (the daemon publishes it, retained)."""
         self._config = config
         start = config()
         # Called as each loading step begins ("verify", "load", "warm-up", "golden check"): the daemon extends
@@ -142,6 +158,8 @@ class ModelManager:
         self.wall_clock = wall_clock
         self._operation = threading.Lock()  # one deploy or standby restore at a time
         self._cancel = threading.Event()  # set by cancel(): the running deploy stops at its next check
+        self.on_shadow_report: Callable[[Dict[str, Any]], None] = on_shadow_report or (lambda report: None)
+        self._candidate: Optional[_Candidate] = None  # changed under _operation only
         # What serves, the table and the window (agent/lifecycle/swap.py): changed only by a swap or a window's end.
         self._swap = ModelSwap(self.state_file, clock, handover, config, self._emit, self._gc)
 
@@ -217,7 +235,15 @@ class ModelManager:
                 raise CommandError("already_serving", "%s %s (manifest %s) is already serving" % (
                     serving.name, serving.version, expected_sha[:12]), field="sha256")
             slot = other_slot(table.serving)
-            model, new_slot = self._prepare(request, serving, slot, progress)
+            candidate = self._candidate
+            if candidate is not None and candidate.bundle.manifest_sha256 == expected_sha:
+                model, new_slot = self._promote(candidate, serving, request, progress)
+            else:
+                if candidate is not None and candidate.run.running:
+                    raise CommandError("busy", "a shadow run of %s is running: end it first (%s) or deploy "
+                                       "that bundle" % (candidate.bundle.label, SHADOW_STOP))
+                self._drop_candidate("a deploy of another bundle")
+                model, new_slot = self._prepare(request, serving, slot, progress)
             try:
                 if self._cancel.is_set():  # a rollback preempts a deploy up to its switch
                     model.close()
@@ -296,9 +322,116 @@ class ModelManager:
 
     def close(self) -> None:
         """Release every model; a swap still queued fails with 'shutting_down' when (if ever) the loop runs it, and
-        a running deploy stops at its next check."""
+        a running deploy stops at its next check, a shadow run at its next frame."""
         self._cancel.set()
+        candidate = self._candidate
+        if candidate is not None:
+            candidate.run.stop("the daemon is stopping")
         self._swap.close()
+
+    # --- shadow runs (docs/shadow.md) ----------------------------------------------------------------------
+
+    def shadow(self, request: ShadowRequest, progress: Callable[[str], None]) -> Dict[str, Any]:
+        """Fetch, verify and install a candidate as a deploy would, load and self-test it beside the serving
+        model, and start comparing them on live frames; answers once it runs. Nothing serves it, and nothing
+        changes on the box until a ``deploy`` of the same bundle (which then needs no download)."""
+        expected_sha = request.sha256.lower()
+        if not self._operation.acquire(blocking=False):
+            raise CommandError("busy", "a deploy or rollback is running")
+        self._cancel.clear()
+        try:
+            table = self._started_table()
+            if table.pending is not None or self._swap.probation.window is not None:
+                raise CommandError("busy", "a model is pending in slot %s: wait for its observation window or "
+                                   "roll it back first" % table.pending)
+            serving = table.slots[table.serving]
+            if serving.manifest_sha256 == expected_sha:
+                raise CommandError("already_serving", "%s %s (manifest %s) is the serving model" % (
+                    serving.name, serving.version, expected_sha[:12]), field="sha256")
+            reference = self.current
+            if reference.manifest.task == "classify":
+                raise CommandError("unsupported", "a shadow run compares detections; %s is a classifier"
+                                   % reference.label)
+            self._drop_candidate("a new shadow run")
+            slot = other_slot(table.serving)
+            bundle, installed = self._fetch_install(request, slot, progress, self._select)
+            progress("loading %s beside %s (warm-up and golden self-test)" % (bundle.label, reference.label))
+            run = ShadowRun(lambda: self._load(bundle), reference, _bundle_identity(bundle),
+                            list(bundle.manifest.labels), request.sample, request.frames, request.max_s,
+                            self._shadow_report)
+            try:
+                run.start()
+            except RuntimeError as exc:  # the runtime refused the model
+                self.store.discard(installed)
+                raise CommandError("load_failed", "%s: %s" % (bundle.label, exc)) from exc
+            except BaseException:
+                self.store.discard(installed)
+                raise
+            self._candidate = _Candidate(run, installed, bundle)
+        finally:
+            self._operation.release()
+        log.info("shadow run: %s beside %s, sample %g, %d frames, at most %g s", bundle.label, reference.label,
+                 request.sample, request.frames, request.max_s)
+        return {"state": run.state, "slot": slot, "candidate": run.candidate_identity,
+                "reference": identity(reference), "conf": run.conf, "low": round(run.low, 6),
+                "sample": request.sample, "frames": request.frames, "max_s": request.max_s}
+
+    def shadow_stop(self, discard: bool) -> Dict[str, Any]:
+        """End the shadow run now (its final report is published), and with ``discard`` delete its candidate."""
+        candidate = self._candidate
+        if candidate is None:
+            raise CommandError("no_shadow", "no shadow run is open, and no candidate is kept")
+        was_running = candidate.run.running
+        candidate.run.stop("stopped by the operator")
+        if discard:
+            if not self._operation.acquire(blocking=False):
+                raise CommandError("busy", "a deploy or shadow command is running: discard after it")
+            try:
+                self._drop_candidate("discarded by the operator")
+            finally:
+                self._operation.release()
+        return {"stopped": was_running, "discarded": discard, "report": candidate.run.report()}
+
+    def shadow_tap(self) -> Optional[ShadowRun]:
+        """The open shadow run, for the serving loop (seams.ShadowTap); None when none runs."""
+        candidate = self._candidate
+        return candidate.run if candidate is not None and candidate.run.running else None
+
+    def shadow_report(self) -> Optional[Dict[str, Any]]:
+        """The last shadow run's report as it stands (running or ended), or None."""
+        candidate = self._candidate
+        return candidate.run.report() if candidate is not None else None
+
+    def _shadow_report(self, report: Dict[str, Any]) -> None:
+        self.on_shadow_report(report)
+
+    def _promote(self, candidate: _Candidate, serving: Slot, request: DeployRequest,
+                 progress: Callable[[str], None]) -> Tuple[LoadedModel, Slot]:
+        """A deploy of the shadow run's candidate: its installed copy, verified again, loaded for serving (the
+        run's own copy ran at the lowest CPU priority), without a second download."""
+        candidate.run.stop("promoted: a deploy of the candidate")
+        self._candidate = None  # its store entry is the deploy's now: in the table, or discarded below
+        progress("verifying %s (the shadow run's candidate, already on the box)" % candidate.bundle.label)
+        try:
+            bundle = verify_bundle(self.store.path(candidate.installed), self.public_key)
+            if bundle.manifest_sha256 != candidate.bundle.manifest_sha256:
+                raise CommandError("bundle_changed", "the candidate's manifest changed on disk since its shadow "
+                                   "run; send the deploy again to fetch it anew", field="sha256")
+            check_succession(serving, bundle.manifest, request)
+            self._select(bundle)
+        except BaseException:
+            self.store.discard(candidate.installed)
+            raise
+        return self._load_installed(bundle, candidate.installed, progress)
+
+    def _drop_candidate(self, why: str) -> None:
+        """Under the operation lock: end the kept candidate's run and delete its store entry."""
+        candidate, self._candidate = self._candidate, None
+        if candidate is None:
+            return
+        candidate.run.stop("replaced: %s" % why)
+        self.store.discard(candidate.installed)
+        log.info("shadow candidate %s discarded: %s", candidate.bundle.label, why)
 
     # --- deploy steps ------------------------------------------------------------------------------------
 
@@ -306,6 +439,19 @@ class ModelManager:
                  ) -> Tuple[LoadedModel, Slot]:
         """Fetch into staging (an archive authenticated before it is unpacked), check the pinned hash, verify,
         refuse a silent downgrade or model change, install into the store, load and self-test."""
+
+        def deployable(bundle: Bundle) -> None:
+            check_succession(serving, bundle.manifest, request)
+            self._select(bundle)
+
+        bundle, installed = self._fetch_install(request, slot, progress, deployable)
+        return self._load_installed(bundle, installed, progress)
+
+    def _fetch_install(self, request: Any, slot: str, progress: Callable[[str], None],
+                       judge: Callable[[Bundle], None]) -> Tuple[Bundle, str]:
+        """A deploy's or a shadow run's bundle (``request``: bundle, sha256, archive_sha256), fetched, pinned,
+        verified, judged (``judge`` raises to refuse it) and installed in the store for ``slot``; returns it
+        and its store-relative directory, safe from gc until settled or discarded."""
         shown = redact(request.bundle)
         expected_sha = request.sha256.lower()
         pin, pinned = Pin(expected_sha, self.public_key), []
@@ -324,13 +470,20 @@ class ModelManager:
             # An archive's files were hashed by both passes against the pinned manifest: not a third time (that
             # re-read of up to 1 GiB could not be cancelled). A directory copied from the store is hashed here.
             bundle = verify_bundle(root, self.public_key, check_hashes=not pinned)
-            check_succession(serving, bundle.manifest, request)
-            select_artifacts(bundle, self.device, self.backend, batch=self.config.batching.max_batch,
-                             precision=self.config.model.precision)
+            judge(bundle)
             if self._cancel.is_set():
-                raise CommandError("cancelled", "the deploy was cancelled before loading; nothing changed")
+                raise CommandError("cancelled", "cancelled before loading; nothing changed")
             installed = self.store.install(root, slot, bundle)
-        bundle = replace(bundle, root=self.store.path(installed))
+        return replace(bundle, root=self.store.path(installed)), installed
+
+    def _select(self, bundle: Bundle) -> None:
+        """Refuse a bundle with nothing this box's backend can run (raises naming what is missing)."""
+        select_artifacts(bundle, self.device, self.backend, batch=self.config.batching.max_batch,
+                         precision=self.config.model.precision)
+
+    def _load_installed(self, bundle: Bundle, installed: str, progress: Callable[[str], None]
+                        ) -> Tuple[LoadedModel, Slot]:
+        """Load and self-test an installed bundle; on failure its store entry goes and the error names it."""
         progress("loading %s with %s (warm-up and golden self-test)" % (bundle.label, self.backend))
         try:
             model = self._load(bundle)
@@ -387,6 +540,12 @@ class ModelManager:
             self.on_event(event)
         except Exception:  # the publisher's failure must not undo a switch or a rollback already made
             log.exception("on_event failed for %s", event.get(EVENT_KEY))
+
+
+def _bundle_identity(bundle: Bundle) -> Dict[str, Any]:
+    """A bundle as events and acks name a model."""
+    return {"name": bundle.manifest.name, "version": bundle.manifest.version,
+            "manifest_sha256": bundle.manifest_sha256}
 
 
 def _public_key(text: Optional[str]) -> Optional[bytes]:

@@ -105,6 +105,7 @@ class BoxCollector:
         _commands(b, acks, self._verbs)
         _transport(b, status.get("mqtt") or {})
         _health(b, status)
+        _shadow(b, status.get("shadow"))
         b.gauge("collect_ok", "1 when the last scrape read every figure", {}, 1)
         return b.done()
 
@@ -201,6 +202,32 @@ def _model(b: _Builder, status: Mapping[str, Any], events: EventCounts) -> None:
         b.gauge("model_info", "the serving model, one series per input tier", labels, 1)
     b.counter("model_swaps", "models switched to since start", {}, events.swaps)
     b.counter("model_rollbacks", "rollbacks since start", {}, events.rollbacks)
+
+
+def _shadow(b: _Builder, report: Optional[Mapping[str, Any]]) -> None:
+    """The last shadow run (docs/shadow.md): its state, sample and agreement, labelled by candidate."""
+    if not report:
+        return
+    candidate = report.get("candidate") or {}
+    labels = {"candidate": "%s %s" % (candidate.get("name") or "", candidate.get("version") or "")}
+    b.gauge("shadow_running", "1 while a shadow run compares a candidate on live frames", labels,
+            1 if report.get("state") == "running" else 0)
+    for key, doc in (("frames_compared", "frames the candidate was compared on"),
+                     ("dropped_busy", "sampled frames dropped because the candidate was still busy"),
+                     ("candidate_errors", "frames on which the candidate raised")):
+        b.gauge("shadow_" + key, doc, labels, report.get(key))
+    agreement = report.get("agreement") or {}
+    for reading in ("strict", "score_aware"):
+        figures = agreement.get(reading) or {}
+        for key in ("f1", "precision", "recall"):
+            b.gauge("shadow_" + key, "the candidate's %s against the serving model's detections" % key,
+                    dict(labels, reading=reading), figures.get(key))
+    b.gauge("shadow_score_wasserstein1", "distance between the two models' reported score distributions",
+            labels, agreement.get("score_wasserstein1"))
+    latency = report.get("candidate_latency_ms") or {}
+    if latency.get("p95") is not None:
+        b.gauge("shadow_candidate_latency_p95_seconds", "the candidate's p95 latency per frame (seconds)", labels,
+                latency["p95"] / 1e3)
 
 
 def _commands(b: _Builder, acks: Mapping[Tuple[str, str], int], verbs: frozenset) -> None:

@@ -52,6 +52,7 @@ from agent.protocol.topics import (
     events_topic,
     name_problem,
     result_topic,
+    shadow_topic,
     snapshot_topic,
     status_topic,
     telemetry_topic,
@@ -139,6 +140,9 @@ class MqttTransport:
 
     def snapshot_topic(self, source: str) -> str:
         return snapshot_topic(self.prefix, self.device_id, source)
+
+    def shadow_topic(self) -> str:
+        return shadow_topic(self.prefix, self.device_id)
 
     def command_topics(self) -> List[str]:
         """Subscriptions: this device's commands and those of each configured group."""

@@ -8,7 +8,7 @@ on this box (wrong SoC build, double normalisation, colour swap) never serves.
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -234,13 +234,22 @@ class LoadedModel:
         """The backend call alone (the serving loop makes it on its backend thread)."""
         return chunk.runner.backend.infer(chunk.buffer.batch)
 
-    def decode(self, chunk: PreparedChunk, outputs: List[np.ndarray]) -> List[FrameResult]:
-        """Detections (or classes) per frame of the chunk, boxes in source pixels; timings are the caller's."""
-        return self._decode(chunk.tier, outputs[0][:len(chunk.plans)], chunk.plans)
+    def decode(self, chunk: PreparedChunk, outputs: List[np.ndarray], floor: Optional[float] = None
+               ) -> List[FrameResult]:
+        """Detections (or classes) per frame of the chunk, boxes in source pixels; timings are the caller's.
 
-    def _decode(self, tier: Tier, output: np.ndarray, plans: List[LetterboxPlan]) -> List[FrameResult]:
+        ``floor``: decode down to this confidence instead (a shadow run's low threshold). The detections at or
+        above ``conf`` are the same either way: non-maximum suppression keeps a box only against higher-scored
+        ones, so the extra low-scored boxes come after them and suppress none of them."""
+        return self._decode(chunk.tier, outputs[0][:len(chunk.plans)], chunk.plans, floor)
+
+    def _decode(self, tier: Tier, output: np.ndarray, plans: List[LetterboxPlan], floor: Optional[float] = None
+                ) -> List[FrameResult]:
         """The task's decoder (one dispatch: :func:`agent.pipeline.postprocess.decode`), then boxes to source pixels."""
-        decoded = decode(self.manifest.task, output, self.thresholds)
+        thresholds = self.thresholds
+        if floor is not None and floor < thresholds.conf:
+            thresholds = replace(thresholds, conf=floor)
+        decoded = decode(self.manifest.task, output, thresholds)
         if self.manifest.task == "classify":
             return [FrameResult(tier=tier, classes=top) for top in decoded]
         results = []

@@ -38,8 +38,19 @@ class ProgressSink(Protocol):
     def idle_tick(self) -> None: ...
 
 
+class ShadowTap(Protocol):
+    """A shadow run's intake (:class:`agent.pipeline.shadow.ShadowRun`): the serving loop decodes at ``low`` while
+    one is open, hands each frame's detections over with ``offer`` (which never waits) and publishes only those
+    at or above the serving threshold."""
+
+    low: float
+
+    def offer(self, image: Any, detections: Any, model: LoadedModel) -> None: ...
+
+
 class ModelSource(Protocol):
-    """The model of the next batch (the model manager), told how each batch went for its probation window."""
+    """The model of the next batch (the model manager), told how each batch went for its probation window, and
+    the shadow run open beside it, if any."""
 
     @property
     def current(self) -> LoadedModel: ...
@@ -47,6 +58,8 @@ class ModelSource(Protocol):
     def between_batches(self) -> None: ...
 
     def record_batch(self, frames: int, infer_ms_per_frame: float, failed: bool) -> None: ...
+
+    def shadow_tap(self) -> Optional[ShadowTap]: ...
 
 
 class ServingControl(Protocol):

@@ -328,14 +328,20 @@ class ServingLoop:
         call = chunk.call
         assert call is not None
         started = time.monotonic()
+        shadow = self.models.shadow_tap()
         try:
-            decoded = batch.model.decode(chunk.prepared, call.outputs)
+            decoded = batch.model.decode(chunk.prepared, call.outputs,
+                                         floor=None if shadow is None else shadow.low)
         except Exception as exc:  # outputs the decoder cannot read fail the batch, as a backend error does
             self._fail(batch, exc)
             return
         timings = chunk.timings(started)
         for index, result in zip(chunk.indices, decoded):
             result.timings_ms.update(timings)
+            if shadow is not None and result.detections is not None:
+                # the run sees what serving found down to its low threshold; results carry what they always did
+                shadow.offer(batch.frames[index].image, result.detections, batch.model)
+                result.detections = result.detections[result.detections[:, 4] >= batch.model.thresholds.conf]
             batch.results[index] = result
         if batch.chunks_left == 0:
             self._record(batch)

@@ -37,17 +37,47 @@ class DeployRequest:
     allow_model_change: bool = setting(False, doc="deploy a model with another name than the confirmed one")
 
     def check(self) -> List[Tuple[str, str]]:
-        problems = []
-        if not self.bundle:
-            problems.append(("bundle", "must not be empty"))
-        for name in ("sha256", "archive_sha256"):
-            value = getattr(self, name)
-            if value is not None and not _is_sha256(value):
-                problems.append((name, "must be 64 hex digits (got %r)" % value[:80]))
-        if "://" in self.bundle and self.archive_sha256 is None:
-            problems.append(("archive_sha256", "required for a URL: the sha256 of the file downloaded, checked "
-                             "before it is unpacked"))
-        return problems
+        return bundle_problems(self.bundle, self.sha256, self.archive_sha256)
+
+
+def bundle_problems(bundle: str, sha256: str, archive_sha256: Optional[str]) -> List[Tuple[str, str]]:
+    """What is wrong with a request's bundle reference (deploy and shadow fetch the same way)."""
+    problems = []
+    if not bundle:
+        problems.append(("bundle", "must not be empty"))
+    for name, value in (("sha256", sha256), ("archive_sha256", archive_sha256)):
+        if value is not None and not _is_sha256(value):
+            problems.append((name, "must be 64 hex digits (got %r)" % value[:80]))
+    if "://" in bundle and archive_sha256 is None:
+        problems.append(("archive_sha256", "required for a URL: the sha256 of the file downloaded, checked "
+                         "before it is unpacked"))
+    return problems
+
+
+@dataclass(frozen=True)
+class ShadowRequest:
+    """A candidate bundle run beside the serving model on a sample of live frames, compared, never published.
+
+    Fetched and verified as a deploy's bundle is; a later ``deploy`` of the same sha256 switches to it without a
+    second download (docs/shadow.md)."""
+
+    bundle: str = setting(doc="bundle directory or .tar/.tar.gz inside the store, or an http(s) URL")
+    sha256: str = setting(doc="sha256 (hex) of the bundle's manifest.json, as printed by 'bundle verify'")
+    archive_sha256: Optional[str] = setting(None, doc="sha256 of the archive file itself; required for a URL")
+    sample: float = setting(1.0, gt=0.0, le=1.0, doc="share of the served frames offered to the candidate "
+                            "(every 1/sample-th frame: a pattern, not chance)")
+    frames: int = setting(200, ge=1, le=100000, doc="frames to compare before the run ends")
+    max_s: float = setting(600.0, gt=0.0, le=86400.0, doc="seconds after which the run ends with what it "
+                           "compared")
+
+    def check(self) -> List[Tuple[str, str]]:
+        return bundle_problems(self.bundle, self.sha256, self.archive_sha256)
+
+
+@dataclass(frozen=True)
+class ShadowStopRequest:
+    discard: bool = setting(False, doc="also delete the candidate's files (else a deploy of it needs no "
+                            "download)")
 
 
 def _is_sha256(text: str) -> bool:

@@ -135,6 +135,8 @@ class StatusAnswer(BoxStatus):
     mqtt: Optional[Dict[str, Any]] = None
     commands: Optional[Dict[str, Any]] = None
     watchdog: Optional[Dict[str, Any]] = None
+    # The last shadow run's report as it stands (agent.pipeline.shadow.ShadowRun.report), null when none.
+    shadow: Optional[Dict[str, Any]] = None
 
 
 def status_answer(device_id: str, **fields: Any) -> Dict[str, Any]:

@@ -1,7 +1,8 @@
 """Topic names (docs/mqtt.md): built here and nowhere else, and read back here for what arrives.
 
 ``<prefix>/<device>/status`` (retained), ``.../results/<source>``, ``.../telemetry`` (``.../telemetry/alert``),
-``.../events``, ``.../snapshot/<source>``, ``.../ack/<request_id>``; commands on ``<prefix>/<device>/cmd/<verb>``
+``.../events``, ``.../snapshot/<source>``, ``.../shadow`` (retained: the shadow run's report),
+``.../ack/<request_id>``; commands on ``<prefix>/<device>/cmd/<verb>``
 and ``<prefix>/group/<group>/cmd/<verb>``; the announce request on ``<prefix>/announce`` (every box) or a
 group's ``cmd/announce``. Home Assistant's discovery topics (its birth topic, a sensor's config) are written here
 too: a topic is built in this module whoever defined it.
@@ -18,7 +19,7 @@ from agent.protocol.envelope import group_target
 
 GROUP = "group"  # the level that marks a group's topics: a device id cannot be this
 CMD, ACK, STATUS, TELEMETRY, ALERT = "cmd", "ack", "status", "telemetry", "alert"
-RESULTS, EVENTS, SNAPSHOT = "results", "events", "snapshot"
+RESULTS, EVENTS, SNAPSHOT, SHADOW = "results", "events", "snapshot", "shadow"
 # An operator's request that boxes publish their live status now (the inventory of agent/fleet): not a verb of
 # the command protocol (no request id, no ack), so the broker's retained store is never needed to find a box.
 ANNOUNCE = "announce"
@@ -29,7 +30,7 @@ HA_STATUS_TOPIC = HA_PREFIX + "/" + STATUS
 HA_ONLINE = b"online"
 
 __all__ = ["name_problem", "check_topic_names", "device_topic", "status_topic", "ack_topic", "result_topic",
-           "telemetry_topic", "alert_topic", "events_topic", "snapshot_topic", "command_topic", "announce_topic",
+           "telemetry_topic", "alert_topic", "events_topic", "snapshot_topic", "shadow_topic", "command_topic", "announce_topic",
            "command_subscriptions", "fleet_subscriptions", "split_device_topic", "CommandTopic",
            "read_command_topic", "command_verb", "ha_config_topic"]
 
@@ -78,6 +79,11 @@ def events_topic(prefix: str, device: str) -> str:
 def snapshot_topic(prefix: str, device: str, source: str) -> str:
     """Where a ``snapshot`` command's JPEG of ``source`` goes: ``<prefix>/<device>/snapshot/<source>``."""
     return device_topic(prefix, device, SNAPSHOT, source)
+
+
+def shadow_topic(prefix: str, device: str) -> str:
+    """Where a shadow run's report goes (retained: progress while it runs, then its final report)."""
+    return device_topic(prefix, device, SHADOW)
 
 
 def command_topic(prefix: str, verb: str, device: Optional[str] = None, group: Optional[str] = None) -> str:

@@ -23,6 +23,8 @@ from agent.protocol.requests import (
     DeployRequest,
     NoFields,
     RollbackRequest,
+    ShadowRequest,
+    ShadowStopRequest,
     request_fields,
 )
 
@@ -32,6 +34,7 @@ GROUP_VERBS_FIELD = "commands.group_verbs"
 # never by a literal (tests/project/test_protocol_literals.py).
 STATUS, VALIDATE, SET_CONFIG, DEPLOY, ROLLBACK = "status", "validate", "set-config", "deploy", "rollback"
 PAUSE, RESUME, SNAPSHOT, RESTART, CANCEL = "pause", "resume", "snapshot", "restart", "cancel"
+SHADOW, SHADOW_STOP = "shadow", "shadow-stop"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,10 @@ VERB_TABLE: "OrderedDict[str, Verb]" = _table(
     Verb(SNAPSHOT, NoFields, "snapshot", "publish the latest frame, annotated, as a JPEG"),
     Verb(RESTART, NoFields, "restart", "restart the daemon (systemd brings it back)"),
     Verb(CANCEL, NoFields, "cancel", "stop a running deploy at its next check", control=True, group_safe=True),
+    Verb(SHADOW, ShadowRequest, "shadow", "run a candidate bundle beside the serving model on live frames and "
+         "report their agreement; nothing is published or switched", long=True),
+    Verb(SHADOW_STOP, ShadowStopRequest, "shadow_stop", "end a shadow run now (its final report), or discard a "
+         "finished run's candidate", control=True),
 )
 
 

@@ -74,6 +74,13 @@ class Handlers:
         assert self.release.wait(WAIT_S)
         return {"restarting": True}
 
+    def shadow(self, request, progress):
+        progress("loading the candidate")
+        return {"state": "running", "sample": request.sample}
+
+    def shadow_stop(self, request, progress):
+        return {"stopped": True, "discarded": request.discard}
+
 
 class CommandSystem:
     """A transport and a dispatcher for one device on the broker, and an operator client watching its acks."""

@@ -60,12 +60,16 @@ class Progress:
 class Models:
     """A model source whose current model changes only through the handover queue (as the manager's does)."""
 
-    def __init__(self, model):
+    def __init__(self, model, shadow=None):
         self.current = model
         self.recorded = []
+        self.shadow = shadow  # a shadow run's tap, when the test opens one
 
     def between_batches(self):
         pass
+
+    def shadow_tap(self):
+        return self.shadow
 
     def record_batch(self, frames, infer_ms_per_frame, failed):
         self.recorded.append((frames, failed))

@@ -346,11 +346,11 @@ def fails_on_call(model, method, number, error):
     real = getattr(model, method)
     calls = []
 
-    def once(*args):
+    def once(*args, **kwargs):
         calls.append(1)
         if len(calls) == number:
             raise error
-        return real(*args)
+        return real(*args, **kwargs)
 
     setattr(model, method, once)
 

@@ -40,6 +40,8 @@ VALID = {
     "set-config": {"config": {"thresholds": {"conf": 0.5}}},
     "deploy": {"bundle": "incoming/m-2", "sha256": SHA},
     "rollback": {"reason": "canary too slow"},
+    "shadow": {"bundle": "incoming/m-2", "sha256": SHA, "sample": 0.5, "frames": 50, "max_s": 30.0},
+    "shadow-stop": {"discard": True},
 }
 WRONG_TYPE = {str: 7, dict: [1, 2], float: "fast", int: "many", bool: "yes"}
 
@@ -147,6 +149,16 @@ def test_a_bad_payload_fails_invalid_naming_the_field_and_changes_nothing(box, v
     assert (final["state"], error["code"]) == ("failed", "invalid"), final
     assert field == error["field"] or field in [e["field"] for e in error.get("errors") or []], error
     assert applied == [] and dispatcher.stats()["failed"] == {"invalid": 1}
+
+
+@pytest.mark.parametrize("field, value", [("sample", 0.0), ("sample", 1.5), ("sample", -0.1), ("frames", 0),
+                                          ("max_s", 0.0), ("max_s", 1e9), ("sha256", "abc")])
+def test_a_shadow_request_out_of_range_fails_invalid_naming_the_field(box, field, value):
+    dispatcher, recorder, applied = box
+    final = _send(dispatcher, recorder, "shadow", dict(VALID["shadow"], **{field: value}), "sh-1")
+    error = final["error"]
+    assert (final["state"], error["code"]) == ("failed", "invalid"), final
+    assert field == error["field"] or field in [e["field"] for e in error.get("errors") or []], error
 
 
 def test_every_verb_has_a_request_type_and_bad_cases():
