@@ -30,7 +30,8 @@ HA_STATUS_TOPIC = HA_PREFIX + "/" + STATUS
 HA_ONLINE = b"online"
 
 __all__ = ["name_problem", "check_topic_names", "device_topic", "status_topic", "ack_topic", "result_topic",
-           "telemetry_topic", "alert_topic", "events_topic", "snapshot_topic", "shadow_topic", "command_topic", "announce_topic",
+           "telemetry_topic", "alert_topic", "events_topic", "snapshot_topic", "shadow_topic", "command_topic",
+           "announce_topic",
            "command_subscriptions", "fleet_subscriptions", "split_device_topic", "CommandTopic",
            "read_command_topic", "command_verb", "ha_config_topic"]
 

@@ -10,10 +10,11 @@ from agent.bundle.manifest import MANIFEST
 from agent.bundle.verify import sha256_file, write_manifest
 
 
-def candidate_bundle(src, dst, version, int8=True, shift_labels=False):
-    """A copy of ``src`` as release ``version``: serving only its int8 artifacts when ``int8`` (the float ones
-    stay in the bundle as the quantized golden rule's reference, with role ``convert``), its labels rotated by
-    one when ``shift_labels`` (the same network, a label file from another version). Returns its manifest sha."""
+def candidate_bundle(src, dst, version, serve="int8", shift_labels=False):
+    """A copy of ``src`` as release ``version`` serving only its ``serve`` artifacts (``int8`` or ``float``; the
+    others stay in the bundle with role ``convert``: the float ones are the quantized golden rule's reference),
+    its labels rotated by one when ``shift_labels`` (the same network, a label file from another version).
+    Returns its manifest sha."""
     shutil.copytree(src, dst)
     for extra in ("manifest.sig",):
         if os.path.exists(os.path.join(dst, extra)):
@@ -21,10 +22,9 @@ def candidate_bundle(src, dst, version, int8=True, shift_labels=False):
     with open(os.path.join(dst, MANIFEST)) as handle:
         data = json.load(handle)
     data["version"] = version
-    if int8:
-        for art in data["artifacts"]:
-            if art["precision"] != "int8":
-                art["role"] = "convert"
+    for art in data["artifacts"]:
+        if (art["precision"] == "int8") != (serve == "int8"):
+            art["role"] = "convert"
     if shift_labels:
         data["labels"] = data["labels"][1:] + data["labels"][:1]
     write_manifest(dst, data)

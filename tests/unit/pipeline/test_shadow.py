@@ -51,7 +51,7 @@ def candidates(tmp_path_factory):
     root = tmp_path_factory.mktemp("candidates")
     made = {}
     for name, shift in (("int8", False), ("shifted", True)):
-        candidate_bundle(DEMO_BUNDLE, str(root / name), "1.1.0", int8=True, shift_labels=shift)
+        candidate_bundle(DEMO_BUNDLE, str(root / name), "1.1.0", shift_labels=shift)
         made[name] = verify_bundle(str(root / name))
     return made
 
@@ -62,7 +62,7 @@ def _identity(bundle):
 
 
 def _run(reference, bundle, device, reports, load=None, **settings):
-    settings = dict(dict(sample=1.0, frames=1000, max_s=600.0), **settings)
+    settings = dict({"sample": 1.0, "frames": 1000, "max_s": 600.0}, **settings)
     return ShadowRun(load or (lambda: load_model(bundle, device, "onnxruntime")), reference, _identity(bundle),
                      list(bundle.manifest.labels), on_report=reports.append, **settings)
 
@@ -70,10 +70,10 @@ def _run(reference, bundle, device, reports, load=None, **settings):
 def _compare_all(run, reference, scenes):
     """Offer every scene and wait until the candidate compared it (no frame dropped: one at a time)."""
     for image in scenes:
-        done = len(run.meter.frames)
+        target = len(run.meter.frames) + 1
         detections = reference.infer_frames([image])[0].detections  # decoded at the run's low threshold
         run.offer(image, detections, reference)
-        assert wait_for(lambda: len(run.meter.frames) > done or not run.running, WAIT_S, interval=0.005)
+        assert wait_for(lambda t=target: len(run.meter.frames) >= t or not run.running, WAIT_S, interval=0.005)
 
 
 def _low_reference(reference, run):
