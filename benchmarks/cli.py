@@ -29,6 +29,7 @@ SECTIONS = {
     "postprocess": "benchmarks.postprocessing",
     "pipeline": "benchmarks.pipeline",
     "metrics": "benchmarks.metrics_cost",
+    "shadow": "benchmarks.shadow",
     "batching": "benchmarks.batching",
     "mqtt": "benchmarks.mqtt_publish",
     "memory": "benchmarks.memory",
@@ -38,7 +39,7 @@ SECTIONS = {
     "sources": "benchmarks.sources",
     "quant": "benchmarks.quant",
 }
-NEEDS_MODEL = ("pipeline", "metrics", "batching", "memory", "startup", "sources", "quant")
+NEEDS_MODEL = ("pipeline", "metrics", "shadow", "batching", "memory", "startup", "sources", "quant")
 # Not in a --quick run unless named with --only: the quant section builds, quantizes, converts and times a
 # 640x640 YOLOv8n-shaped model besides the demo (minutes on 2 cores), more than the quick budget allows.
 NOT_QUICK = ("quant",)
@@ -55,6 +56,8 @@ REQUIRED_KEYS = (
     "pipeline.throughput_ratio_to_backend",
     "pipeline.backend_busy_fraction",
     "metrics.cost",
+    "shadow.serving_p95_ratio",
+    "shadow.frames_compared_per_s",
     "mqtt.ratio_to_paho",
     "memory.rss_mb_per_10k_frames",
     "startup.seconds_to_ready",

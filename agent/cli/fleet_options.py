@@ -10,7 +10,13 @@ import math
 from typing import Any, Dict
 
 from agent.cli.ctl import add_broker_arguments, add_envelope_arguments
-from agent.fleet.plan import DEFAULT_CONFIRM_TIMEOUT_S, DEFAULT_RETRIES, DEFAULT_REVERT_TIMEOUT_S, RolloutSpec
+from agent.fleet.plan import (
+    DEFAULT_CONFIRM_TIMEOUT_S,
+    DEFAULT_MIN_AGREEMENT,
+    DEFAULT_RETRIES,
+    DEFAULT_REVERT_TIMEOUT_S,
+    RolloutSpec,
+)
 from agent.fleet.rollout import default_state_dir
 from agent.fleet.status import DEFAULT_LISTEN_S, SETTLE_S
 
@@ -113,6 +119,22 @@ def add_rollout(sub: Any) -> None:
     rollout.add_argument("--revert-timeout", type=finite, default=DEFAULT_REVERT_TIMEOUT_S, metavar="S",
                          help="how long moved boxes are followed after an abort (default %.0f)" %
                          DEFAULT_REVERT_TIMEOUT_S)
+    gate = rollout.add_argument_group(
+        "gate on measured agreement (docs/shadow.md)",
+        "With --shadow-frames each box of a wave first runs the candidate in shadow beside its serving model on its "
+        "own live frames; it is deployed only if the candidate's score-aware F1 against the serving model reaches "
+        "--min-agreement, else it ends 'disagreement' (a failure for the abort rules: a bad candidate stops the "
+        "rollout in its canary, before any box serves it). A box whose agent does not know shadow runs ends "
+        "'no_shadow', never deployed.")
+    gate.add_argument("--shadow-frames", type=int, default=None, metavar="N",
+                      help="frames each box compares before it is judged (turns the gate on)")
+    gate.add_argument("--min-agreement", type=finite, default=None, metavar="F1",
+                      help="score-aware F1 a box must measure to be deployed (default %.2f)" % DEFAULT_MIN_AGREEMENT)
+    gate.add_argument("--shadow-sample", type=finite, default=None, metavar="R",
+                      help="share of each box's served frames offered to the candidate, 0 < R <= 1 (default 1)")
+    gate.add_argument("--shadow-timeout", type=finite, default=None, metavar="S",
+                      help="a box without a final shadow report this long after its shadow command ends timed_out "
+                           "(default: --confirm-timeout; also the run's max_s on the box)")
     rollout.add_argument("--wait-offline", type=finite, default=None, metavar="S",
                          help="boxes offline at the start make a last wave, sent to each that is back within S s")
     rollout.add_argument("--expect", type=int, default=None, metavar="N",
@@ -200,4 +222,6 @@ def rollout_spec(args: argparse.Namespace) -> RolloutSpec:
                        rollback_on_abort=args.rollback_on_abort, wait_offline_s=args.wait_offline,
                        step_timeout_s=args.step_timeout, retries=args.retries, max_per_minute=args.max_per_minute,
                        max_per_type=per_type, continue_after_canary_failure=args.continue_after_canary_failure,
-                       pause_after_canary=args.pause_after_canary, revert_timeout_s=args.revert_timeout)
+                       pause_after_canary=args.pause_after_canary, revert_timeout_s=args.revert_timeout,
+                       shadow_frames=args.shadow_frames, min_agreement=args.min_agreement,
+                       shadow_sample=args.shadow_sample, shadow_timeout_s=args.shadow_timeout)

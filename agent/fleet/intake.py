@@ -18,7 +18,7 @@ from agent.fleet.plan import RolloutSpec, request_id
 from agent.fleet.records import BoxRecord, Outcome, Phase, RevertWish, RolloutStatus
 from agent.fleet.status import FleetView
 from agent.protocol.messages import FAILED, FINAL_STATES, OFFLINE, Ack, ProtocolError, parse_ack
-from agent.protocol.topics import ACK, STATUS, device_topic, split_device_topic
+from agent.protocol.topics import ACK, SHADOW, STATUS, device_topic, shadow_topic, split_device_topic
 from agent.protocol.verbs import DEPLOY
 
 POLL_S = 0.2  # how often in-flight boxes are re-judged when no message arrives
@@ -59,6 +59,8 @@ class Intake:
         self.status_heard: Dict[str, float] = {}  # device -> monotonic time of its latest live status
         self.acked_at: Dict[Tuple[str, str], float] = {}  # (device, request id) -> when its final ack arrived
         self.echoed: Dict[str, float] = {}  # mark -> monotonic time the operator's own marked message came back
+        # device -> the shadow reports it published (gate.py): (retained?, report), latest last
+        self.shadow_reports: Dict[str, List[Tuple[bool, Any]]] = {}
         self._subscribed: Set[str] = set()
         self._echo_topics: Set[str] = set()
         self._forged_seen: Set[Tuple[str, str, str]] = set()  # (device, request id, code) logged this run
@@ -82,6 +84,14 @@ class Intake:
                 self._subscribed.add(topic)
         if topics:
             self.link.subscribe(topics)  # before publishing: an ack cannot be missed
+
+    def subscribe_shadow(self, devices: List[str]) -> None:
+        """Each box's shadow report topic (retained: a report from before arrives first, marked so)."""
+        topics = [shadow_topic(self.spec.prefix, d) for d in devices
+                  if shadow_topic(self.spec.prefix, d) not in self._subscribed]
+        if topics:
+            self._subscribed.update(topics)
+            self.link.subscribe(topics)
 
     def watch_echo(self, topic: str) -> None:
         """Subscribe to ``topic``, one the operator publishes on, so that its own messages there come back
@@ -109,6 +119,9 @@ class Intake:
         parts = split_device_topic(self.spec.prefix, message.topic)
         if parts is not None and len(parts[1]) == 2 and parts[1][0] == ACK and state is not None:
             self._on_ack(state, parts[0], parts[1][1], message)
+            return
+        if parts is not None and parts[1] == (SHADOW,):
+            self.shadow_reports.setdefault(parts[0], []).append((bool(message.retain), message.json()))
             return
         device = self.view.apply(message)
         view = self.view.boxes.get(device) if device is not None else None
@@ -155,7 +168,8 @@ class Intake:
         box = state.boxes.get(device)
         if box is None:
             return
-        own = topic_rid == box.request_id or (box.revert is not None and topic_rid == box.revert.request_id)
+        own = topic_rid == box.request_id or (box.revert is not None and topic_rid == box.revert.request_id) or (
+            box.shadow is not None and topic_rid in (box.shadow.get("request_id"), box.shadow.get("stop_id")))
         try:
             ack = parse_ack(message.json())
         except ProtocolError as exc:

@@ -20,6 +20,8 @@ DEFAULT_REVERT_TIMEOUT_S = 120.0  # a rollback is a reference swap or one reload
 DEFAULT_RETRIES = 2  # a transient 'busy' or 'interrupted' is sent again this many times
 RETRY_BASE_S = 2.0  # backoff before retry n: RETRY_BASE_S * 2**(n-1)
 RETRYABLE = ("busy", "interrupted")  # error codes that say "not now", not "never"
+DEFAULT_MIN_AGREEMENT = 0.95  # score-aware F1 a gated rollout's candidate must reach on each box
+DEFAULT_SHADOW_SAMPLE = 1.0
 
 
 class RolloutError(Exception):
@@ -55,6 +57,13 @@ class RolloutSpec:
     continue_after_canary_failure: bool = False
     pause_after_canary: bool = False
     revert_timeout_s: float = DEFAULT_REVERT_TIMEOUT_S
+    # A gated rollout (docs/shadow.md): each box first shadows the candidate on this many live frames; None: no
+    # gate. The others apply only with it (None: their defaults, so that a state file from before them compares
+    # equal on a re-run).
+    shadow_frames: Optional[int] = None
+    min_agreement: Optional[float] = None  # score-aware F1 bound (default DEFAULT_MIN_AGREEMENT)
+    shadow_sample: Optional[float] = None  # share of frames offered (default DEFAULT_SHADOW_SAMPLE)
+    shadow_timeout_s: Optional[float] = None  # for the final report, from the shadow command (default confirm's)
 
     def check(self) -> None:
         problems = []
@@ -94,8 +103,37 @@ class RolloutSpec:
             if outcome not in FAILURES or limit < 0:
                 problems.append("--max-per-type %s=%s: the type is one of %s and the limit >= 0" % (
                     outcome, limit, ", ".join(FAILURES)))
+        problems += self._shadow_problems()
         if problems:
             raise RolloutError("; ".join(problems))
+
+    def _shadow_problems(self) -> List[str]:
+        gate = {"--min-agreement": self.min_agreement, "--shadow-sample": self.shadow_sample,
+                "--shadow-timeout": self.shadow_timeout_s}
+        if self.shadow_frames is None:
+            given = [name for name, value in gate.items() if value is not None]
+            return ["%s needs --shadow-frames (the gate is off without it)" % ", ".join(given)] if given else []
+        problems = []
+        if not 1 <= self.shadow_frames <= 100000:
+            problems.append("--shadow-frames must be in [1, 100000]")
+        for name, value in (("--min-agreement", self.min_agreement), ("--shadow-sample", self.shadow_sample)):
+            if value is not None and not 0 < value <= 1:
+                problems.append("%s must be in (0, 1]" % name)
+        if self.shadow_timeout_s is not None and not 0 < self.shadow_timeout_s <= 86400:
+            problems.append("--shadow-timeout must be in (0, 86400]")
+        return problems
+
+    @property
+    def gated(self) -> bool:
+        return self.shadow_frames is not None
+
+    @property
+    def agreement_bound(self) -> float:
+        return DEFAULT_MIN_AGREEMENT if self.min_agreement is None else self.min_agreement
+
+    @property
+    def shadow_timeout(self) -> float:
+        return self.confirm_timeout_s if self.shadow_timeout_s is None else self.shadow_timeout_s
 
     @property
     def step_timeout(self) -> float:

@@ -61,9 +61,12 @@ class Outcome(Named):
     NOT_STARTED = "not_started"
     NOT_TARGETED = "not_targeted"
     UNSEEN = "unseen"
+    DISAGREEMENT = "disagreement"  # a gated rollout's shadow run measured the candidate below --min-agreement
+    NO_SHADOW = "no_shadow"  # a gated rollout's box does not know the shadow verb (an older agent): never deployed
 
 
-FAILURES = (Outcome.FAILED, Outcome.ROLLED_BACK, Outcome.TIMED_OUT, Outcome.MALFORMED, Outcome.DUPLICATE)
+FAILURES = (Outcome.FAILED, Outcome.ROLLED_BACK, Outcome.TIMED_OUT, Outcome.MALFORMED, Outcome.DUPLICATE,
+            Outcome.DISAGREEMENT, Outcome.NO_SHADOW)
 EXECUTED = (Outcome.CONFIRMED,) + FAILURES
 REACHED = (Outcome.CONFIRMED, Outcome.ALREADY, Outcome.NOT_TARGETED)  # what a completed rollout leaves
 
@@ -159,6 +162,9 @@ class BoxRecord:
     revert: Optional[Revert] = None
     waits: bool = False  # offline at the plan: sent once back online, within --wait-offline
     serving: Optional[Dict[str, Any]] = None  # what it serves at the end, read by the final check (final.py)
+    # A gated rollout's shadow run on this box (shadow.py): request_id, sent_at, and once judged its verdict
+    # ("agrees" / "disagrees") with the figures it rests on
+    shadow: Optional[Dict[str, Any]] = None
 
     @classmethod
     def planned(cls, request: Optional[str], serving: Optional[SlotView] = None,

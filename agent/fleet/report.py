@@ -22,7 +22,7 @@ def exit_code(status: str) -> int:
 
 def report(state: RolloutState) -> Dict[str, Any]:
     """The JSON report: counts, the abort, and per box old/new version, outcome, timings, revert, what it serves
-    at the end (``serving``), anomalies.
+    at the end (``serving``), a gated rollout's shadow verdict (``shadow``), anomalies.
 
     States are given as their plain strings (what the state file holds).
     """
@@ -47,6 +47,7 @@ def report(state: RolloutState) -> Dict[str, Any]:
             "reverted": revert.state == RevertState.SUCCEEDED if revert and revert.request_id else None,
             "revert": dict(revert.as_dict(), state=revert.state.value) if revert else None,
             "serving": box.serving,  # what it serves at the end, read by the final check (agent/fleet/final.py)
+            "shadow": box.shadow,  # a gated rollout's shadow verdict and the figures it rests on (gate.py)
             "anomalies": list(box.anomalies)})
     not_reached = [b["device"] for b in boxes if b["outcome"] not in REACHED]
     return {"rollout_id": record.rollout_id, "spec": record.spec, "status": state.status.value,

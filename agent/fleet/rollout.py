@@ -41,6 +41,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 from agent.fleet.delivery import Delivery
 from agent.fleet.final import FinalCheck
+from agent.fleet.gate import ShadowGate
 from agent.fleet.intake import POLL_S, Intake
 from agent.fleet.journal import RolloutLock, RolloutState
 from agent.fleet.judge import Judge, abort_reason
@@ -273,6 +274,8 @@ class Rollout:
 
     def _run_wave(self, state: RolloutState, index: int, devices: List[str]) -> None:
         devices = self._back_online(state, devices)
+        if self.spec.gated:
+            devices = self._gate(state, index, devices)
         if not devices:
             return
         self.intake.subscribe_acks(devices)
@@ -312,6 +315,23 @@ class Rollout:
                     del self.intake.retry_at[device]
                     self._send_deploy(state, device)
             state.save()
+
+    def _gate(self, state: RolloutState, index: int, devices: List[str]) -> List[str]:
+        """A gated rollout: the wave's planned boxes shadow the candidate first (gate.py); those that agree go on
+        to the deploy with the boxes an earlier run already sent it, the others are finished, each checked
+        against the abort rules as it is judged."""
+
+        def judged(device: str) -> None:
+            self._report_box(state, device, 0)
+            reason = abort_reason(self.spec, state.outcomes(), 0)
+            if reason is not None and state.status == RolloutStatus.RUNNING:
+                self._abort(state, index, reason)
+
+        planned = [d for d in devices if state.boxes[d].phase == Phase.PLANNED]
+        agreed = ShadowGate(self.intake, self.send, self.rollout_id, self.progress).run(state, planned, judged)
+        if state.status != RolloutStatus.RUNNING:
+            agreed = []  # an abort or cancel during the gate: no deploy is sent
+        return [d for d in devices if state.boxes[d].phase != Phase.PLANNED or d in agreed]
 
     def _send_deploy(self, state: RolloutState, device: str, restart_clock: bool = True) -> None:
         self._pace()

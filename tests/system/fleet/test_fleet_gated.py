@@ -1,0 +1,121 @@
+"""Gated rollouts (``fleet rollout --shadow-frames``, docs/shadow.md) over three REAL daemons on a real Mosquitto:
+each box shadows the candidate on its own live frames before it is deployed. A candidate whose labels are shifted
+by one is caught in the canary (``disagreement``), no box is ever sent a deploy and every box still serves the old
+model by its own status; the demo bundle's int8 beside its float serving model agrees and is promoted on every box.
+"""
+
+import json
+import os
+
+import pytest
+
+from agent.cli import fleet as fleet_cli
+from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
+from tests.conftest import MqttProbe, wait_for
+from tests.support.daemon_rig import start_daemon, write_config
+from tests.support.fleet_boxes import random_prefix
+from tests.support.lifecycle_support import NOISE_PROOF_FACTOR
+from tests.support.shadow_support import candidate_bundle
+
+pytestmark = [pytest.mark.fleet_rig,
+              pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
+                                 reason="examples/demo-bundle is missing (make demo-bundle)")]
+
+DEVICES = ("gate-1", "gate-2", "gate-3")
+ANSWER_S = 180  # a bound for three daemons starting on a loaded machine; never asserted as a duration
+CAMERA_SIZES = [(480, 640), (480, 480), (480, 800)]
+EXIT_COMPLETED, EXIT_ABORTED = 0, 1
+
+
+@pytest.fixture(scope="module")
+def gated_fleet(tmp_path_factory, request):
+    mosquitto = request.getfixturevalue("mosquitto")
+    root = tmp_path_factory.mktemp("gated-fleet")
+    prefix = random_prefix("gate")
+    frames = root / "frames"
+    write_sample_frames(str(frames), sizes_hw=CAMERA_SIZES * 8, seed=33)
+    serving = str(root / "serving")
+    candidate_bundle(DEMO_BUNDLE, serving, "1.0.0", serve="float")
+    shas = {}
+    for index in range(len(DEVICES)):
+        incoming = root / ("box%d" % index) / "state" / "bundles" / "incoming"
+        shas["int8"] = candidate_bundle(DEMO_BUNDLE, str(incoming / "int8"), "1.1.0")
+        shas["shifted"] = candidate_bundle(DEMO_BUNDLE, str(incoming / "shifted"), "1.2.0", shift_labels=True)
+    probe = MqttProbe(mosquitto, ["%s/#" % prefix])
+    procs = []
+    try:
+        for index, device in enumerate(DEVICES):
+            home = root / ("box%d" % index)
+            mqtt = {"host": mosquitto.host, "port": mosquitto.port, "reconnect_min_s": 0.1, "reconnect_max_s": 1.0,
+                    "prefix": prefix, "groups": ["g"]}
+            model = {"bundle": serving, "observation_s": 0, "backend": "onnxruntime",
+                     "latency_regression": NOISE_PROOF_FACTOR}
+            procs.append(start_daemon(write_config(home, mosquitto, frames, loop=True, device_id=device, mqtt=mqtt,
+                                                   model=model)))
+        assert wait_for(lambda: _serving(probe, prefix).keys() >= set(DEVICES), timeout=ANSWER_S, interval=0.2), \
+            [p.poll() for p in procs]
+        yield {"broker": mosquitto, "prefix": prefix, "probe": probe, "root": root, "shas": shas}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.communicate(timeout=30)
+            except Exception:  # noqa: BLE001 - a daemon that does not stop is killed, the others still stop
+                proc.kill()
+        probe.close()
+
+
+def _serving(probe, prefix):
+    """device -> the version its latest online status says it serves (each box's own word)."""
+    seen = {}
+    for topic, payload, _retain, _qos in list(probe.messages):
+        if topic.startswith(prefix + "/") and topic.endswith("/status") and payload:
+            body = json.loads(payload)
+            if body.get("state") == "online" and body.get("slots"):
+                slots = body["slots"]
+                seen[body["device_id"]] = slots["slots"][slots["serving"]]["version"]
+    return seen
+
+
+def _deploys_sent(probe, prefix):
+    return [t for t, _, _, _ in list(probe.messages) if t.startswith(prefix + "/") and t.endswith("/cmd/deploy")]
+
+
+def _rollout(fleet, name, capsys, *extra):
+    args = ["rollout", "--broker", fleet["broker"].url, "--prefix", fleet["prefix"], "--group", "g",
+            "--bundle", "incoming/%s" % name, "--sha256", fleet["shas"][name],
+            "--bundle-file", str(fleet["root"] / "box0" / "state" / "bundles" / "incoming" / name),
+            "--state-dir", str(fleet["root"] / "rollouts"), "--listen", "2", "--canary", "1", "--waves", "1",
+            "--json", "--shadow-frames", "20", "--min-agreement", "0.95", "--shadow-timeout", "150",
+            "--confirm-timeout", "150"] + list(extra)
+    code = fleet_cli.main(args)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err, captured.err
+    return code, json.loads(captured.out), captured.err
+
+
+def test_a_candidate_with_shifted_labels_is_caught_in_the_canary_and_no_box_serves_it(gated_fleet, capsys):
+    code, report, err = _rollout(gated_fleet, "shifted", capsys)
+    boxes = {b["device"]: b for b in report["boxes"]}
+    assert code == EXIT_ABORTED and report["status"] == "aborted", err
+    canary = [b for b in boxes.values() if b.get("outcome") == "disagreement"]
+    assert len(canary) == 1 and "score-aware F1" in canary[0]["error"], boxes
+    print("canary:", canary[0]["error"])
+    assert canary[0]["shadow"]["f1"] < 0.5
+    assert _deploys_sent(gated_fleet["probe"], gated_fleet["prefix"]) == []  # no box was ever sent the deploy
+    assert _serving(gated_fleet["probe"], gated_fleet["prefix"]) == dict.fromkeys(DEVICES, "1.0.0")
+
+
+def test_a_healthy_int8_candidate_is_promoted_on_every_box(gated_fleet, capsys):
+    code, report, err = _rollout(gated_fleet, "int8", capsys)
+    boxes = {b["device"]: b for b in report["boxes"]}
+    assert code == EXIT_COMPLETED and report["status"] == "completed", (err, boxes)
+    for device in DEVICES:
+        shadow = boxes[device]["shadow"]
+        assert boxes[device]["outcome"] == "confirmed" and shadow["verdict"] == "agrees", boxes[device]
+        assert shadow["f1"] >= 0.95 and shadow["frames"] >= 20
+        print(device, "score-aware F1", shadow["f1"], "strict", shadow["strict_f1"], "on", shadow["detections"],
+              "detections")
+    assert wait_for(lambda: _serving(gated_fleet["probe"], gated_fleet["prefix"]) == dict.fromkeys(DEVICES, "1.1.0"),
+                    timeout=60)
