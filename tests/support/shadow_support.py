@@ -1,6 +1,6 @@
 """Candidates for shadow runs (a helper module, not a test module): the demo bundle's int8 as a bundle of its own,
-and broken copies of it (labels shifted by one). The pipeline, lifecycle and daemon tests of shadow runs share
-these."""
+and broken copies of it (labels shifted by one). The pipeline, lifecycle, daemon and fleet tests of shadow runs
+share these."""
 
 import json
 import os
@@ -29,3 +29,4 @@ def candidate_bundle(src, dst, version, serve="int8", shift_labels=False):
         data["labels"] = data["labels"][1:] + data["labels"][:1]
     write_manifest(dst, data)
     return sha256_file(os.path.join(dst, MANIFEST))
+

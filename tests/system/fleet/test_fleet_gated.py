@@ -14,6 +14,7 @@ from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from tests.conftest import MqttProbe, wait_for
 from tests.support.daemon_rig import start_daemon, write_config
 from tests.support.fleet_boxes import random_prefix
+from tests.support.golden_damage import damaged_bundle, scales_x4
 from tests.support.lifecycle_support import NOISE_PROOF_FACTOR
 from tests.support.shadow_support import candidate_bundle
 
@@ -41,6 +42,8 @@ def gated_fleet(tmp_path_factory, request):
         incoming = root / ("box%d" % index) / "state" / "bundles" / "incoming"
         shas["int8"] = candidate_bundle(DEMO_BUNDLE, str(incoming / "int8"), "1.1.0")
         shas["shifted"] = candidate_bundle(DEMO_BUNDLE, str(incoming / "shifted"), "1.2.0", shift_labels=True)
+        damaged_bundle(DEMO_BUNDLE, str(incoming / "x4"), scales_x4)
+        shas["scales-x4"] = candidate_bundle(str(incoming / "x4"), str(incoming / "scales-x4"), "1.3.0")
     probe = MqttProbe(mosquitto, ["%s/#" % prefix])
     procs = []
     try:
@@ -95,14 +98,23 @@ def _rollout(fleet, name, capsys, *extra):
     return code, json.loads(captured.out), captured.err
 
 
-def test_a_candidate_with_shifted_labels_is_caught_in_the_canary_and_no_box_serves_it(gated_fleet, capsys):
-    code, report, err = _rollout(gated_fleet, "shifted", capsys)
+@pytest.mark.parametrize("broken, outcome", [("shifted", "disagreement"), ("scales-x4", "failed")])
+def test_a_broken_candidate_is_caught_in_the_canary_and_no_box_serves_it(gated_fleet, capsys, broken, outcome):
+    """``shifted``: the demo's labels rotated by one (the same network, a label file from another version): its
+    shadow run disagrees. ``scales-x4``: its int8 with every activation scale four times too large: the canary's
+    golden self-test refuses it before the run starts. (With a golden set made by that same wrong model it would
+    pass the self-test, and its detections still agree with the float model's: score-aware F1 0.98 on 72 scenes,
+    the coarser steps cost this detector little; a gate on agreement rightly lets that one through.)"""
+    code, report, err = _rollout(gated_fleet, broken, capsys)
     boxes = {b["device"]: b for b in report["boxes"]}
     assert code == EXIT_ABORTED and report["status"] == "aborted", err
-    canary = [b for b in boxes.values() if b.get("outcome") == "disagreement"]
-    assert len(canary) == 1 and "score-aware F1" in canary[0]["error"], boxes
-    print("canary:", canary[0]["error"])
-    assert canary[0]["shadow"]["f1"] < 0.5
+    caught = [b for b in boxes.values() if b.get("outcome") == outcome]
+    assert len(caught) == 1 and caught[0]["wave"] == 0, boxes  # the canary, alone
+    print(broken, "canary:", caught[0]["error"])
+    if outcome == "disagreement":
+        assert "score-aware F1" in caught[0]["error"] and caught[0]["shadow"]["f1"] < 0.5
+    else:
+        assert "golden" in caught[0]["error"], caught[0]["error"]
     assert _deploys_sent(gated_fleet["probe"], gated_fleet["prefix"]) == []  # no box was ever sent the deploy
     assert _serving(gated_fleet["probe"], gated_fleet["prefix"]) == dict.fromkeys(DEVICES, "1.0.0")
 
