@@ -3,8 +3,10 @@
 These boxes know nothing of ``agent``: they speak the box protocol as docs/mqtt.md and docs/fleet.md write
 it (a retained ``status`` with the slot table, its last will, ``cmd/deploy`` and ``cmd/rollback`` answered on
 ``ack/<request_id>`` as ``accepted`` -> ``in_progress`` -> ``succeeded`` | ``failed``, a request record that
-answers a repeated request id without running it twice). So a test of the operator tools against them shows
-what the tools do with what any box could send, not with what this project's daemon happens to send.
+answers a repeated request id without running it twice; ``cmd/shadow`` answered ``running`` and a retained final
+report on ``shadow`` ``shadow_s`` later, docs/shadow.md; any other verb ``unknown_verb``, as a box that lacks
+it). So a test of the operator tools against them shows what the tools do with what any box could send, not with
+what this project's daemon happens to send.
 
 Each box may carry one fault (:data:`FAULTS`): the misbehaviours an operator meets in a real fleet. The
 ``BoxFleet`` runs every box's paho client in one thread with a select loop (no thread per box), so a
@@ -51,7 +53,11 @@ FAULTS = (
     "announce_only",     # publishes its status only when asked (an announce), never on its own
     "no_announce",       # predates the announce: never answers one, its retained status is old; telemetry every 2 s
     "away_on_rollback",  # the first rollback finds it away (lost); back away_s later on what it served
+    # issue 39: gated rollouts
+    "disagree",          # its shadow run of any candidate measures score-aware F1 params["f1"] (default 0.40)
+    "no_shadow",         # an agent from before shadow runs: answers the shadow verb unknown_verb
 )
+AGREEING_F1 = 0.985  # the shadow report of a box without the disagree fault
 # Statuses no reader parses (SimBox.make_unreadable): its body inside a JSON list; its body with a field nested
 # 40 levels deep, past agent.protocol.messages.JSON_DEPTH_MAX (32), which the operator refuses before parsing.
 UNREADABLE: Dict[str, Callable[[Dict[str, Any]], bytes]] = {
@@ -87,6 +93,7 @@ class SimBox:
                                                                "b": _empty()}}
         self.record: Dict[str, Dict[str, Any]] = {}  # request id -> final ack
         self.deploys = 0  # deploy commands run (not answered from the record)
+        self.shadow_reported_at: Optional[float] = None  # monotonic time its last final shadow report went out
         self.rollbacks = 0
         self.commands: List[Tuple[str, Dict[str, Any]]] = []  # (verb, payload) as received
         self.client: Optional[Any] = None
@@ -258,9 +265,35 @@ class SimBox:
             self._deploy(rid, body)
         elif verb == "rollback":
             self._rollback(rid)
-        else:
-            self.ack(rid, verb, "failed", error={"code": "invalid", "message": "the simulation knows deploy and "
-                                                 "rollback only"})
+        elif verb == "shadow" and self.fault != "no_shadow":
+            self._shadow(rid, body)
+        elif verb == "shadow-stop" and self.fault != "no_shadow":
+            self.ack(rid, verb, "succeeded", result={"stopped": False, "discarded": bool(body.get("discard"))})
+        else:  # as the real dispatcher answers a verb it does not have
+            self.ack(rid, verb, "failed", error={"code": "unknown_verb", "message": "unknown verb %r" % verb,
+                                                 "field": "verb"})
+
+    def _shadow(self, rid: str, body: Dict[str, Any]) -> None:
+        """Answered running at once; a finished report (retained) shadow_s later, its F1 by the box's fault."""
+        bundle = self.fleet.bundles.get(str(body.get("bundle")))
+        if bundle is None or bundle["manifest_sha256"] != body.get("sha256"):
+            self.ack(rid, "shadow", "failed", error={"code": "fetch", "message": "no such bundle: %s" %
+                                                     body.get("bundle")})
+            return
+        frames = int(body.get("frames", 200))
+        self.ack(rid, "shadow", "succeeded", result={"state": "running", "frames": frames})
+        f1 = self.params.get("f1", 0.40) if self.fault == "disagree" else AGREEING_F1
+
+        def report() -> None:
+            figures = {"tp": 0, "fp": 0, "fn": 0, "precision": f1, "recall": f1, "f1": f1, "f1_interval": [f1, f1]}
+            self.send(self.topic("shadow"), {
+                "state": "finished", "reason": "compared %d frames" % frames, "candidate": dict(bundle),
+                "reference": self.serving(), "frames_compared": frames, "dropped_busy": 0, "candidate_errors": 0,
+                "agreement": {"frames": frames, "reference_detections": 4 * frames, "strict": figures,
+                              "score_aware": figures, "per_label": {"circle": figures}}}, retain=True)
+            self.shadow_reported_at = time.monotonic()
+
+        self.fleet.later(self.fleet.shadow_s, report)
 
     def _deploy(self, rid: str, body: Dict[str, Any]) -> None:
         if self._busy:
@@ -406,7 +439,8 @@ class BoxFleet:
 
     def __init__(self, host: str, port: int, prefix: str, bundles: Dict[str, Dict[str, Any]],
                  observation_s: float = 0.5, deploy_s: float = 0.2,
-                 hosts: Optional[List[Tuple[str, int]]] = None, reconnect_s: float = RECONNECT_S) -> None:
+                 hosts: Optional[List[Tuple[str, int]]] = None, reconnect_s: float = RECONNECT_S,
+                 shadow_s: float = 0.3) -> None:
         self.host, self.port, self.prefix = host, port, prefix
         self.url = "mqtt://%s:%d" % (host, port)
         self.brokers = list(hosts) if hosts else [(host, port)]  # each box starts on the first, then in turn
@@ -414,6 +448,7 @@ class BoxFleet:
         self.bundles = bundles
         self.observation_s = observation_s
         self.deploy_s = deploy_s
+        self.shadow_s = shadow_s  # a shadow run's length, from its command to its final report
         self.boxes: List[SimBox] = []
         self._clients: Dict[Any, Any] = {}  # socket -> paho client
         self._timers: List[Tuple[float, int, Callable[[], None]]] = []

@@ -2,7 +2,10 @@
 each box shadows the candidate on its own live frames before it is deployed. A candidate whose labels are shifted
 by one is caught in the canary (``disagreement``), no box is ever sent a deploy and every box still serves the old
 model by its own status; the demo bundle's int8 beside its float serving model agrees and is promoted on every box.
+Then the gate's other outcomes against protocol-only simulated boxes: an old agent, a disagreeing box in a wave,
+a resumed rollout.
 """
+# ruff: noqa: F811 - the fixture box_fleet comes from tests.support.fleet_support
 
 import json
 import os
@@ -11,9 +14,11 @@ import pytest
 
 from agent.cli import fleet as fleet_cli
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
+from agent.fleet.report import EXIT_ABORTED, EXIT_COMPLETED, EXIT_PARTIAL, EXIT_PAUSED
 from tests.conftest import MqttProbe, wait_for
 from tests.support.daemon_rig import start_daemon, write_config
 from tests.support.fleet_boxes import random_prefix
+from tests.support.fleet_support import box_fleet, sim_rollout_args  # noqa: F401 - box_fleet is a fixture
 from tests.support.golden_damage import damaged_bundle, scales_x4
 from tests.support.lifecycle_support import NOISE_PROOF_FACTOR
 from tests.support.shadow_support import candidate_bundle
@@ -25,7 +30,6 @@ pytestmark = [pytest.mark.fleet_rig,
 DEVICES = ("gate-1", "gate-2", "gate-3")
 ANSWER_S = 180  # a bound for three daemons starting on a loaded machine; never asserted as a duration
 CAMERA_SIZES = [(480, 640), (480, 480), (480, 800)]
-EXIT_COMPLETED, EXIT_ABORTED = 0, 1
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +135,52 @@ def test_a_healthy_int8_candidate_is_promoted_on_every_box(gated_fleet, capsys):
               "detections")
     assert wait_for(lambda: _serving(gated_fleet["probe"], gated_fleet["prefix"]) == dict.fromkeys(DEVICES, "1.1.0"),
                     timeout=60)
+
+
+# --- the gate's outcomes, against protocol-only simulated boxes (tests/support/fleet_boxes.py) --------------------
+
+def _sim_rollout(fleet, tmp_path, capsys, *extra):
+    code = fleet_cli.main(sim_rollout_args(fleet.url, fleet.prefix, tmp_path, "--shadow-frames", "50",
+                                           "--shadow-timeout", "60", *extra))
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err, captured.err
+    return code, {b["device"]: b for b in json.loads(captured.out)["boxes"]}, captured.err
+
+
+def test_an_old_agent_and_a_disagreeing_box_are_never_deployed_the_others_are(box_fleet, tmp_path, capsys):
+    """box-02 predates shadow runs (answers unknown_verb), box-04 measures F1 0.60: neither is sent a deploy, both
+    are counted failures (the rollout ends partial, not completed); the four others agree and confirm."""
+    fleet = box_fleet(6, faults={2: ("no_shadow", None), 4: ("disagree", {"f1": 0.60})}).start()
+    code, boxes, err = _sim_rollout(fleet, tmp_path, capsys, "--canary", "1", "--waves", "1")
+    assert code == EXIT_PARTIAL, err
+    assert boxes["box-02"]["outcome"] == "no_shadow" and "older agent" in boxes["box-02"]["error"]
+    assert boxes["box-04"]["outcome"] == "disagreement" and "0.600 below --min-agreement 0.950" in \
+        boxes["box-04"]["error"]
+    assert fleet.box("box-02").deploys == 0 and fleet.box("box-04").deploys == 0
+    for device in ("box-00", "box-01", "box-03", "box-05"):
+        assert boxes[device]["outcome"] == "confirmed" and boxes[device]["shadow"]["verdict"] == "agrees"
+    # the disagreeing box was told to discard its candidate
+    assert ("shadow-stop", True) in [(verb, body.get("discard")) for verb, body in fleet.box("box-04").commands]
+
+
+def test_a_canary_that_disagrees_aborts_before_any_deploy(box_fleet, tmp_path, capsys):
+    fleet = box_fleet(4, faults={0: ("disagree", None)}).start()
+    code, boxes, err = _sim_rollout(fleet, tmp_path, capsys, "--canary", "1", "--waves", "1")
+    assert code == EXIT_ABORTED and "the canary failed (box-00 disagreement)" in err, err
+    assert sum(box.deploys for box in fleet.boxes) == 0
+    assert [d for d, b in boxes.items() if b["shadow"]] == ["box-00"]  # the others were not even shadowed
+
+
+def test_a_rerun_reads_the_verdicts_it_recorded_and_shadows_no_box_twice(box_fleet, tmp_path, capsys):
+    """Paused after its canary, the rollout is resumed: the canary's recorded verdict stands (no second shadow
+    command), the other boxes are shadowed once each."""
+    fleet = box_fleet(3).start()
+    code, boxes, err = _sim_rollout(fleet, tmp_path, capsys, "--canary", "1", "--waves", "1",
+                                    "--pause-after-canary", "--rollout-id", "gated-resume")
+    assert code == EXIT_PAUSED and boxes["box-00"]["shadow"]["verdict"] == "agrees", err
+    code = fleet_cli.main(["resume", "--broker", fleet.url, "--prefix", fleet.prefix, "--state-dir", str(tmp_path),
+                           "--rollout-id", "gated-resume"])
+    assert code == EXIT_COMPLETED, capsys.readouterr().err
+    shadows = {box.device: [v for v, _ in box.commands].count("shadow") for box in fleet.boxes}
+    assert shadows == dict.fromkeys(("box-00", "box-01", "box-02"), 1)
+    assert all(box.deploys == 1 for box in fleet.boxes)
