@@ -110,10 +110,11 @@ def _rollout(fleet, name, capsys, *extra):
 def test_a_broken_candidate_is_caught_in_the_canary_and_no_box_serves_it(gated_fleet, capsys, broken, outcome):
     """``shifted``: the demo's labels rotated by one (the same network, a label file from another version): its
     shadow run disagrees. ``undertrained``: the same detector trained for 2 epochs instead of 18 (its own golden
-    set passes): its shadow run disagrees. ``scales-x4``: its int8 with every activation scale four times too large: the canary's
-    golden self-test refuses it before the run starts. (With a golden set made by that same wrong model it would
-    pass the self-test, and its detections still agree with the float model's: score-aware F1 0.98 on 72 scenes,
-    the coarser steps cost this detector little; a gate on agreement rightly lets that one through.)"""
+    set passes): its shadow run disagrees. ``scales-x4``: its int8 with every activation scale four times too
+    large: the canary's golden self-test refuses it before the run starts. (With a golden set made by that same
+    wrong model it would pass the self-test, and its detections still agree with the float model's: score-aware
+    F1 0.98 on 72 scenes, the coarser steps cost this detector little; a gate on agreement lets that one
+    through.)"""
     code, report, err = _rollout(gated_fleet, broken, capsys)
     boxes = {b["device"]: b for b in report["boxes"]}
     assert code == EXIT_ABORTED and report["status"] == "aborted", err
