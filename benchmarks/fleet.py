@@ -6,6 +6,10 @@ its peak RSS is its own. A probe subscribed to the prefix counts every message t
 the rollout, by kind. Wall time is dominated by the observation window times the number of waves: it is
 reported with both, not compared to anything. ``light``: the same operator against 1,000 protocol-only boxes
 (``tests/support/fleet_boxes.py``), for the operator's own costs at ten times the size, state bytes written included.
+``light_gated``: the same 1,000 boxes in a gated rollout (``--shadow-frames``, docs/shadow.md), each answering its
+shadow command with a final report :data:`LIGHT_SHADOW_S` later; ``gate_decision_s_max`` is, over the waves, the
+time from the last shadow report of a wave to the first deploy of that wave (target <= 60 s), beside the operator's
+peak RSS (target <= 64 MiB).
 """
 
 import json
@@ -28,6 +32,10 @@ ROLLOUT_TIMEOUT_S = 600.0
 RSS_POLL_S = 0.1
 PREFIX = "bench-fleet"
 TARGETS = {"confirmed_fraction": (">=", 1.0)}
+GATED_TARGETS = {"gate_decision_s_max": ("<=", 60.0), "operator_peak_rss_mb": ("<=", 64.0),
+                 "confirmed_fraction": (">=", 1.0)}
+LIGHT_SHADOW_S = 1.0  # a simulated box's shadow run, command to final report
+LIGHT_SHADOW_FRAMES = 50
 LIGHT_BOXES = 1000  # protocol-only boxes (tests/support/fleet_boxes.py): the operator's side at ten times the size
 LIGHT_OBSERVATION_S = 2.0
 LIGHT_CANARY = 10
@@ -110,43 +118,50 @@ def _operator(context: RunContext, command: List[str], report_path: str) -> Tupl
         return wall_s, operator_peak, json.load(handle)
 
 
-def run_light(context: RunContext, broker: Any) -> Dict[str, Any]:
+def run_light(context: RunContext, broker: Any, gated: bool = False) -> Dict[str, Any]:
     """A rollout to LIGHT_BOXES protocol-only simulated boxes (``tests/support/fleet_boxes.py``, one thread for all).
 
     The boxes answer as the protocol says (accepted, in_progress, succeeded, status pending, then confirmed
     after LIGHT_OBSERVATION_S) without serving anything, so the figures are the operator's and the broker's:
     rollout time, broker messages per box, the operator's peak RSS and what it wrote to its state files.
+    ``gated``: with ``--shadow-frames``, each box first answering its shadow command (see the module doc).
     """
     from tests.support.fleet_boxes import BoxFleet, model
 
-    root = os.path.join(context.work_dir, "fleet-light")
+    name = "fleet-light-gated" if gated else "fleet-light"
+    prefix = LIGHT_PREFIX + ("-gated" if gated else "")
+    root = os.path.join(context.work_dir, name)
     os.makedirs(root, exist_ok=True)
     sha = "2" * 64
-    fleet = BoxFleet(broker.host, broker.port, LIGHT_PREFIX, {"shapes-2.tar.gz": model("2.0.0", sha)},
-                     observation_s=LIGHT_OBSERVATION_S, deploy_s=0.5)
+    fleet = BoxFleet(broker.host, broker.port, prefix, {"shapes-2.tar.gz": model("2.0.0", sha)},
+                     observation_s=LIGHT_OBSERVATION_S, deploy_s=0.5, shadow_s=LIGHT_SHADOW_S)
     for index in range(LIGHT_BOXES):
         fleet.add("box-%04d" % index)
     counter = None
     try:
         fleet.start(timeout=120.0)
-        counter = _Counter(broker.host, broker.port, LIGHT_PREFIX)
+        counter = _Counter(broker.host, broker.port, prefix)
         report_path = os.path.join(root, "report.json")
         command = [sys.executable, "-m", "agent", "fleet", "rollout", "--broker", broker.url, "--prefix",
-                   LIGHT_PREFIX, "--group", "sim", "--bundle", "shapes-2.tar.gz", "--sha256", sha, "--canary",
+                   prefix, "--group", "sim", "--bundle", "shapes-2.tar.gz", "--sha256", sha, "--canary",
                    str(LIGHT_CANARY), "--waves", str(WAVES), "--state-dir", os.path.join(root, "rollouts"),
                    "--report", report_path]
+        if gated:
+            command += ["--shadow-frames", str(LIGHT_SHADOW_FRAMES)]
         counter.counting = True
         wall_s, operator_peak, report = _operator(context, command, report_path)
         time.sleep(0.5)
         counter.counting = False
         counts = dict(counter.counts)
+        decisions = _gate_decisions(fleet, report["waves"]) if gated else []
     finally:
         if counter is not None:
             counter.close()
         fleet.close()
-    log.info("fleet light: %d boxes, rollout %.1f s, operator peak RSS %.0f MiB, state %d bytes",
-             LIGHT_BOXES, wall_s, operator_peak, report["state_bytes_written"])
-    return {
+    log.info("%s: %d boxes, rollout %.1f s, operator peak RSS %.0f MiB, state %d bytes%s", name,
+             LIGHT_BOXES, wall_s, operator_peak, report["state_bytes_written"],
+             ", gate decided within %.2f s of a wave's last report" % max(decisions) if decisions else "")
+    result = {
         "boxes": LIGHT_BOXES, "observation_s": LIGHT_OBSERVATION_S, "canary": LIGHT_CANARY,
         "waves": len(report["waves"]), "rollout_wall_s": round(wall_s, 2), "rollout_engine_s": report["wall_s"],
         "confirmed_fraction": report["counts"].get("confirmed", 0) / LIGHT_BOXES, "outcomes": report["counts"],
@@ -158,6 +173,23 @@ def run_light(context: RunContext, broker: Any) -> Dict[str, Any]:
         "environment": {"boxes_process": "one thread, one epoll loop, %d paho clients" % LIGHT_BOXES,
                         "operator_process": "python -m agent fleet rollout", "broker": "one mosquitto"},
     }
+    if gated:
+        result.update(shadow_frames=LIGHT_SHADOW_FRAMES, shadow_s=LIGHT_SHADOW_S,
+                      gate_decision_s_max=round(max(decisions), 3) if decisions else None,
+                      gate_decision_s_per_wave=[round(d, 3) for d in decisions])
+    return result
+
+
+def _gate_decisions(fleet: Any, waves: List[List[str]]) -> List[float]:
+    """Per wave: from the last shadow report of its boxes to the first deploy one of them received (seconds)."""
+    boxes = {box.device: box for box in fleet.boxes}
+    decisions = []
+    for wave in waves:
+        reported = [boxes[d].shadow_reported_at for d in wave if boxes[d].shadow_reported_at is not None]
+        deployed = [boxes[d].deploy_received_at for d in wave if boxes[d].deploy_received_at is not None]
+        if reported and deployed:
+            decisions.append(min(deployed) - max(reported))
+    return decisions
 
 
 def run(context: RunContext) -> Dict[str, Any]:
@@ -198,6 +230,7 @@ def run(context: RunContext) -> Dict[str, Any]:
         fleet.close()  # the daemons stop before the light fleet starts: its figures are its own
         fleet = None
         light = run_light(context, broker)
+        light_gated = run_light(context, broker, gated=True)
     finally:
         if counter is not None:
             counter.close()
@@ -228,6 +261,7 @@ def run(context: RunContext) -> Dict[str, Any]:
         "simulated_boxes_rss_mb": round(boxes_rss, 1),
         "simulated_box_start_s": round(start_s, 2),
         "light": light,
+        "light_gated": light_gated,
         "environment": {"boxes_process": "one Python process, %d daemons, one serving thread each" % BOXES,
                         "operator_process": "python -m agent fleet rollout", "broker": "one mosquitto",
                         "backend": "FleetStandinBackend (OpenCV ONNX inference, no faults)",
@@ -236,4 +270,8 @@ def run(context: RunContext) -> Dict[str, Any]:
 
 
 def targets(section: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    return {key: target(section.get(key), op, threshold) for key, (op, threshold) in TARGETS.items()}
+    found = {key: target(section.get(key), op, threshold) for key, (op, threshold) in TARGETS.items()}
+    gated = section.get("light_gated") or {}
+    found.update({"light_gated.%s" % key: target(gated.get(key), op, threshold)
+                  for key, (op, threshold) in GATED_TARGETS.items()})
+    return found

@@ -94,6 +94,7 @@ class SimBox:
         self.record: Dict[str, Dict[str, Any]] = {}  # request id -> final ack
         self.deploys = 0  # deploy commands run (not answered from the record)
         self.shadow_reported_at: Optional[float] = None  # monotonic time its last final shadow report went out
+        self.deploy_received_at: Optional[float] = None  # monotonic time its first deploy command arrived
         self.rollbacks = 0
         self.commands: List[Tuple[str, Dict[str, Any]]] = []  # (verb, payload) as received
         self.client: Optional[Any] = None
@@ -262,6 +263,8 @@ class SimBox:
             self.away(self.params.get("away_s", 2.0))
             return
         if verb == "deploy":
+            if self.deploy_received_at is None:
+                self.deploy_received_at = time.monotonic()
             self._deploy(rid, body)
         elif verb == "rollback":
             self._rollback(rid)
