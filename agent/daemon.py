@@ -11,6 +11,7 @@ Shutdown order matters: stop taking frames, finish every batch already taken, fl
 the outbox), publish ``offline``, then release the model.
 """
 
+import json
 import logging
 import os
 import queue
@@ -20,6 +21,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional
 
+from agent._util.atomic import atomic_write
 from agent._util.redact import redact_all
 from agent.config.daemon_config import DaemonConfig, load_daemon_config
 from agent.config.device_config import DeviceConfig, load_device_config
@@ -30,7 +32,7 @@ from agent.pipeline.results import SequenceCounter
 from agent.pipeline.serving import ResultCallback, ServingLoop
 from agent.pipeline.sources import SourceSet
 from agent.pipeline.stats import StageStats
-from agent.protocol.events import SLOT_EVENTS, event_of
+from agent.protocol.events import SLOT_EVENTS, Event, event_of
 from agent.protocol.status import status_answer
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ EXIT_RESTART = 3  # non-zero so systemd's Restart=on-failure brings the daemon b
 # golden check. One step on a slow board (an OM load on an Atlas 200 DK, a large bundle's hashes on an SD card)
 # takes tens of seconds; two minutes per step is generous, and a step that hangs gets no further extension.
 STARTUP_STEP_TIMEOUT_S = 120.0
+DRIFT_REFERENCES = "drift-references.json"  # in the state directory: the serving model's learnt references
 # Model events after which the retained status is republished (agent.protocol.events.SLOT_EVENTS), so that an
 # operator (``atlas-edge fleet``) who subscribes later, or resumes a rollout, reads the slot states there
 # instead of having missed the event.
@@ -141,6 +144,7 @@ class Daemon:
         # histograms through these references, not through the serving loop.
         self.sources = SourceSet(list(cfg.sources), frames, self._publish_alert)
         self.stats = StageStats()
+        self.drift = self._build_drift()
         self.watchdog = Watchdog(cfg.watchdog, self.memory, self.progress, self.notifier,
                                  on_alert=self._publish_alert, request_restart=self._restart_requested,
                                  input_states=self.sources.summary, restart_worker=self.sources.recycle)
@@ -151,7 +155,7 @@ class Daemon:
                                 self.stop_event, cfg.batching.max_batch,
                                 cfg.batching.max_wait_ms, cfg.publish, on_event=self._publish_event,
                                 telemetry_extras=self._telemetry_extras, on_result=on_result,
-                                numbering=self.numbering, stats=self.stats)
+                                numbering=self.numbering, stats=self.stats, drift=self.drift)
         self.handlers = CommandHandlers(self.loop, self.models, self.transport, self.handover,
                                         get_config=lambda: self.config, apply_config=self._apply_config,
                                         request_restart=self._restart, status=self._status,
@@ -163,6 +167,34 @@ class Daemon:
                                             group_verbs=cfg.commands.group_verbs,
                                             rate_per_s=cfg.commands.rate_per_s, burst=cfg.commands.burst)
         self.metrics = self._build_metrics()
+
+    def _build_drift(self) -> Any:
+        """Drift per source (agent/pipeline/drift.py) when ``drift.enabled``; its references are kept in the
+        state directory so that a restart does not learn a drifted scene as the normal one."""
+        if not self.config.drift.enabled:
+            return None
+        from agent.pipeline.drift import DriftWatch
+
+        return DriftWatch(self.config.drift, on_alert=self._publish_alert, on_learnt=self._keep_drift_references)
+
+    def _restore_drift(self) -> None:
+        """At start, once the serving model is known: its kept references, or learn them anew."""
+        if self.drift is None:
+            return
+        model = self.models.current.bundle.manifest_sha256
+        try:
+            with open(self.config.state_path(DRIFT_REFERENCES), encoding="utf-8") as handle:
+                kept = json.load(handle)
+        except (OSError, ValueError):
+            kept = None
+        if not self.drift.restore(kept, model):
+            self.drift.relearn(model)
+
+    def _keep_drift_references(self, references: Dict[str, Any]) -> None:
+        try:
+            atomic_write(self.config.state_path(DRIFT_REFERENCES), json.dumps(references))
+        except OSError as exc:  # learnt again after a restart: worth a line, not a stop
+            log.warning("could not keep the drift references in %s: %s", DRIFT_REFERENCES, exc)
 
     def _build_metrics(self) -> Any:
         """The Prometheus endpoint when ``metrics.listen`` is set. Bound here, before anything starts: an address
@@ -187,6 +219,7 @@ class Daemon:
     def start(self) -> None:
         """Load and self-test the model before announcing readiness: READY=1 means 'serving'."""
         model = self.models.start()  # thresholds from the config are applied by the manager at load
+        self._restore_drift()
         self._starting = False
         self._ready_at = time.monotonic()
         self.transport.set_status(self._presence())
@@ -307,6 +340,7 @@ class Daemon:
             self.config.device_id, broker=extras["mqtt"]["broker"], model_info=model.describe(),
             uptime_s=None if self._ready_at is None else round(time.monotonic() - self._ready_at, 1),
             overrides=redact_all(self.overrides.report()), shadow=self.models.shadow_report(),
+            drift=self.drift.report() if self.drift is not None else None,
             **self._presence(model), **self.loop.status(windows), **extras)
 
     def _presence(self, model: Any = None) -> Dict[str, Any]:
@@ -332,6 +366,8 @@ class Daemon:
         self.transport.publish(self.transport.events_topic(), event)
         if self._announced and event_of(event) in SLOT_EVENTS:
             self.transport.set_status(self._presence())
+        if self.drift is not None and event_of(event) in (Event.SWITCHED, Event.ROLLBACK):
+            self.drift.relearn(self.models.current.bundle.manifest_sha256)  # another model: its own reference
 
     def _publish_shadow_report(self, report: Dict[str, Any]) -> None:
         """A shadow run's report, retained (the latest replaces the one before; an operator who looks later

@@ -259,6 +259,25 @@ class WatchdogConfig:
 
 
 @dataclass(frozen=True)
+class DriftConfig:
+    """Drift per source (agent/pipeline/drift.py, docs/shadow.md "Drift"): the serving model's scores and
+    detections per frame over a sliding window against a reference learnt after its confirmation."""
+
+    enabled: bool = setting(True, doc="watch every source for drift")
+    window_s: float = setting(30.0, gt=0, le=86400, doc="the sliding window the figures are taken over")
+    reference_frames: int = setting(200, ge=10, le=100000, doc="results of a source the reference is learnt from")
+    min_frames: int = setting(20, ge=1, le=100000, doc="a window with fewer results is not judged")
+    score_w1_bound: float = setting(0.10, gt=0, le=1, doc="Wasserstein-1 between the window's scores and the "
+                                    "reference's above which a source drifts")
+    detections_change_bound: float = setting(0.5, gt=0, le=100, doc="relative change in detections per frame "
+                                             "above which a source drifts")
+    raise_after_s: float = setting(20.0, ge=0, le=86400, doc="a figure above its bound this long raises drift")
+    clear_after_s: float = setting(20.0, ge=0, le=86400, doc="both under clear_ratio x bound this long clear it")
+    clear_ratio: float = setting(0.7, gt=0, le=1, doc="the hysteresis: the share of a bound under which a figure "
+                                 "counts towards clearing")
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     device_id: str = setting(doc="this box's id in topics")
     model: ModelConfig = setting(doc="the model to serve")
@@ -271,6 +290,7 @@ class DaemonConfig:
     publish: PublishConfig = setting(factory=PublishConfig, doc="result and telemetry publishing")
     outbox: OutboxConfig = setting(factory=OutboxConfig, doc="durable queue for the broker's absence")
     watchdog: WatchdogConfig = setting(factory=WatchdogConfig, doc="memory and liveness checks")
+    drift: DriftConfig = setting(factory=DriftConfig, doc="drift per source of the serving model's figures")
     fetch: FetchConfig = setting(factory=FetchConfig, doc="where deploys may download bundles from")
     commands: CommandsConfig = setting(factory=CommandsConfig, doc="command freshness, signing and group verbs")
     remote_config: RemoteConfigPolicy = setting(factory=RemoteConfigPolicy,

@@ -106,6 +106,7 @@ class BoxCollector:
         _transport(b, status.get("mqtt") or {})
         _health(b, status)
         _shadow(b, status.get("shadow"))
+        _drift(b, status.get("drift"))
         b.gauge("collect_ok", "1 when the last scrape read every figure", {}, 1)
         return b.done()
 
@@ -202,6 +203,18 @@ def _model(b: _Builder, status: Mapping[str, Any], events: EventCounts) -> None:
         b.gauge("model_info", "the serving model, one series per input tier", labels, 1)
     b.counter("model_swaps", "models switched to since start", {}, events.swaps)
     b.counter("model_rollbacks", "rollbacks since start", {}, events.rollbacks)
+
+
+def _drift(b: _Builder, sources: Optional[Mapping[str, Any]]) -> None:
+    """Drift per source (agent/pipeline/drift.py): 1 while drifting, and the two figures once judged."""
+    for name, figures in sorted((sources or {}).items()):
+        src = {"source": name}
+        b.gauge("drift_active", "1 while the source drifts from its reference, 0 otherwise", src,
+                1 if figures.get("drifting") else 0)
+        b.gauge("drift_score_w1", "Wasserstein-1 between the window's reported scores and the reference's", src,
+                figures.get("score_w1"))
+        b.gauge("drift_detections_change", "relative change in detections per frame against the reference", src,
+                figures.get("detections_change"))
 
 
 def _shadow(b: _Builder, report: Optional[Mapping[str, Any]]) -> None:

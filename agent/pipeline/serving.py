@@ -28,6 +28,7 @@ from agent._util.ratelog import LogLimiter
 from agent.config.daemon_config import PublishConfig, SourceConfig
 from agent.pipeline.backend_thread import BackendThread
 from agent.pipeline.batcher import Batcher
+from agent.pipeline.drift import DriftWatch
 from agent.pipeline.handover import BetweenBatches
 from agent.pipeline.inflight import Batch, Chunk
 from agent.pipeline.model import LoadedModel
@@ -65,9 +66,11 @@ class ServingLoop:
                  on_event: Callable[[Dict[str, Any]], None],
                  telemetry_extras: Callable[[], Dict[str, Any]] = dict,
                  on_result: Optional[ResultCallback] = None,
-                 numbering: Optional[SequenceCounter] = None, stats: Optional[StageStats] = None) -> None:
-        """``sources`` and ``stats`` are the caller's: the daemon keeps its own references to them (its watchdog
-        recycles a source's worker, its metrics endpoint reads the histograms) instead of reaching in here."""
+                 numbering: Optional[SequenceCounter] = None, stats: Optional[StageStats] = None,
+                 drift: Optional[DriftWatch] = None) -> None:
+        """``sources``, ``stats`` and ``drift`` are the caller's: the daemon keeps its own references to them (its
+        watchdog recycles a source's worker, its metrics endpoint reads the histograms, its status the drift)
+        instead of reaching in here; the loop feeds ``drift`` every result and judges it once per turn."""
         self.frames = frames
         self.sources = sources
         self.models = models
@@ -83,6 +86,7 @@ class ServingLoop:
         self.numbering = numbering or SequenceCounter()  # per-source `seq` in each result (in memory if not given)
         self.backend = BackendThread(progress)
         self.stats = stats if stats is not None else StageStats()
+        self.drift = drift
         self.taken = 0  # frames taken from the queue; every one ends published, rate-limited or failed
         self.published = 0
         self.inference_errors = 0
@@ -229,6 +233,8 @@ class ServingLoop:
             elif until_sources_end and self.sources.all_finished() and self.frames.empty():
                 reason = "sources finished"
         self._maybe_telemetry()
+        if self.drift is not None:
+            self.drift.tick()
         if room == 0 and not self._in_flight():  # each frame taken ends published, rate-limited or failed
             reason = "%d frames done" % max_frames
         return reason
@@ -365,6 +371,8 @@ class ServingLoop:
                     self.published += 1
             timings["publish"] = (time.monotonic() - started) * 1e3  # in the statistics, not in the payload
             self.stats.add(timings)
+            if self.drift is not None and result.detections is not None:
+                self.drift.observe(frame.source, result.detections[:, 4])
             self._latest = (frame, payload)
             if self.on_result is not None:
                 self._hand_over(frame, self.on_result, frame, payload)

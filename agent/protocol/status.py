@@ -137,6 +137,8 @@ class StatusAnswer(BoxStatus):
     watchdog: Optional[Dict[str, Any]] = None
     # The last shadow run's report as it stands (agent.pipeline.shadow.ShadowRun.report), null when none.
     shadow: Optional[Dict[str, Any]] = None
+    # Per source: its drift figures against its reference (agent.pipeline.drift.DriftWatch.report), null when off.
+    drift: Optional[Dict[str, Any]] = None
 
 
 def status_answer(device_id: str, **fields: Any) -> Dict[str, Any]:

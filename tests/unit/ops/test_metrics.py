@@ -95,6 +95,13 @@ def status_answer():
         "rss_mb": 100.0, "workers_rss_mb": {"gate": 50.0}, "npu_memory_mb": {"used": 300.0, "total": 8192.0},
         "npu_chip": {"id": 1, "utilization": 37.0, "temperature": 52.0, "power": 14.5},
         "watchdog": {"rss_slope_mb_per_hour": 1.5, "restart_requested": None, "no_input": False},
+        "drift": {"gate": {"drifting": True, "judged": True, "score_w1": 0.31, "detections_change": 0.44}},
+        "shadow": {"state": "finished", "candidate": {"name": "shapes-det", "version": "1.1.0"},
+                   "frames_compared": 40, "dropped_busy": 3, "candidate_errors": 0,
+                   "candidate_latency_ms": {"p50": 5.0, "p95": 8.0},
+                   "agreement": {"strict": {"f1": 0.97, "precision": 0.96, "recall": 0.98},
+                                 "score_aware": {"f1": 0.99, "precision": 0.99, "recall": 0.99},
+                                 "score_wasserstein1": 0.01}},
     }
 
 
@@ -138,12 +145,17 @@ def test_the_collector_exposes_the_box_series_with_device_and_bounded_labels():
     assert 'npu_chip_info_temperature{device="box-1",id="1"} 52.0' in text
     assert 'npu_chip_info_utilization{device="box-1",id="1"} 37.0' in text
     assert 'atlas_edge_watchdog_state{device="box-1",state="ok"} 1.0' in text
+    assert 'atlas_edge_drift_active{device="box-1",source="gate"} 1.0' in text
+    assert 'atlas_edge_drift_score_w1{device="box-1",source="gate"} 0.31' in text
+    assert 'atlas_edge_shadow_running{candidate="shapes-det 1.1.0",device="box-1"} 0.0' in text
+    assert 'atlas_edge_shadow_f1{candidate="shapes-det 1.1.0",device="box-1",reading="score_aware"} 0.99' in text
+    assert 'atlas_edge_shadow_candidate_latency_p95_seconds{candidate="shapes-det 1.1.0",device="box-1"} 0.008' in text
     assert "rtsp" not in text and "viewer" not in text and "bogus" not in text  # no URI, no unknown verb
 
 
 def test_every_series_the_collector_exposes_is_in_docs_metrics_and_every_documented_one_is_exposed():
     box_section = open(DOCS).read().split("## The series", 1)[1].split("\n## ", 1)[0]  # not the fleet bridge's
-    documented = set(re.findall(r"^\| `([a-z_]+)` \|", box_section, re.M))
+    documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", box_section, re.M))
     assert len(documented) >= 20
     exposed = set(re.findall(r"^# TYPE (\S+) ", collect_text(status_answer()), re.M))
     # the client names a counter family without _total in # TYPE

@@ -172,7 +172,8 @@ def test_the_run_ends_on_its_frame_count_and_on_a_change_of_serving_model(refere
     run = _run(reference, candidates["int8"], device, reports, frames=3)
     run.start()
     _compare_all(run, reference, scenes[:3])
-    assert wait_for(lambda: run.state != RUNNING, WAIT_S)
+    # the state changes first, the final report follows once the candidate is released
+    assert wait_for(lambda: reports and reports[-1]["state"] != RUNNING, WAIT_S)
     assert run.state == FINISHED and reports[-1]["reason"] == "compared 3 frames"
 
     other = _run(reference, candidates["int8"], device, reports)
