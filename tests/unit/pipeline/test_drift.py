@@ -28,8 +28,9 @@ def scores():
         normal = [image for image, _b, _c in generate_scenes(1, 40, (360, 640))]
         later = [image for image, _b, _c in generate_scenes(2, 40, (360, 640))]
         dark = [(image * 0.3).astype(np.uint8) for image in later]
+        steady = [image for hw in ((360, 640), (480, 480), (480, 800)) for image, _b, _c in generate_scenes(3, 80, hw)]
         return {name: [model.infer_frames([image])[0].detections[:, 4] for image in images]
-                for name, images in (("normal", normal), ("later", later), ("dark", dark))}
+                for name, images in (("normal", normal), ("later", later), ("dark", dark), ("steady", steady))}
     finally:
         model.close()
 
@@ -72,6 +73,27 @@ def test_quiet_on_its_own_scenes_raised_when_they_darken_cleared_when_they_come_
     feed(watch, clock, scores["later"], 40)
     assert [a["alert"] for a in alerts] == [DRIFT, DRIFT_CLEARED]
     assert not watch.report()["cam"]["drifting"]
+
+
+def test_ten_minutes_of_a_steady_scene_raise_nothing_with_the_default_bounds(scores):
+    """The default settings, a camera at 10 fps on the test clock, 240 distinct scenes of the demo's kind (three
+    sizes) in a shuffled loop for ten minutes after the reference: no alert, and the figures stay well inside."""
+    clock, alerts = Clock(), []
+    settings = DriftConfig()
+    watch = DriftWatch(settings, alerts.append, clock=clock)
+    watch.relearn("m1")
+    order = np.random.default_rng(5).permutation(len(scores["steady"]) * 30) % len(scores["steady"])
+    worst = {"score_w1": 0.0, "detections_change": 0.0}
+    for index in order[:int(settings.reference_frames + 600 * 10)]:
+        clock.now += 0.1
+        watch.observe("cam", scores["steady"][index])
+        watch.tick()
+        figures = watch.report()["cam"]
+        if figures.get("judged"):
+            worst = {k: max(worst[k], figures[k]) for k in worst}
+    print("ten steady minutes, worst figures:", worst)
+    assert alerts == [] and worst["score_w1"] < settings.clear_ratio * settings.score_w1_bound
+    assert worst["detections_change"] < settings.clear_ratio * settings.detections_change_bound
 
 
 def test_a_brief_change_raises_nothing_and_sources_are_judged_apart(scores):
