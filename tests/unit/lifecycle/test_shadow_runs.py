@@ -4,15 +4,20 @@ changes nothing and leaves nothing in the store."""
 
 import os
 import shutil
+import threading
 
 import pytest
 
+from agent.bundle.manifest import BundleError
+from agent.bundle.signing import sign_bundle
+from agent.cli.bundle import make_key_pair
 from agent.errors import CommandError
 from agent.lifecycle.slots import PENDING
 from agent.lifecycle.store import STAGING_DIR
 from agent.pipeline.shadow import RUNNING, STOPPED
 from agent.protocol.verbs import parse_request
 from tests.support.lifecycle_support import TINY_BUNDLE, Harness, ServingLoop, deploy_request, no_progress
+from tests.support.needs import needs_cryptography
 from tests.support.serving_support import needs_demo_bundle
 from tests.support.shadow_support import candidate_bundle
 
@@ -116,3 +121,62 @@ def test_a_classifier_cannot_be_shadowed(tmp_path):
         h.manager.shadow(shadow_request(bundle="incoming/x", sha256="ab" * 32), no_progress)
     assert refused.value.code == "unsupported"
     h.manager.close()
+
+
+@needs_cryptography
+def test_a_box_that_requires_signatures_shadows_only_a_candidate_signed_by_its_key(tmp_path):
+    """The candidate goes the deploy's way: unsigned or signed by another key, it is refused naming the signature,
+    and nothing is loaded or left in the store; signed by the box's key, it runs."""
+    from agent.cli.demo import DEMO_BUNDLE
+
+    private_pem, _public_pem, public_hex = make_key_pair()
+    base = str(tmp_path / "demo-1.0.0")
+    candidate_bundle(DEMO_BUNDLE, base, "1.0.0", serve="float")
+    sign_bundle(base, private_pem)
+    h = Harness(tmp_path, base, backend="onnxruntime", public_key=public_hex)
+    try:
+        h.manager.start()
+        unsigned = candidate_bundle(DEMO_BUNDLE, h.incoming("unsigned"), "1.1.0")
+        wrong = candidate_bundle(DEMO_BUNDLE, h.incoming("wrong-key"), "1.1.1")
+        sign_bundle(h.incoming("wrong-key"), make_key_pair()[0])
+        good = candidate_bundle(DEMO_BUNDLE, h.incoming("good"), "1.1.2")
+        sign_bundle(h.incoming("good"), private_pem)
+        before = _entries(h)
+        with pytest.raises(BundleError, match="manifest.sig: missing"):
+            h.manager.shadow(shadow_request(bundle="incoming/unsigned", sha256=unsigned), no_progress)
+        with pytest.raises(BundleError, match="signature does not match"):
+            h.manager.shadow(shadow_request(bundle="incoming/wrong-key", sha256=wrong), no_progress)
+        assert _entries(h) == before and h.manager.shadow_report() is None
+        assert h.manager.shadow(shadow_request(bundle="incoming/good", sha256=good), no_progress)["state"] == RUNNING
+    finally:
+        h.manager.close()
+
+
+def test_a_shadow_while_a_deploy_runs_is_refused_busy_and_changes_nothing(demo):
+    """The deploy holds the manager's operation (here: stuck in its fetch); a shadow then fails busy at once."""
+    h = demo
+    entered, release = threading.Event(), threading.Event()
+    real_fetch = h.manager._fetch_install
+
+    def slow_fetch(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return real_fetch(*args, **kwargs)
+
+    h.manager._fetch_install = slow_fetch
+    from agent.cli.demo import DEMO_BUNDLE
+
+    other = candidate_bundle(DEMO_BUNDLE, h.incoming("float-1.2.0"), "1.2.0", serve="float")
+    deploy = threading.Thread(target=lambda: h.manager.deploy(
+        deploy_request({"bundle": "incoming/float-1.2.0", "sha256": other}), no_progress))
+    with ServingLoop(h.manager):
+        deploy.start()
+        try:
+            assert entered.wait(30)
+            before = _entries(h)
+            with pytest.raises(CommandError, match="deploy or rollback is running") as busy:
+                h.manager.shadow(shadow_request(bundle="incoming/int8-1.1.0", sha256=h.candidate_sha), no_progress)
+            assert busy.value.code == "busy" and _entries(h) == before and h.manager.shadow_report() is None
+        finally:
+            release.set()
+            deploy.join(60)
