@@ -25,7 +25,15 @@ from agent.fleet.link import FleetLink, Message
 from agent.fleet.records import BoxState
 from agent.protocol.messages import JSON_DEPTH_MAX, ProtocolError
 from agent.protocol.status import BoxStatus, SlotsView, SlotView, parse_status
-from agent.protocol.topics import ALERT, STATUS, TELEMETRY, announce_topic, fleet_subscriptions, split_device_topic
+from agent.protocol.topics import (
+    ALERT,
+    SHADOW,
+    STATUS,
+    TELEMETRY,
+    announce_topic,
+    fleet_subscriptions,
+    split_device_topic,
+)
 
 STALE_INTERVALS = 3.0  # telemetry intervals without a word before an "online" status is not believed
 DEFAULT_TELEMETRY_INTERVAL_S = 10.0  # a box's publish.telemetry_interval_s default, for statuses without it
@@ -89,6 +97,7 @@ class BoxView:
     kind: Optional[str] = None  # its device kind (the status's ``device_kind``: a device_configs/ name)
     precision: Optional[str] = None  # of the serving model's artifacts (the status's ``precision``: int8, float32)
     duplicate: bool = False  # another box answers as this device id (a row per identity: FleetView.rows)
+    shadow: Optional[Dict[str, Any]] = None  # its last shadow run (docs/shadow.md), as shadow_summary() reads it
 
     @property
     def online(self) -> bool:
@@ -138,7 +147,7 @@ class BoxView:
                 "backend": self.backend, "serving": to_dict(serving) if serving is not None else None,
                 "slots": slots_json(self.slots), "last_seen": self.last_seen, "fps": self.fps,
                 "alerts": self.alerts, "reason": self.reason, "broker": self.broker, "heard_live": self.heard_live,
-                "kind": self.kind, "duplicate": self.duplicate}
+                "kind": self.kind, "duplicate": self.duplicate, "shadow": self.shadow}
 
 
 class FleetView:
@@ -177,6 +186,9 @@ class FleetView:
             fps = body.get("fps")
             box.fps = fps if isinstance(fps, (int, float)) and math.isfinite(fps) else None
             box.last_seen = _latest(box.last_seen, body.get("ts"))
+            return device
+        elif kind == (SHADOW,) and isinstance(body, dict):
+            self.boxes.setdefault(device, BoxView(device)).shadow = shadow_summary(body)
             return device
         elif kind == (TELEMETRY, ALERT) and isinstance(body, dict):
             box = self.boxes.setdefault(device, BoxView(device))
@@ -267,6 +279,20 @@ class FleetView:
         """Boxes of ``group`` (all boxes when None; a duplicate id when any of its boxes is), sorted by id."""
         return [self.boxes[d] for d in sorted(self.boxes) if group is None or group in self.boxes[d].groups or
                 any(group in twin.groups for twin in self.identities.get(d, {}).values())]
+
+
+def shadow_summary(report: Dict[str, Any]) -> Dict[str, Any]:
+    """What ``fleet status`` shows of a box's retained shadow report: the candidate, how the run stands and its
+    agreement (anything the report lacks or types otherwise is None)."""
+    def field(data: Any, *path: str) -> Any:
+        for key in path:
+            data = data.get(key) if isinstance(data, dict) else None
+        return data if isinstance(data, (str, int, float)) and not isinstance(data, bool) else None
+
+    return {"candidate": field(report, "candidate", "version"), "name": field(report, "candidate", "name"),
+            "state": field(report, "state"), "frames": field(report, "frames_compared"),
+            "f1": field(report, "agreement", "score_aware", "f1"),
+            "strict_f1": field(report, "agreement", "strict", "f1")}
 
 
 def too_quiet(last_word: Optional[float], interval_s: Optional[float], now: float) -> bool:
@@ -383,6 +409,10 @@ def render_table(boxes: Sequence[BoxView], now: Optional[float] = None) -> str:
         if box.last_rollback:
             note = (note + "; " if note else "") + "rolled back %s %s" % (
                 box.last_rollback.get("version"), box.last_rollback.get("at"))
+        if box.shadow:
+            f1 = box.shadow.get("f1")
+            note = (note + "; " if note else "") + "shadow %s %s: F1 %s" % (
+                box.shadow.get("candidate"), box.shadow.get("state"), "%.3f" % f1 if f1 is not None else "-")
         lines.append("%-20s %-8s %-34s %-12s %-9s %6s %9s %-21s  %s" % (
             box.device[:20], box.state.value[:8], name[:34], slot[:12], other[:9], fps, seen,
             (box.broker or "-")[:21], note[:80]))

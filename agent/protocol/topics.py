@@ -110,10 +110,11 @@ def command_subscriptions(prefix: str, device: str, groups: Sequence[str]) -> Li
 
 
 def fleet_subscriptions(prefix: str, status_only: bool = False) -> List[str]:
-    """What a fleet view subscribes to: every box's retained status, then telemetry and alerts."""
+    """What a fleet view subscribes to: every box's retained status, then telemetry, alerts and its retained
+    shadow report."""
     topics = [status_topic(prefix, "+")]
     if not status_only:
-        topics += [telemetry_topic(prefix, "+"), alert_topic(prefix, "+")]
+        topics += [telemetry_topic(prefix, "+"), alert_topic(prefix, "+"), shadow_topic(prefix, "+")]
     return topics
 
 

@@ -141,6 +141,14 @@ def test_a_healthy_int8_candidate_is_promoted_on_every_box(gated_fleet, capsys):
               "detections")
     assert wait_for(lambda: _serving(gated_fleet["probe"], gated_fleet["prefix"]) == dict.fromkeys(DEVICES, "1.1.0"),
                     timeout=60)
+    # fleet status shows each box's last shadow run, from its retained report
+    figures = capsys.readouterr().out  # the figures printed above, kept apart from the JSON below
+    code = fleet_cli.main(["status", "--broker", gated_fleet["broker"].url, "--prefix", gated_fleet["prefix"],
+                           "--json", "--listen", "2", "--state-dir", str(gated_fleet["root"] / "rollouts")])
+    shown = {b["device"]: b["shadow"] for b in json.loads(capsys.readouterr().out)["boxes"]}
+    print(figures)
+    assert code == EXIT_COMPLETED and set(shown) == set(DEVICES), shown
+    assert all(s["candidate"] == "1.1.0" and s["state"] == "finished" and s["f1"] >= 0.95 for s in shown.values())
 
 
 # --- the gate's outcomes, against protocol-only simulated boxes (tests/support/fleet_boxes.py) --------------------

@@ -265,7 +265,7 @@ def test_every_topic_the_box_publishes_has_its_builder():
     assert topics.alert_topic("p", "cam-1") == "p/cam-1/telemetry/alert"
     assert topics.events_topic("p", "cam-1") == "p/cam-1/events"
     assert topics.snapshot_topic("p", "cam-1", "front") == "p/cam-1/snapshot/front"
-    assert topics.fleet_subscriptions("p") == ["p/+/status", "p/+/telemetry", "p/+/telemetry/alert"]
+    assert topics.fleet_subscriptions("p") == ["p/+/status", "p/+/telemetry", "p/+/telemetry/alert", "p/+/shadow"]
     assert topics.HA_STATUS_TOPIC == "homeassistant/status"
     assert topics.ha_config_topic("cam-1", "fps") == "homeassistant/sensor/atlas-edge-cam-1/fps/config"
 
