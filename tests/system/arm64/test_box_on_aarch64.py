@@ -31,10 +31,13 @@ def test_the_daemon_on_arm_detects_what_it_detects_on_x86(lane, cpu, name, preci
     assert x86["served"], "x86 did not serve %s %s: %s" % (name, precision, x86["output_tail"][-3000:])
     if not arm["served"]:
         golden = [line.strip() for line in arm.get("golden", []) if "golden:" in line or "golden set" in line]
-        record(cpu, name, precision, "REFUSED at load (%s)" % ("; ".join(golden) or "exit %s" % arm["exit"]),
-               features)
-        pytest.fail("%s %s refused on %s (exit %s); its golden self-test: %s\n%s" % (
-            name, precision, cpu, arm["exit"], "; ".join(golden) or "-", arm["output_tail"][-2500:]))
+        stopped = [line.split("agent.daemon: ", 1)[1] for line in arm["output_tail"].splitlines()
+                   if "agent.daemon: stopping:" in line]
+        why = "; ".join(stopped) or "; ".join(golden) or "exit %s" % arm["exit"]
+        record(cpu, name, precision, "NOT SERVED (%s)" % why, features)
+        pytest.fail("%s %s not served on %s (exit %s: %s); its golden self-test: %s\n%s" % (
+            name, precision, cpu, arm["exit"], "; ".join(stopped) or "-", "; ".join(golden) or "-",
+            arm["output_tail"][-2500:]))
     report = comparing.compare(x86["results"], arm["results"], CONF)
     frames, detections = comparing.counts(arm["results"])
     line = "%d frames, %d detections (x86 %d); %s; %.0f s" % (frames, detections, comparing.counts(x86["results"])[1],
