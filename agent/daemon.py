@@ -366,8 +366,10 @@ class Daemon:
         self.transport.publish(self.transport.events_topic(), event)
         if self._announced and event_of(event) in SLOT_EVENTS:
             self.transport.set_status(self._presence())
-        if self.drift is not None and event_of(event) in (Event.SWITCHED, Event.ROLLBACK):
-            self.drift.relearn(self.models.current.bundle.manifest_sha256)  # another model: its own reference
+        if self._announced and self.drift is not None and event_of(event) in (Event.SWITCHED, Event.ROLLBACK):
+            # another model serves: it learns its own reference (at start, _restore_drift decides, once the
+            # model manager, whose recovery may report a rollback before it serves, has started)
+            self.drift.relearn(self.models.current.bundle.manifest_sha256)
 
     def _publish_shadow_report(self, report: Dict[str, Any]) -> None:
         """A shadow run's report, retained (the latest replaces the one before; an operator who looks later
