@@ -58,9 +58,12 @@ class Camera:
     """One RTSP camera: ``url()`` is its open stream, ``url(user=..., password=...)`` with credentials."""
 
     def __init__(self, size: Tuple[int, int] = (640, 360), fps: int = 10, password: str = "",
-                 kbps: int = 2000, moving: bool = False) -> None:
+                 kbps: int = 2000, moving: bool = False, clip: Optional[str] = None) -> None:
+        """``clip``: a file of raw BGR frames of ``size`` (:func:`write_clip`) the camera loops instead of its
+        drawn frames (those carry the time code; a clip's pictures do not)."""
         require_rig()
         self.size, self.fps, self.password, self.kbps, self.moving = size, fps, password, kbps, moving
+        self.clip = clip
         self.port = free_port("127.0.0.1")
         self.proc: Optional[subprocess.Popen] = None
         self.start()
@@ -72,6 +75,8 @@ class Camera:
             cmd += ["--password", self.password]
         if self.moving:
             cmd += ["--moving"]
+        if self.clip:
+            cmd += ["--play", self.clip]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         line: List[bytes] = []
         reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
@@ -94,6 +99,12 @@ class Camera:
     def resize(self, width: int, height: int) -> None:
         self.proc.stdin.write(b"size %d %d\n" % (width, height))
         self.proc.stdin.flush()
+
+    def play(self, clip: str) -> None:
+        """Loop the raw BGR frames of ``clip`` from the next frame on (the scene in front of the camera changes);
+        ``-``: its drawn frames again."""
+        self.clip = None if clip == "-" else clip
+        self._command(b"play %s\n" % clip.encode())
 
     def jump_pts(self, seconds: float) -> None:
         """The camera's timestamps (PTS, RTP time) jump by ``seconds`` (negative: back); its pixels do not."""
@@ -168,6 +179,14 @@ class Blackhole:
         self.sock.close()
         for conn in self.held:
             conn.close()
+
+
+def write_clip(path: str, frames: List[np.ndarray]) -> str:
+    """Frames (BGR uint8, all of one size) as the raw file :class:`Camera` plays; returns ``path``."""
+    with open(path, "wb") as handle:
+        for frame in frames:
+            handle.write(np.ascontiguousarray(frame, np.uint8).tobytes())
+    return path
 
 
 def frame_capture(image: np.ndarray, now_ms: Optional[int] = None) -> Optional[Tuple[int, int]]:

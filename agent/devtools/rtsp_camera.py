@@ -161,11 +161,14 @@ class PacketLoss:
 class Feed:
     """Frames for every session of one mount: drawn at ``fps`` on a thread of their own, pushed to appsrc."""
 
-    def __init__(self, size, fps, moving=False):
+    def __init__(self, size, fps, moving=False, clip=None):
         self.size = size  # (w, h)
         self.moving = moving
         self.fps = fps
         self.counter = 0
+        self.clip = []  # frames played in a loop instead of drawn (play): raw BGR pictures of this size
+        if clip:
+            self.play(clip)
         self.sources = []
         self.lock = threading.Lock()
         self.pts_fault = PtsFault()
@@ -183,6 +186,19 @@ class Feed:
         self.loss.attach(media.get_element().get_by_name_recurse_up("pay0"))
         with self.lock:
             self.sources.append(src)
+
+    def play(self, path):
+        """Loop the raw BGR frames of ``path`` (w*h*3 bytes each, end to end) from the next frame on; '-': draw."""
+        if path == "-":
+            self.clip = []
+            return
+        w, h = self.size
+        with open(path, "rb") as handle:
+            data = handle.read()
+        size = w * h * 3
+        if not data or len(data) % size:
+            raise ValueError("%s: %d bytes is not a whole number of %dx%d BGR frames" % (path, len(data), w, h))
+        self.clip = [data[i:i + size] for i in range(0, len(data), size)]
 
     def resize(self, w, h):
         with self.lock:
@@ -202,7 +218,9 @@ class Feed:
                 next_at = time.monotonic()  # resumed after SIGSTOP: no burst of catch-up frames
             w, h = self.size
             self.counter += 1
-            data = draw(w, h, int(time.time() * 1000), self.counter, self.moving)
+            clip = self.clip
+            data = clip[self.counter % len(clip)] if clip else draw(w, h, int(time.time() * 1000), self.counter,
+                                                                     self.moving)
             with self.lock:
                 for src in list(self.sources):
                     if src.emit("push-buffer", Gst.Buffer.new_wrapped(data)) != Gst.FlowReturn.OK:
@@ -243,6 +261,8 @@ def main():
     parser.add_argument("--record", metavar="FILE", help="write --frames frames to FILE (Matroska) and exit")
     parser.add_argument("--frames", type=int, default=100)
     parser.add_argument("--moving", action="store_true", help="the body's grey follows the counter (framecode)")
+    parser.add_argument("--play", default=None, metavar="FILE",
+                        help="loop these raw BGR frames (of --size, end to end) instead of drawn ones")
     args = parser.parse_args()
     Gst.init(None)
     w, h = (int(v) for v in args.size.split("x"))
@@ -252,7 +272,7 @@ def main():
     server = GstRtspServer.RTSPServer()
     server.set_address("127.0.0.1")
     server.set_service(str(args.port))
-    feed = Feed((w, h), args.fps, args.moving)
+    feed = Feed((w, h), args.fps, args.moving, args.play)
     factory = GstRtspServer.RTSPMediaFactory()
     factory.set_launch(PIPELINE.format(gop=args.fps, kbps=args.kbps))
     factory.set_latency(0)
@@ -287,6 +307,11 @@ def main():
                 feed.loss.damage(int(parts[1]))
             elif parts[:1] == ["loss"]:
                 feed.loss.set_loss(int(parts[1]))
+            elif parts[:1] == ["play"]:
+                try:
+                    feed.play(parts[1])
+                except (OSError, ValueError) as exc:  # said, and the camera goes on with what it showed
+                    print("play: %s" % exc, file=sys.stderr, flush=True)
         GLib.idle_add(loop.quit)  # stdin closed: the test process is gone
 
     loop = GLib.MainLoop()
