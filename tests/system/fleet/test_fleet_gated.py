@@ -14,6 +14,7 @@ import pytest
 
 from agent.cli import fleet as fleet_cli
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
+from agent.devtools.scenes import generate_scenes
 from agent.fleet.report import EXIT_ABORTED, EXIT_COMPLETED, EXIT_PARTIAL, EXIT_PAUSED
 from tests.conftest import MqttProbe, wait_for
 from tests.support.daemon_rig import start_daemon, write_config
@@ -30,6 +31,7 @@ pytestmark = [pytest.mark.fleet_rig,
 DEVICES = ("gate-1", "gate-2", "gate-3")
 # the demo detector trained 2 epochs instead of 18 (tests/data/build_undertrained_bundle.py): mAP@0.5 0.17, not 0.98
 UNDERTRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "data", "shapes-undertrained")
+YOLOV8T = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "byom", "yolov8t.onnx")
 ANSWER_S = 180  # a bound for three daemons starting on a loaded machine; never asserted as a duration
 CAMERA_SIZES = [(480, 640), (480, 480), (480, 800)]
 
@@ -51,6 +53,12 @@ def gated_fleet(tmp_path_factory, request):
         shas["undertrained"] = candidate_bundle(UNDERTRAINED, str(incoming / "undertrained"), "1.4.0", serve="float")
         damaged_bundle(DEMO_BUNDLE, str(incoming / "x4"), scales_x4)
         shas["scales-x4"] = candidate_bundle(str(incoming / "x4"), str(incoming / "scales-x4"), "1.3.0")
+    yield from _fleet(mosquitto, root, prefix, serving, frames, shas)
+
+
+def _fleet(mosquitto, root, prefix, serving, frames, shas, **extra):
+    """Three real daemons of group ``g`` serving ``serving`` from ``frames`` (a folder read in a loop); yields the
+    fleet once each has said what it serves, and stops them after."""
     probe = MqttProbe(mosquitto, ["%s/#" % prefix])
     procs = []
     try:
@@ -61,7 +69,7 @@ def gated_fleet(tmp_path_factory, request):
             model = {"bundle": serving, "observation_s": 0, "backend": "onnxruntime",
                      "latency_regression": NOISE_PROOF_FACTOR}
             procs.append(start_daemon(write_config(home, mosquitto, frames, loop=True, device_id=device, mqtt=mqtt,
-                                                   model=model)))
+                                                   model=model, **extra)))
         assert wait_for(lambda: _serving(probe, prefix).keys() >= set(DEVICES), timeout=ANSWER_S, interval=0.2), \
             [p.poll() for p in procs]
         yield {"broker": mosquitto, "prefix": prefix, "probe": probe, "root": root, "shas": shas}
@@ -90,6 +98,35 @@ def _serving(probe, prefix):
 
 def _deploys_sent(probe, prefix):
     return [t for t, _, _, _ in list(probe.messages) if t.startswith(prefix + "/") and t.endswith("/cmd/deploy")]
+
+
+@pytest.fixture(scope="module")
+def yolo_fleet(tmp_path_factory, request):
+    """Three daemons serving the tests' weakly trained YOLOv8 (tests/fixtures/byom/yolov8t.onnx, float), with its
+    int8 made by ``bundle create --int8`` in each store; they read its kind of scenes at the bundle's conf 0.25."""
+    pytest.importorskip("mindspore")  # bundle create's converters; before onnx (protobuf's implementation)
+    pytest.importorskip("onnxruntime.quantization")
+    import cv2
+
+    from agent.cli.main import main as cli_main
+
+    mosquitto = request.getfixturevalue("mosquitto")
+    root = tmp_path_factory.mktemp("yolo-fleet")
+    calibration, frames = root / "calibration", root / "frames"
+    for folder, seed, count in ((calibration, 31, 40), (frames, 57, 30)):
+        folder.mkdir()
+        for index, (image, _b, _c) in enumerate(generate_scenes(seed, count, (256, 256))):
+            cv2.imwrite(str(folder / ("scene%02d.png" % index)), image)
+    made = str(root / "made")
+    assert cli_main(["bundle", "create", "--out", made, "--model", YOLOV8T, "--images", str(calibration),
+                     "--int8"]) == 0
+    serving = str(root / "serving")
+    candidate_bundle(made, serving, "1.0.0", serve="float")
+    shas = {}
+    for index in range(len(DEVICES)):
+        incoming = root / ("box%d" % index) / "state" / "bundles" / "incoming"
+        shas["int8"] = candidate_bundle(made, str(incoming / "int8"), "1.1.0")
+    yield from _fleet(mosquitto, root, random_prefix("yolo"), serving, frames, shas)
 
 
 def _rollout(fleet, name, capsys, *extra):
@@ -149,6 +186,21 @@ def test_a_healthy_int8_candidate_is_promoted_on_every_box(gated_fleet, capsys):
     print(figures)
     assert code == EXIT_COMPLETED and set(shown) == set(DEVICES), shown
     assert all(s["candidate"] == "1.1.0" and s["state"] == "finished" and s["f1"] >= 0.95 for s in shown.values())
+
+
+def test_a_healthy_int8_of_a_weakly_trained_yolov8_is_promoted_on_score_aware_agreement(yolo_fleet, capsys):
+    """Its int8 keeps the float model's findings but moves marginal detections across conf: the strict reading
+    is lower than the score-aware one that the gate judges by (both printed), and every box is promoted."""
+    code, report, err = _rollout(yolo_fleet, "int8", capsys, "--shadow-frames", "30")
+    boxes = {b["device"]: b for b in report["boxes"]}
+    assert code == EXIT_COMPLETED and report["status"] == "completed", (err, boxes)
+    for device in DEVICES:
+        shadow = boxes[device]["shadow"]
+        print("yolov8t %s: score-aware F1 %s, strict F1 %s on %s frames, %s detections" % (
+            device, shadow["f1"], shadow["strict_f1"], shadow["frames"], shadow["detections"]))
+        assert boxes[device]["outcome"] == "confirmed" and shadow["f1"] >= 0.95
+        assert shadow["strict_f1"] <= shadow["f1"]
+    assert any(boxes[d]["shadow"]["strict_f1"] < boxes[d]["shadow"]["f1"] for d in DEVICES)
 
 
 # --- the gate's outcomes, against protocol-only simulated boxes (tests/support/fleet_boxes.py) --------------------
