@@ -9,6 +9,9 @@ a resumed rollout.
 
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -20,8 +23,10 @@ except ImportError:  # the Lite lane collects this module too (its fleet_rig tes
 from agent.cli import fleet as fleet_cli
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from agent.devtools.scenes import generate_scenes
+from agent.fleet.journal import RolloutState
+from agent.fleet.plan import RolloutError
 from agent.fleet.report import EXIT_ABORTED, EXIT_COMPLETED, EXIT_PARTIAL, EXIT_PAUSED
-from tests.conftest import MqttProbe, wait_for
+from tests.conftest import REPO_ROOT, MqttProbe, wait_for
 from tests.support.daemon_rig import start_daemon, write_config
 from tests.support.fleet_boxes import random_prefix
 from tests.support.fleet_support import box_fleet, sim_rollout_args  # noqa: F401 - box_fleet is a fixture
@@ -257,3 +262,39 @@ def test_a_rerun_reads_the_verdicts_it_recorded_and_shadows_no_box_twice(box_fle
     shadows = {box.device: [v for v, _ in box.commands].count("shadow") for box in fleet.boxes}
     assert shadows == dict.fromkeys(("box-00", "box-01", "box-02"), 1)
     assert all(box.deploys == 1 for box in fleet.boxes)
+
+
+def test_killed_while_a_wave_is_shadowed_a_rerun_judges_the_same_runs_and_deploys_each_box_once(box_fleet, tmp_path):
+    """The operator is killed (SIGKILL) after its canary was sent ``shadow`` and before that run's report came: the
+    re-run sends the same request id (the box answers from its record: no second run), reads the report the box
+    kept retained, and the rollout completes with one shadow run and one deploy per box."""
+    fleet = box_fleet(4, shadow_s=8.0).start()
+    args = [sys.executable, "-m", "agent", "fleet"] + sim_rollout_args(
+        fleet.url, fleet.prefix, tmp_path, "--shadow-frames", "50", "--shadow-timeout", "90", "--canary", "1",
+        "--waves", "1", "--rollout-id", "gated-kill")
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    state_file = str(tmp_path / "gated-kill.json")
+    first = subprocess.Popen(args, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def mid_gate():
+        try:
+            state = RolloutState.load(state_file)
+        except RolloutError:
+            return False  # read in the middle of a snapshot's rename
+        return state is not None and any((b.shadow or {}).get("request_id") and "verdict" not in b.shadow
+                                         for b in state.boxes.values())
+
+    assert wait_for(mid_gate, timeout=60), first.stderr.read().decode() if first.poll() is not None else ""
+    first.send_signal(signal.SIGKILL)
+    first.wait(10)
+    assert sum(box.deploys for box in fleet.boxes) == 0  # killed in the gate: nothing deployed yet
+
+    second = subprocess.run(args, env=env, cwd=REPO_ROOT, capture_output=True, timeout=180)
+    assert second.returncode == EXIT_COMPLETED, second.stderr.decode()[-2000:]
+    report = json.loads(second.stdout)
+    assert report["runs"] == 2 and report["counts"] == {"confirmed": 4}
+    runs = {box.device: {body["request_id"] for verb, body in box.commands if verb == "shadow"}
+            for box in fleet.boxes}
+    assert {device: len(ids) for device, ids in runs.items()} == dict.fromkeys(runs, 1), runs
+    assert all(box.deploys == 1 for box in fleet.boxes)
+    assert all(b["shadow"]["verdict"] == "agrees" for b in report["boxes"])
