@@ -78,6 +78,9 @@ log = logging.getLogger(__name__)
 # The serving loop runs the handover queue at least once per batch wait (milliseconds) or per inference; 30 s
 # covers a long first batch on a slow box without leaving an operator's command hanging for minutes.
 DEFAULT_SWITCH_TIMEOUT_S = 30.0
+# How long a stopping daemon waits for a shadow candidate to end its frame: a hung runtime call must not hold the
+# stop past systemd's TimeoutStopSec (the candidate's thread is a daemon thread and ends with the process).
+SHADOW_STOP_S = 10.0
 
 # The rollback trigger decided here, as reported in events and acks (the window's own are in probation.py,
 # start-up's in recovery.py).
@@ -325,8 +328,9 @@ class ModelManager:
         a running deploy stops at its next check, a shadow run at its next frame."""
         self._cancel.set()
         candidate = self._candidate
-        if candidate is not None:
-            candidate.run.stop("the daemon is stopping")
+        if candidate is not None and not candidate.run.stop("the daemon is stopping", timeout=SHADOW_STOP_S):
+            log.warning("the shadow candidate did not stop within %.0f s (a call into its runtime still runs); "
+                        "the daemon stops without it", SHADOW_STOP_S)
         self._swap.close()
 
     # --- shadow runs (docs/shadow.md) ----------------------------------------------------------------------

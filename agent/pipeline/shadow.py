@@ -107,14 +107,17 @@ class ShadowRun:
             self._thread.join()
             raise self._load_error
 
-    def stop(self, reason: str, timeout: Optional[float] = None) -> None:
-        """End the run at the candidate's next frame boundary with ``reason``; waits for its final report."""
+    def stop(self, reason: str, timeout: Optional[float] = None) -> bool:
+        """End the run at the candidate's next frame boundary with ``reason``; waits for its final report (at most
+        ``timeout`` s); False when the candidate's thread is still inside a call after that."""
         with self._lock:
             if self._stop_reason is None:
                 self._stop_reason = reason
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     @property
     def running(self) -> bool:

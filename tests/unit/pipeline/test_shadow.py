@@ -108,9 +108,8 @@ def test_the_int8_candidate_agrees_with_its_float_reference_and_shifted_labels_d
     assert all(counts["f1"] < 0.3 for counts in shifted["per_label"].values()), shifted["per_label"]
 
 
-def test_a_busy_candidate_drops_frames_and_offer_never_waits(reference, candidates, device, scenes):
-    """While the candidate is stuck on a frame, one more frame is held and every further one is dropped and
-    counted; the sampling is a pattern (sample 0.5: every second frame served)."""
+def _sticking_candidate(candidates, device):
+    """A loader of the int8 candidate whose calls wait for ``gate`` (``entered`` set once one waits)."""
     gate, entered = threading.Event(), threading.Event()
 
     def load():
@@ -125,6 +124,13 @@ def test_a_busy_candidate_drops_frames_and_offer_never_waits(reference, candidat
         model.infer_frames = stuck
         return model
 
+    return load, gate, entered
+
+
+def test_a_busy_candidate_drops_frames_and_offer_never_waits(reference, candidates, device, scenes):
+    """While the candidate is stuck on a frame, one more frame is held and every further one is dropped and
+    counted; the sampling is a pattern (sample 0.5: every second frame served)."""
+    load, gate, entered = _sticking_candidate(candidates, device)
     reports = []
     run = _run(reference, candidates["int8"], device, reports, load=load, sample=0.5)
     run.start()
@@ -139,6 +145,22 @@ def test_a_busy_candidate_drops_frames_and_offer_never_waits(reference, candidat
     assert wait_for(lambda: len(run.meter.frames) == 2, WAIT_S)
     run.stop("test done", timeout=WAIT_S)
     assert reports[-1]["dropped_busy"] == 9 and reports[-1]["frames_compared"] == 2
+
+
+def test_stopping_a_candidate_stuck_in_a_call_returns_after_its_timeout_and_says_so(reference, candidates, device,
+                                                                                   scenes):
+    """A daemon that stops must not wait on a hung candidate call (ModelManager.close bounds it): ``stop`` with a
+    timeout returns False while the call runs; once the call returns, the thread ends with a final report."""
+    load, gate, entered = _sticking_candidate(candidates, device)
+    reports = []
+    run = _run(reference, candidates["int8"], device, reports, load=load)
+    run.start()
+    run.offer(scenes[0], reference.infer_frames([scenes[0]])[0].detections, reference)
+    assert entered.wait(WAIT_S)
+    assert run.stop("the daemon is stopping", timeout=0.2) is False
+    gate.set()
+    assert run.stop("the daemon is stopping", timeout=WAIT_S) is True
+    assert reports[-1]["state"] == STOPPED and reports[-1]["reason"] == "the daemon is stopping"
 
 
 def test_the_candidate_runs_at_the_lowest_cpu_priority(reference, candidates, device):
