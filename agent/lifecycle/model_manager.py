@@ -117,7 +117,7 @@ def check_succession(serving: Slot, manifest: Manifest, request: DeployRequest) 
 class _Candidate:
     """A shadow run's candidate (docs/shadow.md): the run, and the bundle's store entry, installed for the
     inactive slot and kept out of gc until a deploy of it takes it into the table or it is discarded. A
-    restart forgets it (the entry is then garbage)."""
+    restart forgets it: the start's gc deletes the entry, which no slot names."""
 
     run: ShadowRun
     installed: str  # store-relative

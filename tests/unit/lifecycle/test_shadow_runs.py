@@ -113,6 +113,23 @@ def test_shadow_stop_with_discard_deletes_the_candidate(demo):
     assert nothing.value.code == "no_shadow"
 
 
+def test_a_restart_forgets_the_candidate_and_its_start_deletes_the_entry(demo, tmp_path):
+    """A daemon stopped during a shadow run: the next start serves what the slot table says, and the candidate's
+    store entry (named by no slot) is gone, not left to fill the disk."""
+    h = demo
+    before = _entries(h)
+    h.manager.shadow(shadow_request(bundle="incoming/int8-1.1.0", sha256=h.candidate_sha), no_progress)
+    assert len(_entries(h)) == len(before) + 1
+    h.manager.close()
+    again = Harness(tmp_path, h.config.model.bundle, backend="onnxruntime")
+    again.manager.start()
+    try:
+        assert _entries(again) == before and again.manager.shadow_report() is None
+        assert again.manager.current.manifest.version == "1.0.0"
+    finally:
+        again.manager.close()
+
+
 def test_a_classifier_cannot_be_shadowed(tmp_path):
     shutil.copytree(TINY_BUNDLE, str(tmp_path / "tiny"))
     h = Harness(tmp_path, str(tmp_path / "tiny"))
