@@ -37,9 +37,10 @@ SECTIONS = {
     "fleet": "benchmarks.fleet",
     "fleet_metrics": "benchmarks.fleet_metrics",
     "sources": "benchmarks.sources",
+    "drift": "benchmarks.drift",
     "quant": "benchmarks.quant",
 }
-NEEDS_MODEL = ("pipeline", "metrics", "shadow", "batching", "memory", "startup", "sources", "quant")
+NEEDS_MODEL = ("pipeline", "metrics", "shadow", "batching", "memory", "startup", "sources", "drift", "quant")
 # Not in a --quick run unless named with --only: the quant section builds, quantizes, converts and times a
 # 640x640 YOLOv8n-shaped model besides the demo (minutes on 2 cores), more than the quick budget allows.
 NOT_QUICK = ("quant",)
@@ -62,6 +63,7 @@ REQUIRED_KEYS = (
     "memory.rss_mb_per_10k_frames",
     "startup.seconds_to_ready",
     "sources.latency_p50_ratio_to_bare",
+    "drift.alerts",
     "quant.size_ratio",
     "quant.infer_ratio_to_float",
     "quant.frame_ratio_to_float",

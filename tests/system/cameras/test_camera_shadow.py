@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from agent.bundle.verify import verify_bundle
 from agent.cli.demo import DEMO_BUNDLE
 from agent.devtools.camera_rig import write_clip
 from agent.devtools.scenes import generate_scenes
@@ -62,3 +63,32 @@ def test_the_demo_int8_shadowed_beside_its_float_on_the_rig_agrees(rig, tmp_path
         finally:
             box.stop()
             reports.close()
+
+
+def test_serving_the_rig_with_a_shadow_at_sample_one_loses_no_result(rig, tmp_path):
+    """The ``shadow`` bench section's own measurement (benchmarks/shadow.py), one short pair on the rig: the
+    daemon's RTSP source feeds the serving loop with and without a run of the int8 open at sample 1.0; every
+    frame the source queued is published and none is dropped on a full queue. Its latency ratio is printed, never
+    asserted (a shared machine's timings are the bench's business)."""
+    from agent.config.device_config import load_device_config
+    from agent.pipeline.model import load_model
+    from benchmarks import shadow as bench
+    from benchmarks.workload import camera_frames
+
+    pytest.importorskip("onnxruntime")
+    device = load_device_config("cpu-dev")
+    serving = load_model(verify_bundle(DEMO_BUNDLE), device, "onnxruntime", precision="float")
+    images = camera_frames(bench.FRAME_POOL, hw=(bench.RIG_SIZE[1], bench.RIG_SIZE[0]))
+    clip = write_clip(str(tmp_path / "scenes.bgr"), images)
+    try:
+        with Camera(size=bench.RIG_SIZE, fps=int(bench.PACE_FPS), clip=clip) as camera:
+            serve = bench._serve_rig(camera.url())
+            result = bench.measure(serving, lambda: load_model(serving.bundle, device, "onnxruntime",
+                                                               precision="int8"),
+                                   serving.bundle, images, 45, 1, serve)
+    finally:
+        serving.close()
+    print("rig, one pair of 45 frames: serving p95 ratio %.3f, %.1f frames compared/s, %d dropped busy"
+          % (result["serving_p95_ratio"], result["frames_compared_per_s"], result["dropped_busy"]))
+    assert result["results_lost"] == 0
+    assert result["frames_compared_per_s"] > 0
