@@ -120,7 +120,7 @@ def measure(serving: Any, load_candidate: Any, candidate: Any, images: List[Any]
             serve: Callable[..., Tuple[List[float], float, int]] = _serve_paced) -> Dict[str, Any]:
     from agent.pipeline.shadow import ShadowRun
 
-    ratios, p95_on, p95_off, compared, dropped, on_s = [], [], [], 0, 0, 0.0
+    ratios, p95_on, p95_off, compared, dropped, offered, on_s = [], [], [], 0, 0, 0, 0.0
     lost = 0
     agreement: Optional[Dict[str, Any]] = None
     for index in range(pairs):
@@ -139,6 +139,7 @@ def measure(serving: Any, load_candidate: Any, candidate: Any, images: List[Any]
                 run.stop("bench round done", timeout=60.0)
                 report = run.report()
                 compared += report["frames_compared"]
+                offered += report["frames_offered"]
                 dropped += report["dropped_busy"]
                 on_s += seconds
                 agreement = report["agreement"]
@@ -150,7 +151,7 @@ def measure(serving: Any, load_candidate: Any, candidate: Any, images: List[Any]
         "serving_p95_ratio": ratio["median"], "serving_p95_ratio_per_pair": ratio,
         "serving_p95_ms_with_shadow": summarize(p95_on), "serving_p95_ms_without": summarize(p95_off),
         "frames_compared_per_s": compared / on_s if on_s else 0.0, "dropped_busy": dropped,
-        "results_lost": lost, "pace_fps": PACE_FPS, "frames_per_run": count, "pairs": pairs,
+        "frames_offered": offered, "results_lost": lost, "pace_fps": PACE_FPS, "frames_per_run": count, "pairs": pairs,
         "score_aware_f1_last_run": None if agreement is None else agreement["score_aware"]["f1"],
     }
 

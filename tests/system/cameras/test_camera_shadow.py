@@ -91,4 +91,6 @@ def test_serving_the_rig_with_a_shadow_at_sample_one_loses_no_result(rig, tmp_pa
     print("rig, one pair of 45 frames: serving p95 ratio %.3f, %.1f frames compared/s, %d dropped busy"
           % (result["serving_p95_ratio"], result["frames_compared_per_s"], result["dropped_busy"]))
     assert result["results_lost"] == 0
-    assert result["frames_compared_per_s"] > 0
+    # every frame served with the run open was handed to it (compared, held or dropped busy: how many it compared
+    # depends on the CPU a nice-19 thread gets here, so it is printed, not asserted)
+    assert result["frames_offered"] == 45
