@@ -64,8 +64,11 @@ class ShadowRun:
     def __init__(self, load: Callable[[], LoadedModel], reference: LoadedModel, candidate: Dict[str, Any],
                  candidate_labels: List[str], sample: float, frames: int, max_s: float,
                  on_report: Callable[[Dict[str, Any]], None], clock: Callable[[], float] = time.monotonic,
-                 progress_every_s: float = PROGRESS_EVERY_S) -> None:
+                 progress_every_s: float = PROGRESS_EVERY_S, nice: Optional[int] = SHADOW_NICE) -> None:
+        """``nice``: the candidate thread's nice value (None: the caller's). A box keeps the default; tests of what
+        a run compares pass None so that a loaded machine's other work cannot starve the thread for minutes."""
         self._load = load
+        self.nice = nice
         self.reference = reference
         self.candidate_identity = candidate
         self.sample, self.frames_wanted, self.max_s = sample, frames, max_s
@@ -156,7 +159,7 @@ class ShadowRun:
     # --- the candidate's thread -----------------------------------------------------------------------------
 
     def _main(self) -> None:
-        self.priority_problem = lower_thread_priority()
+        self.priority_problem = None if self.nice is None else lower_thread_priority(self.nice)
         if self.priority_problem:
             log.warning("shadow run: could not lower the candidate thread's priority: %s", self.priority_problem)
         try:
