@@ -30,3 +30,66 @@ def candidate_bundle(src, dst, version, serve="int8", shift_labels=False):
     write_manifest(dst, data)
     return sha256_file(os.path.join(dst, MANIFEST))
 
+
+
+def gated_daemons(mosquitto, root, prefix, serving, shas, devices, sources, answer_s):
+    """Real daemons (``agent run`` processes) ``devices`` of group ``g``, the i-th reading ``sources[i]`` and serving
+    ``serving`` on onnxruntime, each with its home ``root/box<i>``; yields ``{broker, prefix, probe, root, shas}``
+    once each has said what it serves (within ``answer_s``), and stops them after. Device ids must differ between
+    fleets alive at once: a box's MQTT client id is made from it, and two would take each other's session."""
+    from tests.conftest import MqttProbe, wait_for
+    from tests.support.daemon_rig import start_daemon, write_config
+    from tests.support.lifecycle_support import NOISE_PROOF_FACTOR
+
+    probe = MqttProbe(mosquitto, ["%s/#" % prefix])
+    procs = []
+    try:
+        for index, device in enumerate(devices):
+            home = root / ("box%d" % index)
+            mqtt = {"host": mosquitto.host, "port": mosquitto.port, "reconnect_min_s": 0.1, "reconnect_max_s": 1.0,
+                    "prefix": prefix, "groups": ["g"]}
+            model = {"bundle": serving, "observation_s": 0, "backend": "onnxruntime",
+                     "latency_regression": NOISE_PROOF_FACTOR}
+            procs.append(start_daemon(write_config(home, mosquitto, None, device_id=device, mqtt=mqtt, model=model,
+                                                   sources=sources[index])))
+        assert wait_for(lambda: serving_versions(probe, prefix).keys() >= set(devices), timeout=answer_s,
+                        interval=0.2), [p.poll() for p in procs]
+        yield {"broker": mosquitto, "prefix": prefix, "probe": probe, "root": root, "shas": shas}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.communicate(timeout=30)
+            except Exception:  # noqa: BLE001 - a daemon that does not stop is killed, the others still stop
+                proc.kill()
+        probe.close()
+
+
+def serving_versions(probe, prefix):
+    """device -> the version its latest online status says it serves (each box's own word)."""
+    seen = {}
+    for topic, payload, _retain, _qos in list(probe.messages):
+        if topic.startswith(prefix + "/") and topic.endswith("/status") and payload:
+            body = json.loads(payload)
+            if body.get("state") == "online" and body.get("slots"):
+                slots = body["slots"]
+                seen[body["device_id"]] = slots["slots"][slots["serving"]]["version"]
+    return seen
+
+
+def gated_rollout(fleet, name, capsys, *extra):
+    """``fleet rollout`` of the candidate ``incoming/<name>`` to group ``g`` of :func:`gated_daemons`' fleet, gated
+    on 20 shadow frames at score-aware F1 0.95, canary 1 then one wave; (exit code, JSON report, stderr)."""
+    from agent.cli import fleet as fleet_cli
+
+    args = ["rollout", "--broker", fleet["broker"].url, "--prefix", fleet["prefix"], "--group", "g",
+            "--bundle", "incoming/%s" % name, "--sha256", fleet["shas"][name],
+            "--bundle-file", str(fleet["root"] / "box0" / "state" / "bundles" / "incoming" / name),
+            "--state-dir", str(fleet["root"] / "rollouts"), "--listen", "2", "--canary", "1", "--waves", "1",
+            "--json", "--shadow-frames", "20", "--min-agreement", "0.95", "--shadow-timeout", "150",
+            "--confirm-timeout", "150"] + list(extra)
+    code = fleet_cli.main(args)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err, captured.err
+    return code, json.loads(captured.out), captured.err

@@ -26,13 +26,11 @@ from agent.devtools.scenes import generate_scenes
 from agent.fleet.journal import RolloutState
 from agent.fleet.plan import RolloutError
 from agent.fleet.report import EXIT_ABORTED, EXIT_COMPLETED, EXIT_PARTIAL, EXIT_PAUSED
-from tests.conftest import REPO_ROOT, MqttProbe, wait_for
-from tests.support.daemon_rig import start_daemon, write_config
+from tests.conftest import REPO_ROOT, wait_for
 from tests.support.fleet_boxes import random_prefix
 from tests.support.fleet_support import box_fleet, sim_rollout_args  # noqa: F401 - box_fleet is a fixture
 from tests.support.golden_damage import damaged_bundle, scales_x4
-from tests.support.lifecycle_support import NOISE_PROOF_FACTOR
-from tests.support.shadow_support import candidate_bundle
+from tests.support.shadow_support import candidate_bundle, gated_daemons, gated_rollout, serving_versions
 
 pytestmark = [pytest.mark.fleet_rig,
               pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
@@ -67,45 +65,10 @@ def gated_fleet(tmp_path_factory, request):
     yield from _fleet(mosquitto, root, prefix, serving, frames, shas, DEVICES)
 
 
-def _fleet(mosquitto, root, prefix, serving, frames, shas, devices, **extra):
-    """Real daemons ``devices`` of group ``g`` serving ``serving`` from ``frames`` (a folder read in a loop); yields
-    the fleet once each has said what it serves, and stops them after. Device ids differ between the module's
-    fleets: a box's MQTT client id is made from it, and two alive at once would take each other's session."""
-    probe = MqttProbe(mosquitto, ["%s/#" % prefix])
-    procs = []
-    try:
-        for index, device in enumerate(devices):
-            home = root / ("box%d" % index)
-            mqtt = {"host": mosquitto.host, "port": mosquitto.port, "reconnect_min_s": 0.1, "reconnect_max_s": 1.0,
-                    "prefix": prefix, "groups": ["g"]}
-            model = {"bundle": serving, "observation_s": 0, "backend": "onnxruntime",
-                     "latency_regression": NOISE_PROOF_FACTOR}
-            procs.append(start_daemon(write_config(home, mosquitto, frames, loop=True, device_id=device, mqtt=mqtt,
-                                                   model=model, **extra)))
-        assert wait_for(lambda: _serving(probe, prefix).keys() >= set(devices), timeout=ANSWER_S, interval=0.2), \
-            [p.poll() for p in procs]
-        yield {"broker": mosquitto, "prefix": prefix, "probe": probe, "root": root, "shas": shas}
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.communicate(timeout=30)
-            except Exception:  # noqa: BLE001 - a daemon that does not stop is killed, the others still stop
-                proc.kill()
-        probe.close()
-
-
-def _serving(probe, prefix):
-    """device -> the version its latest online status says it serves (each box's own word)."""
-    seen = {}
-    for topic, payload, _retain, _qos in list(probe.messages):
-        if topic.startswith(prefix + "/") and topic.endswith("/status") and payload:
-            body = json.loads(payload)
-            if body.get("state") == "online" and body.get("slots"):
-                slots = body["slots"]
-                seen[body["device_id"]] = slots["slots"][slots["serving"]]["version"]
-    return seen
+def _fleet(mosquitto, root, prefix, serving, frames, shas, devices):
+    """The real daemons ``devices`` (group ``g``) reading ``frames`` in a loop: tests/support/shadow_support.py."""
+    sources = [{"name": "cam", "uri": str(frames), "loop": True}]
+    yield from gated_daemons(mosquitto, root, prefix, serving, shas, devices, [sources] * len(devices), ANSWER_S)
 
 
 def _deploys_sent(probe, prefix):
@@ -141,19 +104,6 @@ def yolo_fleet(tmp_path_factory, request):
     yield from _fleet(mosquitto, root, random_prefix("yolo"), serving, frames, shas, YOLO_DEVICES)
 
 
-def _rollout(fleet, name, capsys, *extra):
-    args = ["rollout", "--broker", fleet["broker"].url, "--prefix", fleet["prefix"], "--group", "g",
-            "--bundle", "incoming/%s" % name, "--sha256", fleet["shas"][name],
-            "--bundle-file", str(fleet["root"] / "box0" / "state" / "bundles" / "incoming" / name),
-            "--state-dir", str(fleet["root"] / "rollouts"), "--listen", "2", "--canary", "1", "--waves", "1",
-            "--json", "--shadow-frames", "20", "--min-agreement", "0.95", "--shadow-timeout", "150",
-            "--confirm-timeout", "150"] + list(extra)
-    code = fleet_cli.main(args)
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err, captured.err
-    return code, json.loads(captured.out), captured.err
-
-
 @pytest.mark.parametrize("broken, outcome", [("shifted", "disagreement"), ("undertrained", "disagreement"),
                                              ("scales-x4", "failed")])
 def test_a_broken_candidate_is_caught_in_the_canary_and_no_box_serves_it(gated_fleet, capsys, broken, outcome):
@@ -164,7 +114,7 @@ def test_a_broken_candidate_is_caught_in_the_canary_and_no_box_serves_it(gated_f
     wrong model it would pass the self-test, and its detections still agree with the float model's: score-aware
     F1 0.98 on 72 scenes, the coarser steps cost this detector little; a gate on agreement lets that one
     through.)"""
-    code, report, err = _rollout(gated_fleet, broken, capsys)
+    code, report, err = gated_rollout(gated_fleet, broken, capsys)
     boxes = {b["device"]: b for b in report["boxes"]}
     assert code == EXIT_ABORTED and report["status"] == "aborted", err
     caught = [b for b in boxes.values() if b.get("outcome") == outcome]
@@ -175,11 +125,11 @@ def test_a_broken_candidate_is_caught_in_the_canary_and_no_box_serves_it(gated_f
     else:
         assert "golden" in caught[0]["error"], caught[0]["error"]
     assert _deploys_sent(gated_fleet["probe"], gated_fleet["prefix"]) == []  # no box was ever sent the deploy
-    assert _serving(gated_fleet["probe"], gated_fleet["prefix"]) == dict.fromkeys(DEVICES, "1.0.0")
+    assert serving_versions(gated_fleet["probe"], gated_fleet["prefix"]) == dict.fromkeys(DEVICES, "1.0.0")
 
 
 def test_a_healthy_int8_candidate_is_promoted_on_every_box(gated_fleet, capsys):
-    code, report, err = _rollout(gated_fleet, "int8", capsys)
+    code, report, err = gated_rollout(gated_fleet, "int8", capsys)
     boxes = {b["device"]: b for b in report["boxes"]}
     assert code == EXIT_COMPLETED and report["status"] == "completed", (err, boxes)
     for device in DEVICES:
@@ -188,8 +138,8 @@ def test_a_healthy_int8_candidate_is_promoted_on_every_box(gated_fleet, capsys):
         assert shadow["f1"] >= 0.95 and shadow["frames"] >= 20
         print(device, "score-aware F1", shadow["f1"], "strict", shadow["strict_f1"], "on", shadow["detections"],
               "detections")
-    assert wait_for(lambda: _serving(gated_fleet["probe"], gated_fleet["prefix"]) == dict.fromkeys(DEVICES, "1.1.0"),
-                    timeout=60)
+    assert wait_for(lambda: serving_versions(gated_fleet["probe"], gated_fleet["prefix"]) ==
+                    dict.fromkeys(DEVICES, "1.1.0"), timeout=60)
     # fleet status shows each box's last shadow run, from its retained report
     figures = capsys.readouterr().out  # the figures printed above, kept apart from the JSON below
     code = fleet_cli.main(["status", "--broker", gated_fleet["broker"].url, "--prefix", gated_fleet["prefix"],
@@ -203,7 +153,7 @@ def test_a_healthy_int8_candidate_is_promoted_on_every_box(gated_fleet, capsys):
 def test_a_healthy_int8_of_a_weakly_trained_yolov8_is_promoted_on_score_aware_agreement(yolo_fleet, capsys):
     """Its int8 keeps the float model's findings but moves marginal detections across conf: the strict reading
     is lower than the score-aware one that the gate judges by (both printed), and every box is promoted."""
-    code, report, err = _rollout(yolo_fleet, "int8", capsys, "--shadow-frames", "30")
+    code, report, err = gated_rollout(yolo_fleet, "int8", capsys, "--shadow-frames", "30")
     boxes = {b["device"]: b for b in report["boxes"]}
     assert code == EXIT_COMPLETED and report["status"] == "completed", (err, boxes)
     for device in YOLO_DEVICES:
