@@ -400,7 +400,8 @@ def test_a_result_joins_the_back_of_its_sources_backlog(mosquitto, tmp_path, pro
 @pytest.mark.parametrize("round_", range(2))
 def test_broker_restart_keeps_frame_order_per_source(fresh_broker, tmp_path, probe_factory, transports, round_):
     """Issue 12: frames flow from two sources while the broker stops and restarts; an independent
-    persistent-session subscriber sees every result exactly once and, per source, in frame order."""
+    persistent-session subscriber sees every result, per source in frame order, and once, but for the copy of a
+    message whose PUBACK the stop lost (historical, counted in ``requeued``)."""
     probe = probe_factory(fresh_broker, ["atlas-edge/cam-01/results/#"], client_id="order-probe-%d" % round_,
                           clean_session=False)
     transport = make_transport(tmp_path, fresh_broker.host, fresh_broker.port, replay_rate_hz=500.0)
@@ -456,12 +457,21 @@ def test_broker_restart_keeps_frame_order_per_source(fresh_broker, tmp_path, pro
     assert wait_for(lambda: len(distinct_deliveries(probe)) >= total)
     time.sleep(0.5)  # a duplicate would arrive after the last original: give it the chance to show
     got = distinct_deliveries(probe)
+    stats = transport.stats()
+    repeated = 0
     for source in sources:
-        frames = [m["frame"] for topic, m in got if topic.endswith("/" + source)]
+        firsts, again = [], []
+        for topic, m in got:
+            if topic.endswith("/" + source):
+                (again if m["frame"] in {f["frame"] for f in firsts} else firsts).append(m)
+        frames = [m["frame"] for m in firsts]
         assert frames == list(range(sent[source])), "%s: %d received, first out of order at %s" % (
             source, len(frames), next((i for i, f in enumerate(frames) if f != i), None))
-    stats = transport.stats()
-    assert stats["reconnects"] == 1 and stats["dropped"] == 0
+        # at least once (docs/mqtt.md): a message the broker took just before it stopped, whose PUBACK was lost,
+        # comes again from the outbox, marked historical; seen once in a run of the aarch64 lane (frame 50)
+        assert all(m.get("historical") for m in again), again
+        repeated += len(again)
+    assert stats["reconnects"] == 1 and stats["dropped"] == 0 and repeated <= stats["requeued"]
 
 
 # -- replay is at least once, never a loop (issue 16) --------------------------------------------------------
