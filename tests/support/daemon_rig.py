@@ -41,6 +41,20 @@ def start_daemon(config_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+def stop_daemons(procs, timeout=30):
+    """SIGTERM every daemon, then wait for each; one that does not stop in ``timeout`` is killed, the others
+    still stop (a fixture's teardown: each test module that starts several daemons ends them so)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 def iou(a, b):
     x1, y1 = max(a[0], b[0]), max(a[1], b[1])
     x2, y2 = min(a[2], b[2]), min(a[3], b[3])

@@ -38,7 +38,7 @@ def gated_daemons(mosquitto, root, prefix, serving, shas, devices, sources, answ
     once each has said what it serves (within ``answer_s``), and stops them after. Device ids must differ between
     fleets alive at once: a box's MQTT client id is made from it, and two would take each other's session."""
     from tests.conftest import MqttProbe, wait_for
-    from tests.support.daemon_rig import start_daemon, write_config
+    from tests.support.daemon_rig import start_daemon, stop_daemons, write_config
     from tests.support.lifecycle_support import NOISE_PROOF_FACTOR
 
     probe = MqttProbe(mosquitto, ["%s/#" % prefix])
@@ -56,13 +56,7 @@ def gated_daemons(mosquitto, root, prefix, serving, shas, devices, sources, answ
                         interval=0.2), [p.poll() for p in procs]
         yield {"broker": mosquitto, "prefix": prefix, "probe": probe, "root": root, "shas": shas}
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.communicate(timeout=30)
-            except Exception:  # noqa: BLE001 - a daemon that does not stop is killed, the others still stop
-                proc.kill()
+        stop_daemons(procs)
         probe.close()
 
 

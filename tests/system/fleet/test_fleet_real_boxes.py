@@ -18,7 +18,7 @@ from agent.cli.ctl import EXIT_OK, EXIT_USAGE
 from agent.cli.demo import DEMO_BUNDLE, write_sample_frames
 from benchmarks.fleet_sim import build_bundle
 from tests.conftest import MqttProbe, wait_for
-from tests.support.daemon_rig import start_daemon, write_config
+from tests.support.daemon_rig import start_daemon, stop_daemons, write_config
 from tests.support.fleet_boxes import random_prefix
 
 pytestmark = [pytest.mark.fleet_rig,
@@ -52,13 +52,7 @@ def real_fleet(tmp_path_factory, request):
                         timeout=ANSWER_S, interval=0.2), [p.poll() for p in procs]
         yield {"broker": mosquitto, "prefix": prefix, "probe": probe, "root": root}
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.communicate(timeout=30)
-            except Exception:  # noqa: BLE001 - a daemon that does not stop is killed, the others still stop
-                proc.kill()
+        stop_daemons(procs)
         probe.close()
 
 
