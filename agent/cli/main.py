@@ -37,6 +37,8 @@ COMMANDS = {
     "validate": ("agent.cli.main", "check a daemon config or device config; per-field errors", "edge"),
     "bundle": ("agent.cli.bundle", "create (from ONNX/MindIR), verify, sign, make keys: model bundles", "edge"),
     "fleet": ("agent.cli.fleet", "every box at a glance; staged rollouts with canary, waves and abort", "edge"),
+    "console": ("agent.cli.console", "the operator's web console: the fleet, boxes, snapshots, live (roles)",
+                "console"),
     "wheelhouse": ("agent.cli.wheelhouse", "download a box's pinned wheels for its Python and CPU (offline install)",
                    "edge"),
     "qat": ("quant.cli", "train / quantization-aware training / export to a bundle (workstation)", "host"),

@@ -11,7 +11,7 @@ from tests.conftest import BOX_TEST_FOLDERS, is_box_test
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
 # agent/'s groups whose tests are not the box's: the command line (host commands too) and the operator's fleet side
-NOT_BOX_GROUPS = {"cli", "fleet"}
+NOT_BOX_GROUPS = {"cli", "fleet", "console"}
 
 
 def test_a_new_module_in_a_box_folder_is_a_box_test_and_others_are_not():

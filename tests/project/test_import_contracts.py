@@ -109,7 +109,7 @@ def test_the_tree_keeps_every_contract_and_has_no_import_circle(tmp_path):
 
 LAYERS = "agent's groups in layers"
 HOST = "the workstation's packages sit between"
-FLEET = "fleet (the operator's side)"
+FLEET = "fleet and console (the operator's side)"
 BOX = "what serves on the box never imports"
 
 

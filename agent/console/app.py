@@ -1,0 +1,358 @@
+"""The console's web application (Starlette): pages, their JSON, the live event stream, commands.
+
+Starlette because it is small, typed, maintained by the encode team that also keeps uvicorn, and needs nothing
+else at run time but Jinja2 (whose autoescaping renders every string a box sends as text) and python-multipart
+(its form parser). Every response carries a Content-Security-Policy with no inline script or style, so a string a
+hostile box slipped past an escape still could not run; the pages' one script is a static file, and it writes
+what it receives with ``textContent``, never as markup.
+
+Who may do what: a request without a session is redirected to the login page (pages) or answered 401 (``/api``,
+``/live``); every state-changing request (POST) needs a session whose role may change the box's groups, and the
+session's CSRF token in ``X-CSRF-Token`` or the form, else 403. Each one is written to the audit log.
+"""
+
+import asyncio
+import json
+import math
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from agent.console.accounts import Accounts, Role
+from agent.console.audit import AuditLog
+from agent.console.sessions import LoginThrottle, Session, Sessions, csrf_ok
+from agent.console.watch import CommandError, FleetWatch
+from agent.fleet.records import BoxState
+from agent.fleet.status import BoxView, FleetView
+from agent.protocol.verbs import PAUSE, RESTART, RESUME, ROLLBACK, SNAPSHOT, STATUS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COOKIE = "atlas_edge_console"
+PAGE_SIZE = 100
+EVENT_WAIT_S = 15.0  # the event stream's longest silence: a comment then keeps proxies from closing it
+LIVE_POLL_S = 0.25  # how often an open page's stream looks for changes
+# The verbs a box page offers; each goes through the box's own parse before it is sent (FleetWatch.command)
+CONSOLE_VERBS = (STATUS, SNAPSHOT, PAUSE, RESUME, ROLLBACK, RESTART)
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+       "form-action 'self'; base-uri 'none'; frame-ancestors 'none'")
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+class Console:
+    """What the routes share: the fleet's watch, the accounts, sessions, throttle and audit log."""
+
+    def __init__(self, watch: FleetWatch, accounts: Accounts, audit: AuditLog, secure_cookie: bool = False) -> None:
+        import jinja2
+
+        self.watch = watch
+        self.accounts = accounts
+        self.audit = audit
+        self.sessions = Sessions()
+        self.throttle = LoginThrottle()
+        self.secure_cookie = secure_cookie
+        self.templates = jinja2.Environment(loader=jinja2.FileSystemLoader(os.path.join(HERE, "templates")),
+                                            autoescape=True, undefined=jinja2.StrictUndefined)
+        self.templates.filters["age"] = _age
+
+    def render(self, name: str, session: Optional[Session], status: int = 200, **values: Any) -> Response:
+        values.setdefault("error", self.watch.error)
+        page = self.templates.get_template(name).render(
+            session=session, user=session.account if session else None,
+            operator=session is not None and session.account.role == Role.OPERATOR, **values)
+        return Response(page, status_code=status, media_type="text/html; charset=utf-8")
+
+    def session(self, request: Request) -> Optional[Session]:
+        return self.sessions.get(request.cookies.get(COOKIE))
+
+
+def row(box: BoxView, now: float) -> Dict[str, Any]:
+    """A box as the fleet page shows it (and its JSON: the page's script redraws rows from this)."""
+    serving = box.serving
+    return {"device": box.device, "state": box.state.value, "groups": list(box.groups), "kind": box.kind,
+            "model": box.model, "version": serving.version if serving is not None else None,
+            "precision": box.precision, "fps": box.fps if box.fps is None or math.isfinite(box.fps) else None,
+            "alerts": len(box.alerts), "last_alert": _alert_text(box.alerts[-1]) if box.alerts else None,
+            "seen": _age(box.last_seen, now), "malformed": box.malformed}
+
+
+def box_detail(box: BoxView, watch: FleetWatch, now: float) -> Dict[str, Any]:
+    feed = watch.feed(box.device)
+    return {"row": row(box, now), "reason": box.reason, "backend": box.backend, "broker": box.broker,
+            "slots": {name: {"version": e.version, "state": str(e.state), "sha256": e.manifest_sha256}
+                      for name, e in sorted(box.entries().items())},
+            "serving_slot": box.serving_slot, "last_rollback": box.last_rollback,
+            "alerts": [_alert_text(a) for a in box.alerts], "shadow": box.shadow,
+            "sources": sorted(feed.snapshots), "refused_snapshot": feed.refused_snapshot,
+            "results": [_result_line(r) for r in list(feed.results)[-10:]],
+            "commands": watch.command_log(box.device)}
+
+
+def select(view: FleetView, group: Optional[str], state: Optional[str], query: Optional[str]) -> List[BoxView]:
+    """The fleet page's boxes: of ``group``, in ``state``, whose id holds ``query``; sorted by id."""
+    boxes = view.rows(group or None)
+    if state:
+        boxes = [b for b in boxes if b.state.value == state]
+    if query:
+        boxes = [b for b in boxes if query.lower() in b.device.lower()]
+    return boxes
+
+
+def make_app(console: Console) -> Starlette:
+    def login_page(request: Request) -> Response:
+        if console.session(request) is not None:
+            return RedirectResponse("/", status_code=303)
+        return console.render("login.html", None, error=None)
+
+    async def login(request: Request) -> Response:
+        form = await request.form()
+        name, password = str(form.get("username", ""))[:64], str(form.get("password", ""))
+        client = request.client.host if request.client else "?"
+        wait = console.throttle.wait_s("user:" + name, "client:" + client)
+        if wait > 0:
+            console.audit.record(name, "login", None, "throttled", client=client)
+            return console.render("login.html", None, status=429,
+                                  error="too many failed logins: try again in %.0f s" % math.ceil(wait))
+        account = await asyncio.get_running_loop().run_in_executor(None, console.accounts.check, name, password)
+        if account is None:
+            console.throttle.failed("user:" + name, "client:" + client)
+            console.audit.record(name, "login", None, "failed", client=client)
+            return console.render("login.html", None, status=401, error="wrong user name or password")
+        console.throttle.succeeded("user:" + name)
+        console.audit.record(name, "login", None, "ok", client=client)
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(COOKIE, console.sessions.open(account), httponly=True, samesite="strict",
+                            secure=console.secure_cookie, path="/")
+        return response
+
+    async def logout(request: Request) -> Response:
+        session = await _changing(request, console, None)
+        if isinstance(session, Response):
+            return session
+        console.sessions.close(request.cookies.get(COOKIE))
+        console.audit.record(session.account.name, "logout", None, "ok", client=_client(request))
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(COOKIE, path="/")
+        return response
+
+    def fleet_page(request: Request) -> Response:
+        session = console.session(request)
+        if session is None:
+            return RedirectResponse("/login", status_code=303)
+        return console.render("fleet.html", session, **_fleet(console, request))
+
+    def fleet_json(request: Request) -> Response:
+        if console.session(request) is None:
+            return JSONResponse({"error": "log in first"}, status_code=401)
+        return JSONResponse(_fleet(console, request))
+
+    def box_page(request: Request) -> Response:
+        session = console.session(request)
+        if session is None:
+            return RedirectResponse("/login", status_code=303)
+        device = request.path_params["device"]
+        detail = _box(console, device)
+        if detail is None:
+            return console.render("missing.html", session, status=404, device=device)
+        return console.render("box.html", session, box=detail, verbs=CONSOLE_VERBS,
+                              may_change=session.account.may_change(detail["row"]["groups"]),
+                              error=console.watch.error)
+
+    def box_json(request: Request) -> Response:
+        if console.session(request) is None:
+            return JSONResponse({"error": "log in first"}, status_code=401)
+        detail = _box(console, request.path_params["device"])
+        return JSONResponse(detail) if detail is not None else JSONResponse({"error": "no such box"}, 404)
+
+    def picture(request: Request) -> Response:
+        if console.session(request) is None:
+            return Response(status_code=401)
+        device, source = request.path_params["device"], request.path_params["source"]
+        taken = console.watch.feed(device).snapshots.get(source)
+        if taken is None:
+            return Response("no snapshot", status_code=404, media_type="text/plain")
+        if not taken[1].startswith(JPEG_MAGIC):  # served only as what it claims to be
+            return Response("the box's snapshot is not a JPEG", status_code=415, media_type="text/plain")
+        return Response(taken[1], media_type="image/jpeg", headers={"Cache-Control": "no-store"})
+
+    async def command(request: Request) -> Response:
+        device = request.path_params["device"]
+        detail = _box(console, device)
+        groups = detail["row"]["groups"] if detail is not None else []
+        session = await _changing(request, console, groups)
+        if isinstance(session, Response):
+            return session
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            body = None
+        verb = body.get("verb") if isinstance(body, dict) else None
+        fields = body.get("fields", {}) if isinstance(body, dict) else None
+        if verb not in CONSOLE_VERBS or not isinstance(fields, dict):
+            console.audit.record(session.account.name, "command", device, "refused",
+                                 {"verb": str(verb)[:40]}, client=_client(request))
+            return JSONResponse({"error": "verb must be one of %s, fields an object" % ", ".join(CONSOLE_VERBS)},
+                                status_code=400)
+        if detail is None:
+            return JSONResponse({"error": "no such box"}, status_code=404)
+        if verb == SNAPSHOT:
+            await asyncio.get_running_loop().run_in_executor(None, console.watch.watch_box, device)
+        try:
+            ack = await asyncio.get_running_loop().run_in_executor(
+                None, console.watch.command, device, verb, fields, session.account.name)
+        except CommandError as exc:
+            console.audit.record(session.account.name, "command", device, "not sent", {"verb": verb,
+                                 "error": str(exc)}, client=_client(request))
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        result = "no final ack" if ack is None else ack.state
+        console.audit.record(session.account.name, "command", device, result, {"verb": verb}, client=_client(request))
+        return JSONResponse({"state": result, "result": ack.result if ack is not None else None,
+                             "error": ack.error_text() or None if ack is not None else None},
+                            status_code=200 if ack is not None else 504)
+
+    async def live(request: Request) -> Response:
+        if console.session(request) is None:
+            return JSONResponse({"error": "log in first"}, status_code=401)
+        try:
+            start = int(request.query_params.get("v", ""))
+        except ValueError:  # no or a bad version: from now on
+            start = console.watch.version
+
+        async def stream():
+            """Polls the watch's version (cheap) instead of parking a thread per open page in a wait."""
+            version, quiet_since = start, time.monotonic()
+            while not await request.is_disconnected():
+                now, devices = console.watch.changes_after(version, 0.0)
+                if now != version:
+                    version, quiet_since = now, time.monotonic()
+                    yield "event: change\ndata: %s\n\n" % json.dumps({"version": now, "devices": devices})
+                elif time.monotonic() - quiet_since > EVENT_WAIT_S:
+                    quiet_since = time.monotonic()
+                    yield ": quiet\n\n"
+                await asyncio.sleep(LIVE_POLL_S)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    routes = [
+        Route("/login", login_page, methods=["GET"]),
+        Route("/login", login, methods=["POST"]),
+        Route("/logout", logout, methods=["POST"]),
+        Route("/", fleet_page),
+        Route("/api/fleet", fleet_json),
+        Route("/box/{device}", box_page),
+        Route("/api/box/{device}", box_json),
+        Route("/box/{device}/picture/{source}", picture),
+        Route("/box/{device}/command", command, methods=["POST"]),
+        Route("/live", live),
+        Route("/favicon.ico", lambda request: Response(status_code=204)),
+        Mount("/static", StaticFiles(directory=os.path.join(HERE, "static")), name="static"),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+
+
+class SecurityHeaders:
+    """Pure ASGI middleware (streams pass through unbuffered): the headers of every response."""
+
+    HEADERS = [(b"content-security-policy", CSP.encode()), (b"x-content-type-options", b"nosniff"),
+               (b"referrer-policy", b"no-referrer"), (b"x-frame-options", b"DENY")]
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=list(message.get("headers", [])) + self.HEADERS)
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+async def _changing(request: Request, console: Console, groups: Optional[List[str]]):
+    """The session of a state-changing request that may go on, else the refusing response (401, 403)."""
+    session = console.session(request)
+    if session is None:
+        return JSONResponse({"error": "log in first"}, status_code=401)
+    token = request.headers.get("x-csrf-token")
+    if token is None and request.headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
+        token = (await request.form()).get("csrf")
+    if not csrf_ok(session, token):
+        console.audit.record(session.account.name, request.url.path, None, "refused: no valid CSRF token",
+                             client=_client(request))
+        return JSONResponse({"error": "missing or wrong CSRF token"}, status_code=403)
+    if groups is not None and not session.account.may_change(groups):
+        console.audit.record(session.account.name, request.url.path, None, "refused: role %s" % (
+            session.account.role.value), client=_client(request))
+        return JSONResponse({"error": "your role may not change this box"}, status_code=403)
+    return session
+
+
+def _fleet(console: Console, request: Request) -> Dict[str, Any]:
+    params = request.query_params
+    group, state, query = params.get("group") or None, params.get("state") or None, params.get("q") or None
+    try:
+        wanted = max(1, int(params.get("page", "1")))
+    except ValueError:
+        wanted = 1
+    now = time.time()
+    version = console.watch.version  # read first: a change while the rows are made is sent again, never lost
+
+    def page_of(view: FleetView) -> Dict[str, Any]:
+        boxes = select(view, group, state, query)
+        pages = max(1, -(-len(boxes) // PAGE_SIZE))
+        page = min(wanted, pages)
+        return {"rows": [row(b, now) for b in boxes[(page - 1) * PAGE_SIZE:page * PAGE_SIZE]],
+                "total": len(boxes), "page": page, "pages": pages,
+                "groups": sorted({g for b in view.boxes.values() for g in b.groups})}
+
+    found = console.watch.read(page_of)
+    return dict(found, group=group or "", state=state or "", q=query or "", states=[s.value for s in BoxState],
+                version=version, error=console.watch.error)
+
+
+def _box(console: Console, device: str) -> Optional[Dict[str, Any]]:
+    def detail_of(view: FleetView) -> Optional[Dict[str, Any]]:
+        box = view.boxes.get(device)
+        return box_detail(box, console.watch, time.time()) if box is not None else None
+
+    version = console.watch.version  # read first, as in _fleet
+    detail = console.watch.read(detail_of)
+    if detail is not None:
+        detail["version"] = version
+    return detail
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client else "?"
+
+
+def _alert_text(alert: Any) -> str:
+    if not isinstance(alert, dict):
+        return str(alert)[:200]
+    return ("%s: %s" % (alert.get("kind") or alert.get("alert") or "alert", alert.get("message") or ""))[:300]
+
+
+def _result_line(result: Dict[str, Any]) -> Dict[str, Any]:
+    detections = result.get("detections") if isinstance(result.get("detections"), list) else []
+    return {"source": str(result.get("source")), "frame_id": result.get("frame_id"),
+            "detections": [{"label": str(d.get("label")), "score": d.get("score"), "box": d.get("box")}
+                           for d in detections[:50] if isinstance(d, dict)]}
+
+
+def _age(then: Optional[float], now: Optional[float] = None) -> str:
+    if not isinstance(then, (int, float)):
+        return "-"
+    seconds = max(0.0, (now or time.time()) - then)
+    return "%.0f s" % seconds if seconds < 120 else "%.0f min" % (seconds / 60) if seconds < 7200 else \
+        "%.0f h" % (seconds / 3600)

@@ -1,0 +1,128 @@
+// atlas-edge console: live pages over Server-Sent Events. Everything a box sent is written with textContent
+// (never as markup), and links are built with encodeURIComponent: a box's strings stay text.
+"use strict";
+
+function el(tag, text, attrs) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  for (const [name, value] of Object.entries(attrs || {})) node.setAttribute(name, value);
+  return node;
+}
+
+function dash(value) { return value === null || value === undefined || value === "" ? "-" : value; }
+
+function live(version, onChange) {
+  let pending = null;
+  let source = null;
+  function open(v) {
+    source = new EventSource("/live?v=" + encodeURIComponent(v));
+    source.addEventListener("change", (event) => {
+      const change = JSON.parse(event.data);
+      if (pending) return;
+      pending = setTimeout(() => { pending = null; onChange(change); }, 300);
+    });
+  }
+  open(version);
+}
+
+function fleetRow(r) {
+  const tr = el("tr", null, {"data-device": r.device, "class": "state-" + r.state});
+  const link = el("a", r.device, {"href": "/box/" + encodeURIComponent(r.device)});
+  const device = el("td", null, {"class": "device"});
+  device.appendChild(link);
+  tr.appendChild(device);
+  tr.appendChild(el("td", r.state, {"class": "state"}));
+  tr.appendChild(el("td", r.groups.join(", "), {"class": "groups"}));
+  tr.appendChild(el("td", dash(r.kind), {"class": "kind"}));
+  tr.appendChild(el("td", dash(r.model), {"class": "model"}));
+  tr.appendChild(el("td", dash(r.version), {"class": "version"}));
+  tr.appendChild(el("td", dash(r.precision), {"class": "precision"}));
+  tr.appendChild(el("td", r.fps === null ? "-" : r.fps.toFixed(1), {"class": "fps"}));
+  tr.appendChild(el("td", r.alerts, {"class": "alerts", "title": r.last_alert || ""}));
+  tr.appendChild(el("td", r.seen, {"class": "seen"}));
+  return tr;
+}
+
+function showLinkError(text) {
+  const node = document.getElementById("link-error");
+  node.textContent = text || "";
+  node.hidden = !text;
+}
+
+function fleetPage() {
+  const table = document.getElementById("fleet");
+  live(table.dataset.version, async () => {
+    const answer = await fetch("/api/fleet" + window.location.search, {credentials: "same-origin"});
+    if (!answer.ok) return;
+    const data = await answer.json();
+    const body = document.getElementById("rows");
+    body.replaceChildren(...data.rows.map(fleetRow));
+    document.getElementById("total").textContent = data.total;
+    table.dataset.version = data.version;
+    showLinkError(data.error);
+  });
+}
+
+function fill(id, items, line) {
+  const list = document.getElementById(id);
+  if (!list) return;
+  const nodes = items.map((item) => el("li", line(item)));
+  list.replaceChildren(...(nodes.length ? nodes : [el("li", "none", {"class": "none"})]));
+}
+
+function boxPage() {
+  const head = document.getElementById("device");
+  const device = head.dataset.device;
+  const csrf = document.body.dataset.csrf;
+  async function refresh() {
+    const answer = await fetch("/api/box/" + encodeURIComponent(device), {credentials: "same-origin"});
+    if (!answer.ok) return;
+    const box = await answer.json();
+    const r = box.row;
+    const fields = {"box-state": r.state, "box-reason": box.reason, "box-groups": r.groups.join(", "),
+      "box-kind": r.kind, "box-model": r.model, "box-version": r.version, "box-precision": r.precision,
+      "box-backend": box.backend, "box-fps": r.fps === null ? null : r.fps.toFixed(1), "box-broker": box.broker};
+    for (const [id, value] of Object.entries(fields)) document.getElementById(id).textContent = dash(value);
+    fill("alerts", box.alerts, (a) => a);
+    fill("results", box.results, (x) => x.source + " frame " + x.frame_id + ": " +
+      x.detections.map((d) => d.label + " " + (typeof d.score === "number" ? d.score.toFixed(2) : d.score)).join(", "));
+    fill("command-log", box.commands, (c) => c.user + ": " + c.verb + " " + c.state + (c.error ? " (" + c.error + ")" : ""));
+    const shots = document.getElementById("snapshots");
+    const figures = box.sources.map((source) => {
+      const figure = el("figure");
+      figure.appendChild(el("img", null, {"class": "snapshot", "alt": "snapshot of " + source,
+        "src": "/box/" + encodeURIComponent(device) + "/picture/" + encodeURIComponent(source) + "?v=" + box.version}));
+      figure.appendChild(el("figcaption", source));
+      return figure;
+    });
+    if (figures.length) shots.replaceChildren(...figures);
+    const refused = document.getElementById("refused-snapshot");
+    refused.textContent = box.refused_snapshot || "";
+    refused.hidden = !box.refused_snapshot;
+  }
+  live(head.dataset.version, (change) => {
+    if (change.devices === null || change.devices.includes(device)) refresh();
+  });
+  for (const button of document.querySelectorAll("button.verb")) {
+    button.addEventListener("click", async () => {
+      const verb = button.dataset.verb;
+      if ((verb === "rollback" || verb === "restart") && !window.confirm(verb + " " + device + "?")) return;
+      const out = document.getElementById("command-answer");
+      out.textContent = verb + ": sent, waiting for the box's final ack";
+      const answer = await fetch("/box/" + encodeURIComponent(device) + "/command", {
+        method: "POST", credentials: "same-origin",
+        headers: {"Content-Type": "application/json", "X-CSRF-Token": csrf},
+        body: JSON.stringify({verb: verb, fields: {}})});
+      const data = await answer.json();
+      out.textContent = verb + ": " + (data.state || "") + (data.error ? " (" + data.error + ")" : "");
+      out.dataset.state = data.state || "error";
+      refresh();
+    });
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  const page = document.body.dataset.page;
+  if (page === "fleet") fleetPage();
+  if (page === "box") boxPage();
+});
