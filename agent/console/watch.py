@@ -24,6 +24,7 @@ from agent.protocol.topics import (
     RESULTS,
     SNAPSHOT,
     ack_topic,
+    announce_topic,
     command_topic,
     fleet_subscriptions,
     result_topic,
@@ -38,6 +39,7 @@ RESULTS_KEPT = 50  # per watched box
 WATCHED_BOXES = 64  # boxes whose results and snapshots are subscribed; the least recently viewed is dropped
 SNAPSHOT_MAX_BYTES = 4 * 1024 * 1024  # a bigger "JPEG" from a box is not kept, and the page says why
 COMMAND_TIMEOUT_S = 30.0
+STALE_CHECK_S = 5.0  # how often online boxes not heard for 3 telemetry intervals are marked stale
 COMMANDS_KEPT = 20  # per box, in the box page's command log
 COMMAND_LOGS = 1000  # boxes whose command log is kept; the longest unused goes first
 
@@ -80,6 +82,9 @@ class FleetWatch:
         """Subscribe to the fleet's topics and start reading; ``listen_s``: wait that long for the retained
         statuses before returning (the first page then lists every box)."""
         self.link.subscribe(fleet_subscriptions(self.prefix))
+        # after the SUBACK, so no answer is missed: the boxes' live statuses (a broker that sends no retained
+        # messages to a wildcard, like RabbitMQ, has only these), as `fleet status` asks for them
+        self.link.publish(announce_topic(self.prefix), {"ts": time.time()})
         self._thread.start()
         if listen_s > 0:
             time.sleep(listen_s)
@@ -193,7 +198,14 @@ class FleetWatch:
             raise CommandError(self.error)
 
     def _read(self) -> None:
+        judged = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() - judged >= STALE_CHECK_S:  # a box whose broker node died left no will
+                judged = time.monotonic()
+                with self._lock:
+                    stale = self.view.judge_stale(self.clock())
+                if stale:
+                    self._bump("")
             try:
                 while self._subscribe:
                     topics, done = self._subscribe.popleft()

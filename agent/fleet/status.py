@@ -183,6 +183,8 @@ class FleetView:
             return device
         elif kind == (TELEMETRY,) and isinstance(body, dict):
             box = self.boxes.setdefault(device, BoxView(device))
+            if box.state == BoxState.STALE and not message.retain:  # judged stale, heard again: it is alive
+                box.state, box.reason = BoxState.ONLINE, None
             fps = body.get("fps")
             box.fps = fps if isinstance(fps, (int, float)) and math.isfinite(fps) else None
             box.last_seen = _latest(box.last_seen, body.get("ts"))

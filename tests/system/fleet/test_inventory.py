@@ -47,6 +47,17 @@ def test_an_online_status_nobody_heard_lately_is_stale_and_a_live_one_is_not():
     assert not view.boxes["old"].online  # what a rollout asks: stale is not online
 
 
+def test_a_stale_box_heard_live_again_is_online_and_a_retained_word_does_not_revive_it():
+    """A long-running view (the console, a rollout) judges a silent box stale, then hears its telemetry."""
+    view = FleetView("site")
+    view.apply(status_message("quiet", ts=NOW - 31, telemetry_interval_s=10.0))
+    assert view.judge_stale(NOW) == 1 and view.boxes["quiet"].state == "stale"
+    view.apply(Message("site/quiet/telemetry", b'{"fps": 2.0, "ts": 1.8e9}', True))  # a retained copy: old news
+    assert view.boxes["quiet"].state == "stale"
+    view.apply(Message("site/quiet/telemetry", b'{"fps": 2.0, "ts": 1.8e9}', False))
+    assert view.boxes["quiet"].state == "online" and view.boxes["quiet"].reason is None
+
+
 def test_totals_count_each_state_as_it_is():
     view = FleetView("site")
     for device, state in (("a", "online"), ("b", "offline"), ("c", "online")):
