@@ -92,12 +92,17 @@ class FleetLink:
         raise LinkError("broker %s took the connection but sent no CONNACK within %g s"
                         % (self.where, connack_timeout_s), transient=True)
 
-    def subscribe(self, topics: Sequence[str]) -> None:
-        """Subscribe (QoS 1) and wait until the broker granted every topic; retained messages follow."""
+    def subscribe(self, topics: Sequence[str], qos: int = 1) -> None:
+        """Subscribe and wait until the broker granted every topic; retained messages follow.
+
+        QoS 1 (the default) for what must not be missed while connected (acks). A view of thousands of retained
+        statuses subscribes at QoS 0: a broker keeps only so many QoS 1 messages queued per subscriber
+        (Mosquitto's ``max_queued_messages``, 1000 by default) and drops the rest of a retained burst, where QoS 0
+        goes out as the connection takes it."""
         topics = list(topics)
         for start in range(0, len(topics), SUBSCRIBE_BATCH):
             chunk = topics[start:start + SUBSCRIBE_BATCH]
-            self.client.subscribe([(topic, 1) for topic in chunk])
+            self.client.subscribe([(topic, qos) for topic in chunk])
             kind, granted = self._await("subscribe", time.monotonic() + CONNACK_TIMEOUT_S)
             if kind == "disconnect":
                 raise LinkError("lost the connection to %s (%s)" % (self.where, granted))
