@@ -7,7 +7,7 @@ MINDSPORE_GS := mindspore-gs==1.3.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: venv demo test lint imports pycompat mosquitto rabbitmq camera-rig demo-bundle bench bench-quick \
-	install-service clean lite test-lite test-wheel systemd-tools test-systemd prometheus arm64-tools test-arm64 \
+	install-service clean lite test-lite test-wheel systemd-tools test-systemd prometheus chromium arm64-tools test-arm64 \
 	wheelhouse
 
 # The Lite lane: a Python 3.7 venv with mindspore-lite 2.0.0 (PyPI's only wheel of it is for CPython 3.7), the
@@ -54,6 +54,12 @@ rabbitmq:
 
 # The metrics tests' scraper (tests/support/prometheus.py): a real Prometheus from Debian's package. The tests start
 # their own server (a temporary config and TSDB, a free loopback port), never the system service.
+# The web console's browser tests (tests/system/console): Debian's Chromium and its chromedriver, driven by Selenium
+# (the dev extra); the same package versions, so the driver always matches the browser.
+chromium:
+	@[ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ] || \
+		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends chromium chromium-driver)
+
 prometheus:
 	@[ -x /usr/bin/prometheus ] || \
 		($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus)
@@ -90,7 +96,7 @@ HOST_MARKS = not slow$(if $(PYTHON37), and not camera_rig)
 LITE_MARKS = not slow and not fleet_rig
 
 # The host and Lite lanes run side by side (tests/lanes.sh): each spends most of its time waiting on its rigs.
-test: venv mosquitto rabbitmq camera-rig prometheus lint imports pycompat $(if $(PYTHON37),lite)
+test: venv mosquitto rabbitmq camera-rig prometheus chromium lint imports pycompat $(if $(PYTHON37),lite)
 	@tests/lanes.sh $(PY) "$(HOST_MARKS)" $(if $(PYTHON37),$(LITE_PY) "$(LITE_MARKS)")
 	@$(MAKE) --no-print-directory test-wheel
 	@$(MAKE) --no-print-directory test-systemd

@@ -77,6 +77,8 @@ class AnsweringBox:
         if command is None:
             return
         body = json.loads(message.payload)
+        if "request_id" not in body:  # the fleet's announce (no request, no ack): this box's status is retained
+            return
         with self.lock:
             self.received.append(dict(body, verb=command.verb))
         ack = ack_message(body["request_id"], command.verb, "succeeded", self.answers.get(command.verb, {}))

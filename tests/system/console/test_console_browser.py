@@ -1,0 +1,267 @@
+"""The web console in a real browser (Debian's Chromium through its chromedriver, driven by Selenium) against real
+daemons on a real Mosquitto: log in, the fleet live, an annotated snapshot checked against the box's own result,
+a viewer's page, a hostile box whose strings must not run.
+
+``make test`` installs Chromium and chromedriver from Debian (``make chromium``); elsewhere the module is skipped
+with the reason it found. With ``ATLAS_EDGE_SCREENSHOTS=DIR`` the tests save the pages they see there
+(docs/console.md's pictures were taken so).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette", reason="needs the [console] extra: the operator's side, not the box's")
+pytest.importorskip("selenium", reason="needs selenium (the dev extra) to drive Chromium")
+
+from agent.cli.demo import DEMO_BUNDLE  # noqa: E402
+from tests.conftest import MqttProbe, wait_for  # noqa: E402
+from tests.support.console_support import PASSWORD, AnsweringBox, users_file  # noqa: E402
+from tests.support.daemon_rig import start_daemon, stop_daemons, write_config  # noqa: E402
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+PREFIX = "console-e2e"
+DEVICES = ("cam-north", "cam-south", "cam-gate")
+HOSTILE_ID = "<img src=x onerror=alert(1)>"
+LIVE_S = 5.0  # the acceptance bound for a change to show on an open page, without a reload
+
+pytestmark = pytest.mark.skipif(not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
+                                reason="needs Debian's chromium and chromium-driver (make chromium)")
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fleet(mosquitto, tmp_path_factory):
+    """Three real daemons serving the demo bundle on looping frame folders, and a hostile box beside them."""
+    import cv2
+
+    from agent.devtools.scenes import generate_scenes
+
+    root = tmp_path_factory.mktemp("console-fleet")
+    frames = root / "frames"
+    frames.mkdir()
+    for index, (image, _boxes, _ids) in enumerate(generate_scenes(7, 6, (480, 640))):
+        cv2.imwrite(str(frames / ("f%02d.png" % index)), image)
+    probe = MqttProbe(mosquitto, ["%s/#" % PREFIX])
+    procs = {}
+    for device in DEVICES:
+        home = root / device
+        home.mkdir()
+        config = write_config(home, mosquitto, frames, loop=True, device_id=device,
+                              mqtt={"host": mosquitto.host, "port": mosquitto.port, "prefix": PREFIX,
+                                    "groups": ["site-a" if device != "cam-gate" else "site-b"],
+                                    "reconnect_min_s": 0.1, "reconnect_max_s": 1.0},
+                              sources=[{"name": "cam", "uri": str(frames), "loop": True, "max_fps": 4}])
+        procs[device] = start_daemon(config)
+    hostile = AnsweringBox(mosquitto, HOSTILE_ID, ["site-b"], prefix=PREFIX, model="<script>alert(2)</script>",
+                           device_kind="javascript:alert(3)")
+    try:
+        assert wait_for(lambda: _online(probe) >= set(DEVICES), 120), [p.poll() for p in procs.values()]
+        yield {"broker": mosquitto, "procs": procs, "probe": probe, "root": root, "hostile": hostile}
+    finally:
+        stop_daemons(list(procs.values()))
+        hostile.close()
+        probe.close()
+
+
+def _online(probe):
+    seen = set()
+    for topic, payload, _retain, _dup in list(probe.messages):
+        if topic.endswith("/status") and payload and json.loads(payload).get("state") == "online":
+            seen.add(topic.split("/")[-2])
+    return seen
+
+
+@pytest.fixture(scope="module")
+def console(fleet, tmp_path_factory):
+    """``atlas-edge console`` as an operator runs it, on a free port."""
+    folder = tmp_path_factory.mktemp("console")
+    users = users_file(str(folder))
+    port = _free_port()
+    broker = fleet["broker"]
+    proc = subprocess.Popen([sys.executable, "-m", "agent", "console", "--users", users, "--broker",
+                             "mqtt://%s:%d" % (broker.host, broker.port), "--prefix", PREFIX, "--listen",
+                             "127.0.0.1:%d" % port, "--listen-s", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = "http://127.0.0.1:%d" % port
+
+    def up():
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            return proc.poll() is not None
+
+    assert wait_for(up, 60) and proc.poll() is None, proc.stdout.read() if proc.poll() is not None else ""
+    yield {"url": url, "audit": str(folder / "console-audit.jsonl")}
+    proc.terminate()
+    proc.communicate(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1400",
+                     "--disable-gpu"):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def log_in(driver, url, name):
+    from selenium.webdriver.common.by import By
+
+    driver.delete_all_cookies()
+    driver.get(url + "/login")
+    driver.find_element(By.ID, "username").send_keys(name)
+    driver.find_element(By.ID, "password").send_keys(PASSWORD)
+    driver.find_element(By.ID, "login").click()
+    assert wait_for(lambda: driver.current_url.rstrip("/") == url, 10), driver.current_url
+
+
+def rows(driver):
+    """device -> {cell class: text} of the fleet table, read in one script (the page redraws its rows live)."""
+    return dict(driver.execute_script(
+        "return Array.from(document.querySelectorAll('#rows tr')).map(tr => [tr.dataset.device,"
+        " Object.fromEntries(Array.from(tr.cells).map(td => [td.className, td.textContent.trim()]))]);"))
+
+
+def screenshot(driver, name):
+    folder = os.environ.get("ATLAS_EDGE_SCREENSHOTS")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        driver.save_screenshot(os.path.join(folder, name + ".png"))
+
+
+def severe_logs(driver):
+    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def test_the_fleet_lists_the_daemons_and_a_stopped_one_shows_offline_live(fleet, console, browser):
+    log_in(browser, console["url"], "vic")
+    assert wait_for(lambda: set(DEVICES) <= set(rows(browser)), 10), rows(browser)
+    listed = rows(browser)
+    manifest = json.load(open(os.path.join(DEMO_BUNDLE, "manifest.json")))
+    for device in DEVICES:
+        assert listed[device]["state"] == "online", listed[device]
+        assert listed[device]["model"] == "%s %s" % (manifest["name"], manifest["version"]), listed[device]
+        assert listed[device]["kind"] == "cpu-dev" and listed[device]["version"] == manifest["version"]
+    screenshot(browser, "fleet")
+    browser.execute_script("window.stillTheSamePage = true")
+    proc = fleet["procs"]["cam-gate"]
+    stopped = time.monotonic()
+    proc.terminate()  # its offline status goes out as it stops; the page is not reloaded
+    assert wait_for(lambda: rows(browser).get("cam-gate", {}).get("state") == "offline", LIVE_S, interval=0.1), \
+        rows(browser).get("cam-gate")
+    print("offline on the open page %.2f s after the daemon was told to stop" % (time.monotonic() - stopped))
+    proc.communicate(timeout=30)
+    assert browser.execute_script("return window.stillTheSamePage === true")  # no reload happened
+    assert severe_logs(browser) == []
+
+
+def test_a_snapshot_on_the_box_page_shows_the_boxes_of_the_boxs_own_result(fleet, console, browser):
+    import cv2
+    from selenium.webdriver.common.by import By
+
+    log_in(browser, console["url"], "olga")
+    browser.get(console["url"] + "/box/cam-north")
+    browser.find_element(By.ID, "verb-snapshot").click()
+    answer = browser.find_element(By.ID, "command-answer")
+    assert wait_for(lambda: answer.get_attribute("data-state") == "succeeded", 30), answer.text
+    assert wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "img.snapshot") and browser.execute_script(
+        "const i = document.querySelector('img.snapshot'); return i.complete && i.naturalWidth > 0"), 10)
+    screenshot(browser, "box")
+    src = browser.find_element(By.CSS_SELECTOR, "img.snapshot").get_attribute("src")
+    # the picture exactly as the browser got it: fetched by the page's own session
+    jpeg = bytes(browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch(arguments[0], {credentials: 'same-origin'}).then(r => r.arrayBuffer())"
+        ".then(b => done(Array.from(new Uint8Array(b))));", src))
+    picture = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    assert picture is not None and picture.shape[:2] == (480, 640)
+    acks = [body for topic, body in fleet["probe"].json(PREFIX + "/cam-north/ack/")
+            if body.get("verb") == "snapshot" and body.get("state") == "succeeded"]
+    frame_id = acks[-1]["result"]["frame_id"]
+    results = [body for topic, body in fleet["probe"].json(PREFIX + "/cam-north/results/")
+               if body.get("frame_id") == frame_id]
+    assert results, "the box published no result for frame %s" % frame_id
+    detections = results[-1]["detections"]
+    assert detections, "the frame has detections to draw"
+    drawn = [_edge_share(picture, d["box"], d["class_id"]) for d in detections]
+    # the control: the same boxes 17 px off (another box's edge may cross one of them, so judged together)
+    shifted = [_edge_share(picture, [v + 17 for v in d["box"]], d["class_id"]) for d in detections]
+    print("frame %s: %d detections; drawn edge shares %s, shifted %s" % (frame_id, len(detections), drawn, shifted))
+    assert min(drawn) >= 0.9 and float(np.mean(shifted)) < 0.3, (detections, drawn, shifted)
+
+
+def _edge_share(picture, box, class_id):
+    """The share of the box's bottom edge (no label there) drawn in its class's colour."""
+    from agent.pipeline.results import _PALETTE
+
+    colour = np.array(_PALETTE[class_id % len(_PALETTE)], dtype=np.int32)
+    x1, y1, x2, y2 = (int(round(v)) for v in box)
+    height, width = picture.shape[:2]
+    y = min(max(y2, 0), height - 1)
+    xs = range(max(x1 + 2, 0), min(x2 - 1, width))
+    if not xs:
+        return 0.0
+    near = [np.abs(picture[max(0, y - 1):y + 2, x].astype(np.int32) - colour).sum(axis=1).min() <= 90 for x in xs]
+    return float(np.mean(near))
+
+
+def test_a_viewer_sees_no_buttons_and_its_post_is_refused(fleet, console, browser):
+    from selenium.webdriver.common.by import By
+
+    log_in(browser, console["url"], "vic")
+    browser.get(console["url"] + "/box/cam-north")
+    assert browser.find_elements(By.CSS_SELECTOR, "button.verb") == []
+    status = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch('/box/cam-north/command', {method: 'POST', credentials: 'same-origin', headers: {'Content-Type':"
+        " 'application/json', 'X-CSRF-Token': document.body.dataset.csrf}, body: JSON.stringify({verb: 'status',"
+        " fields: {}})}).then(r => done(r.status));")
+    assert status == 403
+    assert [e for e in severe_logs(browser) if "403" not in e["message"]] == []  # the refusal only; drained
+
+
+def test_a_hostile_boxs_strings_are_shown_as_text_and_nothing_runs(fleet, console, browser):
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+
+    severe_logs(browser)  # drained: what earlier tests left
+    log_in(browser, console["url"], "olga")
+    assert wait_for(lambda: HOSTILE_ID in rows(browser), 10), rows(browser)
+    assert rows(browser)[HOSTILE_ID]["model"] == "<script>alert(2)</script>"
+    link = browser.find_element(By.XPATH, "//tr[@data-device=%s]//a" % json.dumps(HOSTILE_ID))
+    link.click()
+    assert wait_for(lambda: browser.find_elements(By.ID, "box-kind"), 10)
+    assert browser.find_element(By.ID, "box-kind").text == "javascript:alert(3)"
+    # raised while its page is open: the alert arrives live and is drawn by the page's script
+    fleet["hostile"].alert({"kind": "<script>alert(4)</script>", "message": "<img src=y onerror=alert(5)>",
+                            "ts": time.time()})
+    assert wait_for(lambda: "<img src=y onerror=alert(5)>" in browser.execute_script(
+        "return document.getElementById('alerts').textContent"), 10)
+    time.sleep(1.0)  # time for anything that would run to run
+    with pytest.raises(NoAlertPresentException):
+        _alert_text = browser.switch_to.alert.text  # noqa: F841 - raises when there is no dialog
+    assert browser.execute_script("return document.querySelectorAll('img:not(.snapshot), script:not([src])')"
+                                  ".length") == 0
+    assert severe_logs(browser) == []
+    screenshot(browser, "hostile-box")
