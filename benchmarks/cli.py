@@ -38,6 +38,7 @@ SECTIONS = {
     "fleet_metrics": "benchmarks.fleet_metrics",
     "sources": "benchmarks.sources",
     "drift": "benchmarks.drift",
+    "console": "benchmarks.console",
     "quant": "benchmarks.quant",
 }
 NEEDS_MODEL = ("pipeline", "metrics", "shadow", "batching", "memory", "startup", "sources", "drift", "quant")
@@ -64,6 +65,9 @@ REQUIRED_KEYS = (
     "startup.seconds_to_ready",
     "sources.latency_p50_ratio_to_bare",
     "drift.alerts",
+    "console.fleet_first_paint_s",
+    "console.box_first_paint_s",
+    "console.rss_mib",
     "quant.size_ratio",
     "quant.infer_ratio_to_float",
     "quant.frame_ratio_to_float",

@@ -342,8 +342,9 @@ def test_missing_required_names_only_selected_sections():
     assert missing_required(data, ["preprocess"]) == []
     # nine of the first issue, four of the quant section (issue 28), the metrics endpoint's cost (issue 32), the
     # shadow run's cost to serving and its comparison rate, and the drift alerts of a steady stream (issue 39)
-    assert len(REQUIRED_KEYS) == 17
-    assert {"shadow.serving_p95_ratio", "shadow.frames_compared_per_s", "drift.alerts"} <= set(REQUIRED_KEYS)
+    assert len(REQUIRED_KEYS) == 20
+    assert {"shadow.serving_p95_ratio", "shadow.frames_compared_per_s", "drift.alerts", "console.rss_mib",
+            "console.fleet_first_paint_s", "console.box_first_paint_s"} <= set(REQUIRED_KEYS)
 
 
 def test_write_json_makes_numpy_and_nan_plain(tmp_path):
