@@ -10,6 +10,25 @@ from agent.bundle.manifest import MANIFEST
 from agent.bundle.verify import sha256_file, write_manifest
 
 
+def gated_bundles(root, boxes, source=None, more=None):
+    """What a gated fleet of ``boxes`` daemons starts from: ``root/serving``, ``source`` (default: the demo) at
+    1.0.0 serving its float, and in each box's incoming store (``root/box<i>``) its int8 at 1.1.0;
+    ``more(incoming, shas)`` adds a fleet's other candidates there. Returns ``(serving, shas)``: candidate name ->
+    manifest sha256."""
+    from agent.cli.demo import DEMO_BUNDLE
+
+    source = source or DEMO_BUNDLE
+    serving = str(root / "serving")
+    candidate_bundle(source, serving, "1.0.0", serve="float")
+    shas = {}
+    for index in range(boxes):
+        incoming = root / ("box%d" % index) / "state" / "bundles" / "incoming"
+        shas["int8"] = candidate_bundle(source, str(incoming / "int8"), "1.1.0")
+        if more is not None:
+            more(incoming, shas)
+    return serving, shas
+
+
 def candidate_bundle(src, dst, version, serve="int8", shift_labels=False):
     """A copy of ``src`` as release ``version`` serving only its ``serve`` artifacts (``int8`` or ``float``; the
     others stay in the bundle with role ``convert``: the float ones are the quantized golden rule's reference),

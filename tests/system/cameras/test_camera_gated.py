@@ -15,7 +15,7 @@ from agent.fleet.report import EXIT_COMPLETED
 from tests.conftest import wait_for
 from tests.support.camera_rig import Camera, require_rig
 from tests.support.fleet_boxes import random_prefix
-from tests.support.shadow_support import candidate_bundle, gated_daemons, gated_rollout, serving_versions
+from tests.support.shadow_support import gated_bundles, gated_daemons, gated_rollout, serving_versions
 
 pytestmark = [
     pytest.mark.camera_rig,
@@ -33,12 +33,7 @@ def rig_fleet(tmp_path_factory, request):
     require_rig()
     mosquitto = request.getfixturevalue("mosquitto")
     root = tmp_path_factory.mktemp("rig-gated")
-    serving = str(root / "serving")
-    candidate_bundle(DEMO_BUNDLE, serving, "1.0.0", serve="float")
-    shas = {}
-    for index in range(len(DEVICES)):
-        incoming = root / ("box%d" % index) / "state" / "bundles" / "incoming"
-        shas["int8"] = candidate_bundle(DEMO_BUNDLE, str(incoming / "int8"), "1.1.0")
+    serving, shas = gated_bundles(root, len(DEVICES))
     cameras = []
     try:
         for index in range(len(DEVICES)):  # a clip of other scenes for each camera

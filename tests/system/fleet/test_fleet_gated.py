@@ -30,7 +30,7 @@ from tests.conftest import REPO_ROOT, wait_for
 from tests.support.fleet_boxes import random_prefix
 from tests.support.fleet_support import box_fleet, sim_rollout_args  # noqa: F401 - box_fleet is a fixture
 from tests.support.golden_damage import damaged_bundle, scales_x4
-from tests.support.shadow_support import candidate_bundle, gated_daemons, gated_rollout, serving_versions
+from tests.support.shadow_support import candidate_bundle, gated_bundles, gated_daemons, gated_rollout, serving_versions
 
 pytestmark = [pytest.mark.fleet_rig,
               pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
@@ -52,16 +52,13 @@ def gated_fleet(tmp_path_factory, request):
     prefix = random_prefix("gate")
     frames = root / "frames"
     write_sample_frames(str(frames), sizes_hw=CAMERA_SIZES * 8, seed=33)
-    serving = str(root / "serving")
-    candidate_bundle(DEMO_BUNDLE, serving, "1.0.0", serve="float")
-    shas = {}
-    for index in range(len(DEVICES)):
-        incoming = root / ("box%d" % index) / "state" / "bundles" / "incoming"
-        shas["int8"] = candidate_bundle(DEMO_BUNDLE, str(incoming / "int8"), "1.1.0")
+    def broken(incoming, shas):
         shas["shifted"] = candidate_bundle(DEMO_BUNDLE, str(incoming / "shifted"), "1.2.0", shift_labels=True)
         shas["undertrained"] = candidate_bundle(UNDERTRAINED, str(incoming / "undertrained"), "1.4.0", serve="float")
         damaged_bundle(DEMO_BUNDLE, str(incoming / "x4"), scales_x4)
         shas["scales-x4"] = candidate_bundle(str(incoming / "x4"), str(incoming / "scales-x4"), "1.3.0")
+
+    serving, shas = gated_bundles(root, len(DEVICES), more=broken)
     yield from _fleet(mosquitto, root, prefix, serving, frames, shas, DEVICES)
 
 
@@ -95,12 +92,7 @@ def yolo_fleet(tmp_path_factory, request):
     made = str(root / "made")
     assert cli_main(["bundle", "create", "--out", made, "--model", YOLOV8T, "--images", str(calibration),
                      "--int8"]) == 0
-    serving = str(root / "serving")
-    candidate_bundle(made, serving, "1.0.0", serve="float")
-    shas = {}
-    for index in range(len(DEVICES)):
-        incoming = root / ("box%d" % index) / "state" / "bundles" / "incoming"
-        shas["int8"] = candidate_bundle(made, str(incoming / "int8"), "1.1.0")
+    serving, shas = gated_bundles(root, len(DEVICES), source=made)
     yield from _fleet(mosquitto, root, random_prefix("yolo"), serving, frames, shas, YOLO_DEVICES)
 
 
