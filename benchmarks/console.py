@@ -170,6 +170,7 @@ def _first_paint(driver: Any, script: str) -> Optional[float]:
 
 
 def measure(context: RunContext, count: int, requests: int) -> Dict[str, Any]:
+    from agent._util.process import terminate
     from agent.console.accounts import Accounts
     from agent.devtools.broker import EmbeddedBroker
 
@@ -205,11 +206,7 @@ def measure(context: RunContext, count: int, requests: int) -> Dict[str, Any]:
             figures = _browser_figures(url, opener, broker)
             rss = _peak_rss_mib(proc.pid)
         finally:
-            proc.terminate()
-            try:
-                proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            terminate(proc, 30, "atlas-edge console")
     return dict({"boxes": count, "broker": "mosquitto, %s" % "; ".join(BROKER_CONFIG),
                  "statuses_published_s": round(published_s, 2),
                  "fleet_page_s": _summary(fleet), "box_page_s": _summary(box), "group_page_s": _summary(paged),
