@@ -79,6 +79,9 @@ def row(box: BoxView, now: float) -> Dict[str, Any]:
             "model": box.model, "version": serving.version if serving is not None else None,
             "precision": box.precision, "fps": box.fps if box.fps is None or math.isfinite(box.fps) else None,
             "alerts": len(box.alerts), "last_alert": _alert_text(box.alerts[-1]) if box.alerts else None,
+            "sources": _sources_text(box.sources), "sources_ok": all(s["state"] == "up" for s in box.sources.values()),
+            "sources_note": "; ".join("%s: %s" % (name, s["error"]) for name, s in sorted(box.sources.items())
+                                      if s["error"])[:300],
             "seen": _age(box.last_seen, now), "malformed": box.malformed}
 
 
@@ -89,7 +92,8 @@ def box_detail(box: BoxView, watch: FleetWatch, now: float) -> Dict[str, Any]:
                       for name, e in sorted(box.entries().items())},
             "serving_slot": box.serving_slot, "last_rollback": box.last_rollback,
             "alerts": [_alert_text(a) for a in box.alerts], "shadow": box.shadow,
-            "sources": sorted(feed.snapshots), "refused_snapshot": feed.refused_snapshot,
+            "cameras": [dict(s, name=name) for name, s in sorted(box.sources.items())],
+            "pictures": sorted(feed.snapshots), "refused_snapshot": feed.refused_snapshot,
             "results": [_result_line(r) for r in list(feed.results)[-10:]],
             "commands": watch.command_log(box.device)}
 
@@ -348,6 +352,15 @@ def _result_line(result: Dict[str, Any]) -> Dict[str, Any]:
     return {"source": str(result.get("source")), "frame_id": result.get("frame_id"),
             "detections": [{"label": str(d.get("label")), "score": d.get("score"), "box": d.get("box")}
                            for d in detections[:50] if isinstance(d, dict)]}
+
+
+def _sources_text(sources: Dict[str, Dict[str, Any]]) -> str:
+    """A box's cameras in a cell: ``2 up, 1 stalled`` (``-``: its telemetry named none, or none was heard)."""
+    counts: Dict[str, int] = {}
+    for health in sources.values():
+        counts[health["state"]] = counts.get(health["state"], 0) + 1
+    return ", ".join("%d %s" % (n, state) for state, n in sorted(counts.items(), key=lambda kv: kv[0] != "up")) \
+        or "-"
 
 
 def _age(then: Optional[float], now: Optional[float] = None) -> str:

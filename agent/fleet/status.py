@@ -37,6 +37,7 @@ from agent.protocol.topics import (
 
 STALE_INTERVALS = 3.0  # telemetry intervals without a word before an "online" status is not believed
 DEFAULT_TELEMETRY_INTERVAL_S = 10.0  # a box's publish.telemetry_interval_s default, for statuses without it
+SOURCES_KEPT = 32  # cameras per box kept from its telemetry (a box with more is shown with its first 32)
 DEFAULT_LISTEN_S = 2.0  # long enough for the retained burst of a few thousand boxes and some telemetry
 # The retained burst is over once no new box has appeared for this long after the SUBACK. A link that
 # stalls (a congested uplink, a bridge catching up) pauses the burst for a moment: a window of a fraction of
@@ -98,6 +99,7 @@ class BoxView:
     precision: Optional[str] = None  # of the serving model's artifacts (the status's ``precision``: int8, float32)
     duplicate: bool = False  # another box answers as this device id (a row per identity: FleetView.rows)
     shadow: Optional[Dict[str, Any]] = None  # its last shadow run (docs/shadow.md), as shadow_summary() reads it
+    sources: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # its cameras' health, as source_health() reads
 
     @property
     def online(self) -> bool:
@@ -147,7 +149,7 @@ class BoxView:
                 "backend": self.backend, "serving": to_dict(serving) if serving is not None else None,
                 "slots": slots_json(self.slots), "last_seen": self.last_seen, "fps": self.fps,
                 "alerts": self.alerts, "reason": self.reason, "broker": self.broker, "heard_live": self.heard_live,
-                "kind": self.kind, "duplicate": self.duplicate, "shadow": self.shadow}
+                "kind": self.kind, "duplicate": self.duplicate, "shadow": self.shadow, "sources": self.sources}
 
 
 class FleetView:
@@ -187,6 +189,7 @@ class FleetView:
                 box.state, box.reason = BoxState.ONLINE, None
             fps = body.get("fps")
             box.fps = fps if isinstance(fps, (int, float)) and math.isfinite(fps) else None
+            box.sources = source_health(body.get("sources"))
             box.last_seen = _latest(box.last_seen, body.get("ts"))
             return device
         elif kind == (SHADOW,) and isinstance(body, dict):
@@ -295,6 +298,25 @@ def shadow_summary(report: Dict[str, Any]) -> Dict[str, Any]:
             "state": field(report, "state"), "frames": field(report, "frames_compared"),
             "f1": field(report, "agreement", "score_aware", "f1"),
             "strict_f1": field(report, "agreement", "strict", "f1")}
+
+
+def source_health(sources: Any) -> Dict[str, Dict[str, Any]]:
+    """Each camera's health from a box's telemetry (``sources``: the daemon's per-source report), kept short:
+    its state (up, connecting, degraded, stalled, failed, finished), input fps and last error's message. At most
+    :data:`SOURCES_KEPT` sources; anything typed otherwise is left out, a name or text cut to a line's length."""
+    if not isinstance(sources, dict):
+        return {}
+    kept: Dict[str, Dict[str, Any]] = {}
+    for name, report in list(sources.items())[:SOURCES_KEPT]:
+        if not isinstance(report, dict):
+            continue
+        state, fps_in, error = report.get("state"), report.get("fps_in"), report.get("last_error")
+        message = error.get("message") if isinstance(error, dict) else None
+        kept[str(name)[:64]] = {
+            "state": state[:20] if isinstance(state, str) else "unknown",
+            "fps_in": fps_in if isinstance(fps_in, (int, float)) and math.isfinite(fps_in) else None,
+            "error": message[:200] if isinstance(message, str) else None}
+    return kept
 
 
 def too_quiet(last_word: Optional[float], interval_s: Optional[float], now: float) -> bool:

@@ -21,6 +21,7 @@ from agent.protocol.topics import (
     read_command_topic,
     snapshot_topic,
     status_topic,
+    telemetry_topic,
 )
 from tests.conftest import MqttProbe
 
@@ -68,6 +69,9 @@ class AnsweringBox:
 
     def alert(self, body: Dict[str, Any]) -> None:
         self.probe.publish(alert_topic(self.prefix, self.device), json.dumps(body).encode())
+
+    def telemetry(self, body: Dict[str, Any]) -> None:
+        self.probe.publish(telemetry_topic(self.prefix, self.device), json.dumps(body).encode())
 
     def snapshot(self, source: str, payload: bytes) -> None:
         self.probe.publish(snapshot_topic(self.prefix, self.device, source), payload)

@@ -38,8 +38,16 @@ function fleetRow(r) {
   tr.appendChild(el("td", dash(r.version), {"class": "version"}));
   tr.appendChild(el("td", dash(r.precision), {"class": "precision"}));
   tr.appendChild(el("td", r.fps === null ? "-" : r.fps.toFixed(1), {"class": "fps"}));
+  tr.appendChild(el("td", r.sources, {"class": "sources" + (r.sources_ok ? "" : " sources-bad"),
+    "title": r.sources_note}));
   tr.appendChild(el("td", r.alerts, {"class": "alerts", "title": r.last_alert || ""}));
   tr.appendChild(el("td", r.seen, {"class": "seen"}));
+  return tr;
+}
+
+function emptyRow(text, columns) {
+  const tr = el("tr");
+  tr.appendChild(el("td", text, {"colspan": String(columns), "class": "none"}));
   return tr;
 }
 
@@ -87,8 +95,16 @@ function boxPage() {
     fill("results", box.results, (x) => x.source + " frame " + x.frame_id + ": " +
       x.detections.map((d) => d.label + " " + (typeof d.score === "number" ? d.score.toFixed(2) : d.score)).join(", "));
     fill("command-log", box.commands, (c) => c.user + ": " + c.verb + " " + c.state + (c.error ? " (" + c.error + ")" : ""));
+    const cameras = box.cameras.map((c) => {
+      const tr = el("tr", null, {"class": "camera-" + c.state});
+      for (const [value, cls] of [[c.name, ""], [c.state, "state"], [c.fps_in === null ? "-" : c.fps_in.toFixed(1), ""],
+        [dash(c.error), ""]]) tr.appendChild(el("td", value, cls ? {"class": cls} : {}));
+      return tr;
+    });
+    document.getElementById("camera-rows").replaceChildren(...(cameras.length ? cameras :
+      [emptyRow("no telemetry heard yet", 4)]));
     const shots = document.getElementById("snapshots");
-    const figures = box.sources.map((source) => {
+    const figures = box.pictures.map((source) => {
       const figure = el("figure");
       figure.appendChild(el("img", null, {"class": "snapshot", "alt": "snapshot of " + source,
         "src": "/box/" + encodeURIComponent(device) + "/picture/" + encodeURIComponent(source) + "?v=" + box.version}));

@@ -162,6 +162,30 @@ def test_a_hostile_boxs_strings_are_escaped_in_pages_and_json(rig):
     assert "javascript:alert(3)" in box and 'href="javascript' not in box
 
 
+def test_the_sources_health_of_a_boxs_telemetry_is_shown_on_the_fleet_and_box_pages(rig):
+    client, boxes, console, _audit = rig
+    boxes[2].telemetry({"ts": time.time(), "fps": 4.0, "sources": {
+        "gate": {"state": "up", "fps_in": 4.0, "last_error": None},
+        HOSTILE: {"state": "stalled", "fps_in": 0.0, "last_error": {"cause": "stalled",
+                                                                   "message": "<script>alert(7)</script>"}}}})
+    boxes[0].telemetry({"ts": time.time(), "fps": 2.0, "sources": {"cam": {"state": "up", "fps_in": 2.0}}})
+    assert wait_for(lambda: len(console.watch.view.boxes[HOSTILE].sources) == 2 and console.watch.view.boxes[
+        "cam-a1"].sources, 10)
+    login(client, "vic")
+    rows = {r["device"]: r for r in client.get("/api/fleet").json()["rows"]}
+    assert (rows[HOSTILE]["sources"], rows[HOSTILE]["sources_ok"]) == ("1 up, 1 stalled", False)
+    assert (rows["cam-a1"]["sources"], rows["cam-a1"]["sources_ok"]) == ("1 up", True)
+    assert rows["cam-b1"]["sources"] == "-"  # no telemetry heard from it
+    assert "<script>alert(7)</script>" in rows[HOSTILE]["sources_note"]
+    fleet = client.get("/").text
+    assert "sources-bad" in fleet and "1 up, 1 stalled" in fleet and "<script>alert(7)" not in fleet
+    page = client.get("/box/%3Cimg%20src%3Dx%20onerror%3Dalert(1)%3E").text
+    assert 'class="camera-stalled"' in page and "&lt;script&gt;alert(7)&lt;/script&gt;" in page
+    assert "<script>alert(7)" not in page and "<img src=x" not in page
+    cameras = client.get("/api/box/cam-a1").json()["cameras"]
+    assert cameras == [{"name": "cam", "state": "up", "fps_in": 2.0, "error": None}]
+
+
 def test_a_snapshot_is_served_as_a_jpeg_only_and_a_huge_one_is_not_kept(rig):
     client, boxes, console, _audit = rig
     login(client, "olga")

@@ -13,7 +13,7 @@ from agent.fleet.judge import abort_reason
 from agent.fleet.link import Message
 from agent.fleet.plan import RolloutError, RolloutSpec
 from agent.fleet.records import BoxState
-from agent.fleet.status import FleetView, render_table
+from agent.fleet.status import SOURCES_KEPT, FleetView, render_table
 from agent.protocol.status import SlotsView, SlotView
 from tests.conftest import REPO_ROOT
 
@@ -84,6 +84,21 @@ def test_the_view_reads_a_status_through_its_types():
     view.apply(status("cam", ["g"], state="asleep"))  # neither online nor offline: not a state of the protocol
     assert box.state is BoxState.MALFORMED and "'asleep' is not online or offline" in box.malformed
     assert "1 malformed" in render_table([box])
+
+
+def test_telemetry_keeps_each_sources_health_short_and_typed():
+    view = FleetView("site")
+    sources = {"cam%02d" % i: {"state": "up", "fps_in": 5.0, "frames": 10} for i in range(SOURCES_KEPT + 8)}
+    sources.update({"cam00": {"state": "stalled", "fps_in": float("nan"), "last_error": {"message": "x" * 500}},
+                    "cam01": "not a report", "cam02": {"state": 7, "last_error": "not an object"}})
+    view.apply(Message("site/cam/telemetry", json.dumps({"ts": 1.0, "fps": 3.0, "sources": sources}).encode(), False))
+    kept = view.boxes["cam"].sources
+    assert len(kept) == SOURCES_KEPT - 1 and "cam01" not in kept  # the first 32, less the one that is no report
+    assert kept["cam00"] == {"state": "stalled", "fps_in": None, "error": "x" * 200}
+    assert kept["cam02"] == {"state": "unknown", "fps_in": None, "error": None}
+    assert kept["cam03"] == {"state": "up", "fps_in": 5.0, "error": None}
+    view.apply(Message("site/cam/telemetry", json.dumps({"ts": 2.0, "sources": ["not", "a", "map"]}).encode(), False))
+    assert view.boxes["cam"].sources == {}
 
 
 def test_two_boxes_answering_as_one_id_are_a_duplicate_shown_once_each():
