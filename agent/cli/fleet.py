@@ -1,12 +1,12 @@
-"""``atlas-edge fleet status|rollout|resume|cancel|forget|metrics``: every box at a glance, staged rollouts.
+"""``atlas-edge fleet status|rollout|pause|resume|cancel|revert|forget|metrics``: every box, staged rollouts.
 
 ``metrics`` is the fleet's MQTT-to-Prometheus bridge (agent/fleet/metrics_bridge.py, docs/metrics.md).
 
 Exit codes of a rollout (``agent.fleet.report``): 0 completed, 1 aborted, 5 partial (ran to its end without
-reaching every box), 6 paused after its canary, 7 cancelled; for every action :data:`EXIT_USAGE` (2: bad
-arguments, a damaged state file, another process driving the rollout; nothing was sent), :data:`EXIT_BROKER`
-(4: cannot connect or subscribe, or the connection dropped: re-run the same command to continue) and
-:data:`EXIT_INTERRUPTED` (130: Ctrl-C; the state is saved, re-run the same command to continue).
+reaching every box), 6 paused (after its canary, or by ``fleet pause``), 7 cancelled; for every action
+:data:`EXIT_USAGE` (2: bad arguments, a damaged state file, another process driving the rollout; nothing was
+sent), :data:`EXIT_BROKER` (4: cannot connect or subscribe, or the connection dropped: re-run the same command to
+continue) and :data:`EXIT_INTERRUPTED` (130: Ctrl-C; the state is saved, re-run the same command to continue).
 See docs/fleet.md.
 """
 
@@ -27,6 +27,7 @@ from agent.cli.fleet_options import (
     add_cancel,
     add_forget,
     add_metrics,
+    add_pause,
     add_resume,
     add_revert,
     add_rollout,
@@ -47,13 +48,13 @@ from agent.protocol.envelope import CommandEnvelope
 from agent.protocol.topics import name_problem, status_topic
 
 EXIT_INTERRUPTED = 130
-ACTIONS = ("status", "rollout", "resume", "revert", "cancel", "forget", "metrics")
+ACTIONS = ("status", "rollout", "pause", "resume", "revert", "cancel", "forget", "metrics")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One sub-command per action; their options are in :mod:`agent.cli.fleet_options`."""
     sub = parser.add_subparsers(dest="fleet_command", metavar="ACTION")
-    for add in (add_status, add_rollout, add_resume, add_revert, add_cancel, add_forget, add_metrics):
+    for add in (add_status, add_rollout, add_pause, add_resume, add_revert, add_cancel, add_forget, add_metrics):
         add(sub)
 
 
@@ -100,6 +101,8 @@ def run(args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[Te
     try:
         if command == "cancel":
             return _cancel(args, out) or EXIT_OK
+        if command == "pause":
+            return _pause(args, out)
         problems = prefix_problems(args.prefix)
         if problems:
             raise RolloutError(problems[0])
@@ -240,6 +243,27 @@ def _cancel(args: argparse.Namespace, out: TextIO, revert: bool = False) -> Opti
     print("rollout %s: cancel %s%s" % (rollout_id, "sent to the running process" if running else "recorded",
                                        "; re-run the rollout command (or 'fleet revert') to revert moved boxes"
                                        if revert and not running else ""), file=out)
+    return EXIT_OK
+
+
+def _pause(args: argparse.Namespace, out: TextIO) -> int:
+    """Pause a rollout before its next wave: the running process is handed ``<id>.pause``; a rollout no process
+    drives is marked paused in its state file at once."""
+    rollout_id = check_rollout_id(args.rollout_id)
+    base = os.path.join(_state_dir(args), rollout_id)
+    with RolloutLock.probe(base + ".lock") as running:
+        state = None if running else RolloutState.load(base + ".json")
+        if not running and state is None:
+            raise RolloutError("no rollout %s in %s" % (rollout_id, _state_dir(args)))
+        if state is not None and state.status != RolloutStatus.RUNNING:
+            raise RolloutError("rollout %s is %s: only a running rollout can be paused" % (rollout_id, state.status))
+        if running:
+            atomic_write(base + ".pause", "{}\n")
+        else:
+            state.top(status=RolloutStatus.PAUSED)
+            state.save()
+    print("rollout %s: %s; 'fleet resume' goes on" % (rollout_id, "pause sent to the running process (it pauses "
+                                                      "before its next wave)" if running else "paused"), file=out)
     return EXIT_OK
 
 

@@ -155,7 +155,7 @@ def add_rollout(sub: Any) -> None:
 
 def add_resume(sub: Any) -> None:
     """``fleet resume``: a paused rollout, with the options it was started with."""
-    resume = sub.add_parser("resume", help="go on with a rollout paused after its canary")
+    resume = sub.add_parser("resume", help="go on with a paused rollout (after its canary, or by 'fleet pause')")
     add_broker_arguments(resume)
     _state_args(resume, True)
     _run_args(resume)
@@ -167,6 +167,16 @@ def add_cancel(sub: Any) -> None:
     cancel.add_argument("--revert", action="store_true", help="roll every moved box back (by the running "
                         "rollout, or by the next run of the rollout command)")
     _state_args(cancel, True)
+
+
+def add_pause(sub: Any) -> None:
+    """``fleet pause``: no broker needed, it writes beside the state file."""
+    pause = sub.add_parser("pause", help="pause a rollout before its next wave ('fleet resume' goes on)",
+                           description="Pause a rollout: the running process finishes the wave in flight (its boxes "
+                           "are judged as usual) and sends the next wave nothing; it then ends 'paused' (exit 6). A "
+                           "rollout no process drives is marked paused at once. 'fleet resume' goes on, 'fleet "
+                           "cancel' stops it there.")
+    _state_args(pause, True)
 
 
 def add_revert(sub: Any) -> None:

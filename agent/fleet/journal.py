@@ -272,9 +272,15 @@ class RolloutLock:
     @staticmethod
     @contextlib.contextmanager
     def probe(path: str) -> Iterator[bool]:
-        """True while another process drives the rollout; else holds the lock for the block (no race)."""
+        """True while another process drives the rollout; else holds the lock for the block (no race). An error
+        raised in the block passes through (it is not taken for the lock being held)."""
+        lock = RolloutLock(path)
         try:
-            with RolloutLock(path):
-                yield False
+            lock.__enter__()
         except RolloutError:
             yield True
+            return
+        try:
+            yield False
+        finally:
+            lock.__exit__()

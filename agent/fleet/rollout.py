@@ -76,6 +76,13 @@ def default_state_dir() -> str:
     return os.path.join(base, "atlas-edge", "rollouts")
 
 
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 class Rollout:
     """Runs one rollout to its end (or to a lost broker) over ``link``; see the module docstring."""
 
@@ -105,6 +112,7 @@ class Rollout:
         self.monotonic = monotonic  # deadlines within this run
         self.intake = Intake(spec, self.rollout_id, link, progress, clock, monotonic,
                              self.path[:-len(".json")] + ".cancel", signed=self.envelope.signs)
+        self.pause_path = self.path[:-len(".json")] + ".pause"  # 'fleet pause' asks for a pause before a wave
         self.view = self.intake.view  # filled by the intake from the messages
         self.judge = Judge(self.intake)
         self.delivery = Delivery(self.intake)  # what each box was sent this run, and whether it missed it
@@ -221,13 +229,16 @@ class Rollout:
     def _drive(self, state: RolloutState) -> None:
         if state.status == RolloutStatus.PAUSED:
             if not self.resume:
-                self.progress("rollout %s is paused after its canary: 'fleet resume' goes on" % self.rollout_id)
+                self.progress("rollout %s is paused: 'fleet resume' goes on" % self.rollout_id)
                 return
+            _remove(self.pause_path)  # asked for before this resume: answered by the pause it made
             state.top(status=RolloutStatus.RUNNING, approved=True)
             self.progress("rollout %s resumed" % self.rollout_id)
         index = 0
         while state.status == RolloutStatus.RUNNING and index < len(state.record.waves):
             waves = state.record.waves
+            if index > 0 and self._pause_asked(state, index):
+                break
             todo = [d for d in waves[index] if state.boxes[d].phase != Phase.DONE]
             if todo:
                 canary = index == 0 and self.spec.canary > 0
@@ -253,6 +264,19 @@ class Rollout:
         if state.record.finished is None:
             state.top(finished=self.clock())
         state.save()
+        _remove(self.pause_path)  # asked for during the last wave: there is no next wave to pause before
+
+    def _pause_asked(self, state: RolloutState, index: int) -> bool:
+        """'fleet pause' asked for a pause: the waves before this one have ended (their boxes are judged), none of
+        this wave's boxes is sent anything; 'fleet resume' goes on from here."""
+        if not os.path.exists(self.pause_path):
+            return False
+        state.top(status=RolloutStatus.PAUSED)
+        state.save()
+        _remove(self.pause_path)  # answered: the state file says paused now
+        self.progress("PAUSED by 'fleet pause' before wave %d/%d: 'fleet resume' goes on, 'fleet cancel' stops "
+                      "here" % (index + 1, len(state.record.waves)))
+        return True
 
     def _after_canary(self, state: RolloutState, canary: List[str]) -> None:
         failed = [d for d in canary if state.boxes[d].outcome in FAILURES]

@@ -383,6 +383,34 @@ def test_pause_after_the_canary_then_resume(boxes, mosquitto, tmp_path, capsys):
     assert [box.deploys for box in fleet.boxes] == [1, 1, 1, 1]
 
 
+def test_fleet_pause_stops_before_the_next_wave_and_resume_goes_on(boxes, mosquitto, tmp_path, capsys):
+    fleet = boxes(4, faults={0: ("late", {"late_s": 3.0})}).start()  # the canary confirms 3 s after its deploy
+    args = rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "1", "--waves", "2", "--rollout-id",
+                        "ro-q")
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(code=fleet_cli.main(args)))
+    runner.start()
+    assert wait_for(lambda: fleet.box("box-00").commands, timeout=30)  # the canary is in flight
+    assert fleet_cli.main(["pause", "--rollout-id", "ro-q", "--state-dir", str(tmp_path)]) == EXIT_OK
+    assert "pause sent to the running process" in capsys.readouterr().out
+    runner.join(60)
+    assert not runner.is_alive() and result["code"] == 6
+    out = capsys.readouterr()
+    report = json.loads(out.out[out.out.index("{"):])
+    assert report["status"] == "paused" and by_device(report)["box-00"]["outcome"] == "confirmed", out.err
+    assert "PAUSED by 'fleet pause' before wave 2/3" in out.err
+    assert all(box.commands == [] for box in fleet.boxes[1:])  # the next wave was sent nothing
+    assert not os.path.exists(tmp_path / "ro-q.pause")
+    code, _, err = run_cli(["pause", "--rollout-id", "ro-q", "--state-dir", str(tmp_path)], capsys)
+    assert code == EXIT_USAGE and "is paused: only a running rollout can be paused" in err
+    code, report, err = run_cli(["resume", "--broker", mosquitto.url, "--prefix", fleet.prefix, "--rollout-id",
+                                 "ro-q", "--state-dir", str(tmp_path), "--json"], capsys)
+    assert code == EXIT_COMPLETED and report["counts"] == {"confirmed": 4}, err
+    assert [box.deploys for box in fleet.boxes] == [1, 1, 1, 1]
+    code, _, err = run_cli(["cancel", "--rollout-id", "ro-q", "--state-dir", str(tmp_path)], capsys)
+    assert code == EXIT_USAGE and "rollout ro-q already completed" in err  # an error in the lock's block, named
+
+
 def test_cancel_stops_a_running_rollout_and_a_second_operator_is_locked_out(boxes, mosquitto, tmp_path, capsys):
     fleet = boxes(3, faults={1: ("hang", None)}).start()
     args = rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "0", "--waves", "1", "--rollout-id",
