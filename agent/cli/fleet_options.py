@@ -1,5 +1,5 @@
 """The options of ``atlas-edge fleet``: one function per action adds its sub-command, and ``rollout_spec``
-turns ``fleet rollout``'s options into the rollout they describe.
+turns ``fleet rollout``'s options into the rollout they describe (``agent.fleet.plan.spec_arguments`` the other way).
 
 Separate from :mod:`agent.cli.fleet`, which runs the actions: what an operator may type (names, types, defaults,
 help) is read and changed on its own, and the running code only reads the parsed namespace.
@@ -235,3 +235,4 @@ def rollout_spec(args: argparse.Namespace) -> RolloutSpec:
                        pause_after_canary=args.pause_after_canary, revert_timeout_s=args.revert_timeout,
                        shadow_frames=args.shadow_frames, min_agreement=args.min_agreement,
                        shadow_sample=args.shadow_sample, shadow_timeout_s=args.shadow_timeout)
+

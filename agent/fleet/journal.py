@@ -12,10 +12,11 @@ when its process dies, so a SIGKILL never leaves a stale lock behind.
 
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Tuple, TypeVar
 
 from agent._util.atomic import atomic_write
 from agent.config.schema import ConfigError, parse
@@ -284,3 +285,64 @@ class RolloutLock:
             yield False
         finally:
             lock.__exit__()
+
+
+Read = TypeVar("Read")
+Stamp = Tuple[Optional[Tuple[float, int]], ...]
+
+
+class RolloutReader(Generic[Read]):
+    """The rollouts of a state directory, read only (``fleet metrics``, the console): ``read(path)`` of each
+    ``<id>.json``, re-run only when the file or its journal changed since it was last read."""
+
+    def __init__(self, state_dir: str, read: Callable[[str], Optional[Read]],
+                 recent_s: float = float("inf")) -> None:
+        self.state_dir = state_dir
+        self.read = read
+        self.recent_s = recent_s
+        self._cache: Dict[str, Tuple[Stamp, Optional[Read]]] = {}
+
+    def recent(self, now: float) -> Dict[str, Read]:
+        """rollout id -> what ``read`` made of it, for rollouts whose files changed within ``recent_s``."""
+        found: Dict[str, Read] = {}
+        recent = set()
+        for path in glob.glob(os.path.join(glob.escape(self.state_dir), "*.json")):
+            name = os.path.basename(path)[:-len(".json")]
+            if name.endswith(".report") or name.startswith("inventory-"):
+                continue
+            stamp = self.stamp(name)
+            newest = max((s[0] for s in stamp if s is not None), default=0.0)
+            if now - newest > self.recent_s:
+                continue
+            value = self._read(name, stamp)
+            if value is not None:
+                found[name] = value
+            recent.add(name)
+        for gone in set(self._cache) - recent:
+            self._cache.pop(gone, None)  # two readers at once may both see it gone
+        return found
+
+    def one(self, rollout_id: str) -> Optional[Read]:
+        """What ``read`` makes of one rollout (None: no such file, or ``read`` said None)."""
+        return self._read(rollout_id, self.stamp(rollout_id))
+
+    def stamp(self, rollout_id: str) -> Stamp:
+        """(mtime, size) of the state file and its journal (None for one that is missing): a change is a new
+        stamp."""
+        base = os.path.join(self.state_dir, rollout_id)
+        return tuple(_stat(base + suffix) for suffix in (".json", ".journal"))
+
+    def _read(self, name: str, stamp: Stamp) -> Optional[Read]:
+        cached = self._cache.get(name)
+        if cached is None or cached[0] != stamp:  # an unreadable file too: read (and logged) once per change
+            cached = self._cache[name] = (stamp, self.read(os.path.join(self.state_dir, name + ".json"))
+                                          if stamp[0] is not None else None)
+        return cached[1]
+
+
+def _stat(path: str) -> Optional[Tuple[float, int]]:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime, info.st_size

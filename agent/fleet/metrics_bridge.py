@@ -19,10 +19,8 @@ series stay (``atlas_edge_fleet_bridge_connected`` says 0) and ages keep growing
 ``prometheus_client`` (the ``metrics`` extra) is imported when the series are built, not at import time.
 """
 
-import glob
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from agent.fleet.inventory import Inventory, record_path
-from agent.fleet.journal import RolloutState
+from agent.fleet.journal import RolloutReader, RolloutState
 from agent.fleet.link import FleetLink, LinkError, Message
 from agent.fleet.plan import RolloutError
 from agent.fleet.records import BoxState, Outcome, Phase, RolloutStatus
@@ -108,7 +106,7 @@ class BridgeState:
         self.clock = clock
         self.view = FleetView(prefix)
         self.figures: Dict[str, Figures] = {}
-        self.rollouts = RolloutReader(state_dir, forget_after_s) if state_dir else None
+        self.rollouts = RolloutReader(state_dir, _read_rollout, forget_after_s) if state_dir else None
         if state_dir:  # a recorded box whose status turns unreadable stays in its group's series (as malformed)
             self.view.known_groups.update(Inventory(record_path(state_dir, prefix), prefix).known_groups())
         self.connected: Dict[str, bool] = {}  # broker -> connected now
@@ -186,7 +184,7 @@ class BridgeState:
             families = _box_families(self, now)
             families += _bridge_families(self)
         if self.rollouts is not None:
-            families += _rollout_families(self.rollouts.progress(now))
+            families += _rollout_families(self.rollouts.recent(now))
         return iter(families)
 
 
@@ -265,45 +263,6 @@ def _rollout_families(progress: Dict[str, Tuple[str, Dict[str, int]]]) -> List[A
         for name in RolloutStatus:
             status.add_metric([rollout, str(name)], 1 if str(name) == current else 0)
     return [boxes, status]
-
-
-class RolloutReader:
-    """The rollouts of a state directory, read only; each file is re-read only when it (or its journal) changed."""
-
-    def __init__(self, state_dir: str, recent_s: float) -> None:
-        self.state_dir = state_dir
-        self.recent_s = recent_s
-        self._cache: Dict[str, Tuple[Any, Optional[Tuple[str, Dict[str, int]]]]] = {}
-
-    def progress(self, now: float) -> Dict[str, Tuple[str, Dict[str, int]]]:
-        """rollout id -> (its status, boxes by state), for rollouts whose files changed within ``recent_s``."""
-        found: Dict[str, Tuple[str, Dict[str, int]]] = {}
-        recent = set()
-        for path in glob.glob(os.path.join(glob.escape(self.state_dir), "*.json")):
-            name = os.path.basename(path)[:-len(".json")]
-            if name.endswith(".report") or name.startswith("inventory-"):
-                continue
-            stamp = tuple(_stat(p) for p in (path, path[:-len(".json")] + ".journal"))
-            newest = max((s[0] for s in stamp if s is not None), default=0.0)
-            if now - newest > self.recent_s:
-                continue
-            cached = self._cache.get(name)
-            if cached is None or cached[0] != stamp:  # an unreadable file too: logged once per change
-                cached = self._cache[name] = (stamp, _read_rollout(path))
-            if cached[1] is not None:
-                found[name] = cached[1]
-            recent.add(name)
-        for gone in set(self._cache) - recent:
-            self._cache.pop(gone, None)  # two scrapes at once may both see it gone
-        return found
-
-
-def _stat(path: str) -> Optional[Tuple[float, int]]:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_mtime, info.st_size
 
 
 def _read_rollout(path: str) -> Optional[Tuple[str, Dict[str, int]]]:

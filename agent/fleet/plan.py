@@ -188,3 +188,25 @@ def plan_waves(devices: List[str], canary: int, waves: int, wave_size: Optional[
         planned += [rest[i:i + wave_size] for i in range(0, len(rest), wave_size)]
     return planned
 
+
+def spec_arguments(spec: RolloutSpec) -> List[str]:
+    """The options of ``fleet rollout`` that describe ``spec`` (``agent.cli.fleet_options.rollout_spec`` of them
+    gives it back): how the console starts the rollout command."""
+    argv = ["--group", spec.group, "--bundle", spec.bundle, "--sha256", spec.sha256, "--prefix", spec.prefix,
+            "--canary", str(spec.canary), "--min-executed", str(spec.min_executed),
+            "--confirm-timeout", repr(spec.confirm_timeout_s), "--retries", str(spec.retries),
+            "--revert-timeout", repr(spec.revert_timeout_s)]
+    argv += ["--wave-size", str(spec.wave_size)] if spec.wave_size is not None else ["--waves", str(spec.waves)]
+    optional = (("--archive-sha256", spec.archive_sha256), ("--max-failures", spec.max_failures),
+                ("--max-failure-rate", spec.max_failure_rate), ("--wait-offline", spec.wait_offline_s),
+                ("--step-timeout", spec.step_timeout_s), ("--max-per-minute", spec.max_per_minute),
+                ("--shadow-frames", spec.shadow_frames), ("--min-agreement", spec.min_agreement),
+                ("--shadow-sample", spec.shadow_sample), ("--shadow-timeout", spec.shadow_timeout_s))
+    for option, value in optional:
+        if value is not None:
+            argv += [option, repr(value) if isinstance(value, float) else str(value)]
+    for outcome, limit in sorted(spec.max_per_type.items()):
+        argv += ["--max-per-type", "%s=%d" % (outcome, limit)]
+    flags = (("--rollback-on-abort", spec.rollback_on_abort), ("--pause-after-canary", spec.pause_after_canary),
+             ("--continue-after-canary-failure", spec.continue_after_canary_failure))
+    return argv + [flag for flag, on in flags if on]

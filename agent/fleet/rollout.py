@@ -59,7 +59,7 @@ from agent.fleet.records import (
     RolloutStatus,
 )
 from agent.fleet.revert import Reverter
-from agent.fleet.status import SETTLE_S, collect
+from agent.fleet.status import SETTLE_S, BoxView, collect
 from agent.protocol.envelope import CommandEnvelope
 from agent.protocol.requests import DeployRequest
 from agent.protocol.topics import command_topic
@@ -74,6 +74,24 @@ Progress = Callable[[str], None]
 def default_state_dir() -> str:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "atlas-edge", "rollouts")
+
+
+WAITS, MOVABLE = "waits", "movable"  # placement()s that are no outcome: the last wave's, the waves'
+
+
+def placement(view: BoxView, spec: RolloutSpec) -> str:
+    """Where a rollout planned now puts a box: ``not_targeted``, ``malformed``, ``offline`` (or ``waits`` for
+    the last wave with ``--wait-offline``), ``already`` (serves the bundle, confirmed) or ``movable`` (its
+    waves). The engine's plan and the console's preview of it both ask this."""
+    if spec.group not in view.groups:
+        return Outcome.NOT_TARGETED
+    if view.malformed:
+        return Outcome.MALFORMED
+    if not view.online:
+        return Outcome.OFFLINE if spec.wait_offline_s is None else WAITS
+    if view.serves_confirmed(spec.sha256.lower()):
+        return Outcome.ALREADY
+    return MOVABLE
 
 
 def _remove(path: str) -> None:
@@ -179,18 +197,17 @@ class Rollout:
             box = BoxRecord.planned(request_id(self.rollout_id, view.device, DEPLOY), view.serving,
                                     view.last_rollback)
             boxes[view.device] = box
-            if self.spec.group not in view.groups:
-                box.update(outcome=Outcome.NOT_TARGETED)
-            elif view.malformed:
-                box.update(outcome=Outcome.MALFORMED, error=view.malformed)
-            elif not view.online:
+            place = placement(view, self.spec)
+            if place in (Outcome.NOT_TARGETED, Outcome.MALFORMED):
+                box.update(outcome=place, error=view.malformed if place == Outcome.MALFORMED else None)
+            elif place in (Outcome.OFFLINE, WAITS):
                 box.error = "offline at the start (%s)" % (view.reason or view.state)
-                if self.spec.wait_offline_s is None:
+                if place == Outcome.OFFLINE:
                     box.update(outcome=Outcome.OFFLINE)
                 else:
                     box.update(waits=True, phase=Phase.PLANNED)
                     waiting.append(view.device)
-            elif view.serves_confirmed(self.sha):
+            elif place == Outcome.ALREADY:
                 box.update(outcome=Outcome.ALREADY, new=box.old)
             else:
                 box.phase = Phase.PLANNED
