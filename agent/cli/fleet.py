@@ -40,7 +40,7 @@ from agent.fleet.inventory import Inventory, record_path
 from agent.fleet.journal import RolloutLock, RolloutState
 from agent.fleet.link import FleetLink, LinkError
 from agent.fleet.plan import RolloutError, RolloutSpec, check_rollout_id, prefix_problems
-from agent.fleet.records import FINISHED, RevertWish, RolloutStatus
+from agent.fleet.records import FINISHED, Outcome, Phase, RevertWish, RolloutStatus
 from agent.fleet.report import exit_code, report
 from agent.fleet.rollout import Rollout, default_state_dir
 from agent.fleet.status import BoxView, FleetView, collect, render_table
@@ -237,6 +237,9 @@ def _cancel(args: argparse.Namespace, out: TextIO, revert: bool = False) -> Opti
         if state is not None:  # no process drives it: cancelled here, reverts by the next run of the command
             state.top(status=RolloutStatus.CANCELLED, revert=RevertWish.WANTED if revert else None,
                       cancel={"revert": revert, "after": str(state.status)})
+            for device, box in state.boxes.items():
+                if box.phase == Phase.PLANNED:  # never sent anything: it ends as the end of a run leaves it
+                    state.set(device, outcome=Outcome.NOT_STARTED, phase=Phase.DONE)
             state.save()
     if getattr(args, "fleet_command", None) == "revert" and not running:
         return None

@@ -383,6 +383,21 @@ def test_pause_after_the_canary_then_resume(boxes, mosquitto, tmp_path, capsys):
     assert [box.deploys for box in fleet.boxes] == [1, 1, 1, 1]
 
 
+def test_cancelling_a_paused_rollout_ends_its_boxes_that_were_never_sent_anything(boxes, mosquitto, tmp_path,
+                                                                                  capsys):
+    from agent.fleet.journal import RolloutState
+    from agent.fleet.report import report as report_of
+
+    fleet = boxes(3).start()
+    code, _, err = run_cli(rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "1", "--waves", "1",
+                                        "--pause-after-canary", "--rollout-id", "ro-pc"), capsys)
+    assert code == 6, err
+    assert fleet_cli.main(["cancel", "--rollout-id", "ro-pc", "--state-dir", str(tmp_path)]) == EXIT_OK
+    report = report_of(RolloutState.load(str(tmp_path / "ro-pc.json")))
+    assert report["status"] == "cancelled" and report["counts"] == {"confirmed": 1, "not_started": 2}
+    assert all(box.commands == [] for box in fleet.boxes[1:])
+
+
 def test_fleet_pause_stops_before_the_next_wave_and_resume_goes_on(boxes, mosquitto, tmp_path, capsys):
     fleet = boxes(4, faults={0: ("late", {"late_s": 3.0})}).start()  # the canary confirms 3 s after its deploy
     args = rollout_args(mosquitto.url, fleet.prefix, tmp_path, "--canary", "1", "--waves", "2", "--rollout-id",
