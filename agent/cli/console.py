@@ -14,8 +14,10 @@ from typing import List, Optional, TextIO, Tuple
 from agent.cli.ctl import add_broker_arguments, add_envelope_arguments, operator_link
 from agent.config.schema import ConfigError
 from agent.fleet.link import LinkError
+from agent.fleet.rollout import default_state_dir
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
+PASSWORD_ENV = "ATLAS_EDGE_CONSOLE_MQTT_PASSWORD"  # how the rollout commands it starts get its MQTT password
 EXIT_USAGE, EXIT_BROKER = 2, 3
 # What the [console] extra brings (pyproject.toml): module -> its distribution
 CONSOLE_MODULES = (("starlette", "starlette"), ("uvicorn", "uvicorn"), ("jinja2", "jinja2"),
@@ -52,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the audit log, one JSON line per action (default: console-audit.jsonl beside --users)")
     parser.add_argument("--listen-s", type=float, default=2.0, metavar="S",
                         help="seconds to gather the retained statuses before serving (default 2)")
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
+                        help="where rollouts are kept, as for `atlas-edge fleet rollout` (default %s): the "
+                             "rollouts page lists them and starts new ones there" % default_state_dir())
     sub = parser.add_subparsers(dest="console_command", metavar="[adduser]",
                                 title="without an action it serves the console; with one")
     adduser = sub.add_parser("adduser", help="add or replace an account (password from stdin)",
@@ -112,19 +117,47 @@ def _serve(args: argparse.Namespace, accounts, link, host: str, port: int, err: 
 
     envelope = CommandEnvelope.from_file(args.ttl, args.command_key)
     watch = FleetWatch(link, args.prefix, envelope)
+    desk = rollout_desk(args)
     audit = AuditLog(args.audit or os.path.join(os.path.dirname(os.path.abspath(args.users)),
                                                 "console-audit.jsonl"))
     try:
         watch.start(listen_s=args.listen_s)
-        app = make_app(Console(watch, accounts, audit, secure_cookie=bool(args.tls_cert)))
-        print("atlas-edge console: %d boxes; serving http%s://%s:%d/ (audit log %s)" % (
-            len(watch.view.boxes), "s" if args.tls_cert else "", host, port, audit.path), file=err, flush=True)
+        app = make_app(Console(watch, accounts, audit, secure_cookie=bool(args.tls_cert), rollouts=desk))
+        print("atlas-edge console: %d boxes; serving http%s://%s:%d/ (audit log %s, rollouts in %s)" % (
+            len(watch.view.boxes), "s" if args.tls_cert else "", host, port, audit.path, desk.state_dir), file=err,
+            flush=True)
         uvicorn.run(app, host=host, port=port, log_level="warning", ssl_certfile=args.tls_cert,
                     ssl_keyfile=args.tls_key, timeout_graceful_shutdown=2)
     finally:
         watch.stop()
         audit.close()
     return 0
+
+
+def rollout_desk(args: argparse.Namespace):
+    """The console's rollouts (agent/console/rollouts.py): in ``--state-dir``, each started as the rollout command
+    with the console's own broker and signing options; the password goes to it in its environment, never on its
+    command line."""
+    from agent.config.secrets import resolve_secret
+    from agent.console.rollouts import RolloutDesk
+
+    link_args, env = [], {}
+    for url in args.broker or []:
+        link_args += ["--broker", url]
+    if args.username:
+        link_args += ["--username", args.username]
+    if args.password is not None:
+        env[PASSWORD_ENV] = resolve_secret(args.password) or ""
+        link_args += ["--password", "env:" + PASSWORD_ENV]
+    if args.tls_ca:
+        link_args += ["--tls-ca", os.path.abspath(args.tls_ca)]
+    if args.tls_insecure:
+        link_args.append("--tls-insecure")
+    if args.ttl is not None:
+        link_args += ["--ttl", repr(args.ttl)]
+    if args.command_key:
+        link_args += ["--command-key", os.path.abspath(args.command_key)]
+    return RolloutDesk(os.path.abspath(args.state_dir or default_state_dir()), args.prefix, link_args, env)
 
 
 def _adduser(args: argparse.Namespace, out: TextIO) -> int:

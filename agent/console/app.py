@@ -15,6 +15,7 @@ import asyncio
 import json
 import math
 import os
+import subprocess
 import time
 from typing import Any, Dict, List, Optional
 
@@ -27,8 +28,10 @@ from starlette.staticfiles import StaticFiles
 
 from agent.console.accounts import Accounts, Role
 from agent.console.audit import AuditLog
+from agent.console.rollouts import ROLLOUT_ACTIONS, RolloutDesk, actions, preview, spec_from_form
 from agent.console.sessions import LoginThrottle, Session, Sessions, csrf_ok
 from agent.console.watch import CommandError, FleetWatch
+from agent.fleet.plan import RolloutError, check_rollout_id
 from agent.fleet.records import BoxState
 from agent.fleet.status import BoxView, FleetView
 from agent.protocol.verbs import PAUSE, RESTART, RESUME, ROLLBACK, SNAPSHOT, STATUS
@@ -48,10 +51,12 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 class Console:
     """What the routes share: the fleet's watch, the accounts, sessions, throttle and audit log."""
 
-    def __init__(self, watch: FleetWatch, accounts: Accounts, audit: AuditLog, secure_cookie: bool = False) -> None:
+    def __init__(self, watch: FleetWatch, accounts: Accounts, audit: AuditLog, secure_cookie: bool = False,
+                 rollouts: Optional[RolloutDesk] = None) -> None:
         import jinja2
 
         self.watch = watch
+        self.rollouts = rollouts  # None: the rollouts pages say the console was started without a state dir
         self.accounts = accounts
         self.audit = audit
         self.sessions = Sessions()
@@ -163,7 +168,7 @@ def make_app(console: Console) -> Starlette:
         device = request.path_params["device"]
         detail = _box(console, device)
         if detail is None:
-            return console.render("missing.html", session, status=404, device=device)
+            return console.render("missing.html", session, status=404, what="box", name=device)
         return console.render("box.html", session, box=detail, verbs=CONSOLE_VERBS,
                               may_change=session.account.may_change(detail["row"]["groups"]),
                               error=console.watch.error)
@@ -244,6 +249,122 @@ def make_app(console: Console) -> Starlette:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+    def rollouts_page(request: Request) -> Response:
+        session = console.session(request)
+        if session is None:
+            return RedirectResponse("/login", status_code=303)
+        return _rollouts_page(console, session)
+
+    def rollouts_json(request: Request) -> Response:
+        if console.session(request) is None:
+            return JSONResponse({"error": "log in first"}, status_code=401)
+        return JSONResponse({"rollouts": console.rollouts.rollouts() if console.rollouts else []})
+
+    async def rollout_plan(request: Request) -> Response:
+        """The form's rollout shown before anything is sent: its spec, its waves as planned now, what it leaves
+        out; the confirmation carries the same fields to /rollouts/start."""
+        form = await request.form()
+        session = await _changing(request, console, [str(form.get("group", ""))])
+        if isinstance(session, Response):
+            return session
+        try:
+            spec = _form_spec(console, form)
+        except RolloutError as exc:
+            return _rollouts_page(console, session, status=400, form_error=str(exc), form=dict(form))
+        plan = console.watch.read(lambda view: preview(view, spec))
+        return console.render("rollout_confirm.html", session, spec=spec, plan=plan,
+                              fields={k: str(v) for k, v in form.items() if k != "csrf"},
+                              rollout_id=str(form.get("rollout_id", "")).strip() or spec.default_id())
+
+    async def rollout_start(request: Request) -> Response:
+        form = await request.form()
+        session = await _changing(request, console, [str(form.get("group", ""))])
+        if isinstance(session, Response):
+            return session
+        name = session.account.name
+        try:
+            spec = _form_spec(console, form)
+            rollout_id = await asyncio.get_running_loop().run_in_executor(
+                None, console.rollouts.start, spec, str(form.get("rollout_id", "")).strip() or None, name)
+        except (RolloutError, OSError) as exc:
+            console.audit.record(name, "rollout start", None, "refused", {"error": str(exc)[:300]},
+                                 client=_client(request))
+            return _rollouts_page(console, session, status=400, form_error=str(exc), form=dict(form))
+        console.audit.record(name, "rollout start", rollout_id, "started", {"group": spec.group, "bundle": spec.bundle,
+                             "sha256": spec.sha256}, client=_client(request))
+        return RedirectResponse("/rollouts/%s" % rollout_id, status_code=303)
+
+    def rollout_page(request: Request) -> Response:
+        session = console.session(request)
+        if session is None:
+            return RedirectResponse("/login", status_code=303)
+        detail = _rollout(console, request.path_params["rollout"])
+        if detail is None:
+            return console.render("missing.html", session, status=404, what="rollout",
+                                  name=request.path_params["rollout"])
+        group = detail["spec"].get("group")
+        return console.render("rollout.html", session, rollout=detail, actions=ROLLOUT_ACTIONS,
+                              may_change=session.account.may_change([group] if group else []))
+
+    def rollout_json(request: Request) -> Response:
+        if console.session(request) is None:
+            return JSONResponse({"error": "log in first"}, status_code=401)
+        detail = _rollout(console, request.path_params["rollout"])
+        return JSONResponse(detail) if detail is not None else JSONResponse({"error": "no such rollout"}, 404)
+
+    async def rollout_action(request: Request) -> Response:
+        rollout_id, action = request.path_params["rollout"], request.path_params["action"]
+        desk = console.rollouts
+        group = desk.group_of(rollout_id) if desk is not None and _is_id(rollout_id) else None
+        session = await _changing(request, console, [group] if group else [])
+        if isinstance(session, Response):
+            return session
+        name = session.account.name
+        detail = _rollout(console, rollout_id) if action in ROLLOUT_ACTIONS else None
+        if detail is None or action not in detail["actions"]:
+            refusal = "no such rollout" if detail is None and action in ROLLOUT_ACTIONS else \
+                "%s is not possible now (the rollout is %s)" % (action, detail["status"]) if detail is not None \
+                else "the action is one of %s" % ", ".join(ROLLOUT_ACTIONS)
+            console.audit.record(name, "rollout " + action[:20], rollout_id[:40], "refused", {"error": refusal},
+                                 client=_client(request))
+            return JSONResponse({"error": refusal}, status_code=404 if detail is None else 409)
+        loop = asyncio.get_running_loop()
+        try:
+            if action in ("pause", "cancel"):
+                code, said = await loop.run_in_executor(None, desk.quick, rollout_id, action)
+            else:
+                await loop.run_in_executor(None, getattr(desk, action), rollout_id, name)
+                code, said = 0, "fleet %s started" % action
+        except (RolloutError, OSError, subprocess.SubprocessError) as exc:
+            code, said = 2, str(exc)
+        console.audit.record(name, "rollout " + action, rollout_id, "ok" if code == 0 else "failed",
+                             {"said": said[-300:]}, client=_client(request))
+        return JSONResponse({"ok": code == 0, "said": said}, status_code=200 if code == 0 else 409)
+
+    async def rollout_live(request: Request) -> Response:
+        if console.session(request) is None or console.rollouts is None:
+            return JSONResponse({"error": "log in first"}, status_code=401)
+        rollout_id = request.path_params["rollout"]
+        if not _is_id(rollout_id):
+            return JSONResponse({"error": "no such rollout"}, status_code=404)
+
+        async def stream():
+            """One change at once (what changed between the page and the stream is not lost), then one per change
+            of the rollout's files or of its command."""
+            stamp, quiet_since = None, time.monotonic()
+            while not await request.is_disconnected():
+                now = console.rollouts.stamp(rollout_id)
+                if now != stamp:
+                    stamp, quiet_since = now, time.monotonic()
+                    yield "event: change\ndata: {}\n\n"
+                elif time.monotonic() - quiet_since > EVENT_WAIT_S:
+                    quiet_since = time.monotonic()
+                    yield ": quiet\n\n"
+                await asyncio.sleep(LIVE_POLL_S)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
     routes = [
         Route("/login", login_page, methods=["GET"]),
         Route("/login", login, methods=["POST"]),
@@ -255,6 +376,14 @@ def make_app(console: Console) -> Starlette:
         Route("/box/{device}/picture/{source}", picture),
         Route("/box/{device}/command", command, methods=["POST"]),
         Route("/live", live),
+        Route("/rollouts", rollouts_page),
+        Route("/api/rollouts", rollouts_json),
+        Route("/rollouts/plan", rollout_plan, methods=["POST"]),
+        Route("/rollouts/start", rollout_start, methods=["POST"]),
+        Route("/rollouts/{rollout}", rollout_page),
+        Route("/api/rollouts/{rollout}", rollout_json),
+        Route("/rollouts/{rollout}/{action}", rollout_action, methods=["POST"]),
+        Route("/live/rollouts/{rollout}", rollout_live),
         Route("/favicon.ico", lambda request: Response(status_code=204)),
         Mount("/static", StaticFiles(directory=os.path.join(HERE, "static")), name="static"),
     ]
@@ -335,6 +464,37 @@ def _box(console: Console, device: str) -> Optional[Dict[str, Any]]:
     if detail is not None:
         detail["version"] = version
     return detail
+
+
+def _rollouts_page(console: Console, session: Session, status: int = 200, form_error: Optional[str] = None,
+                   form: Optional[Dict[str, Any]] = None) -> Response:
+    groups = console.watch.read(lambda view: sorted({g for b in view.boxes.values() for g in b.groups}))
+    return console.render("rollouts.html", session, status=status, desk=console.rollouts is not None,
+                          rollouts=console.rollouts.rollouts() if console.rollouts else [], groups=groups,
+                          form_error=form_error, form=form or {}, now=time.time())
+
+
+def _form_spec(console: Console, form: Any) -> Any:
+    if console.rollouts is None:
+        raise RolloutError("this console was started without a place for rollouts (--state-dir)")
+    return spec_from_form({k: str(v) for k, v in form.items()}, console.watch.prefix)
+
+
+def _rollout(console: Console, rollout_id: str) -> Optional[Dict[str, Any]]:
+    if console.rollouts is None or not _is_id(rollout_id):
+        return None
+    detail = console.rollouts.detail(rollout_id)
+    if detail is not None:
+        detail["actions"] = actions(detail)
+    return detail
+
+
+def _is_id(rollout_id: str) -> bool:
+    try:
+        check_rollout_id(rollout_id)
+    except RolloutError:
+        return False
+    return True
 
 
 def _client(request: Request) -> str:

@@ -137,8 +137,83 @@ function boxPage() {
   }
 }
 
+function counts(map) {
+  const names = Object.keys(map).sort();
+  return names.length ? names.map((name) => name + " " + map[name]).join(", ") : "-";
+}
+
+function waveTable(w) {
+  const table = el("table", null, {"class": "wave", "data-wave": String(w.index)});
+  table.appendChild(el("caption", "Wave " + w.index + (w.canary ? " (canary)" : "") + ": " + w.size + " box(es)"));
+  const head = el("tr");
+  for (const name of ["Device", "State", "From", "To", "Serves", "Error"]) head.appendChild(el("th", name));
+  table.appendChild(el("thead")).appendChild(head);
+  const body = el("tbody");
+  for (const b of w.boxes) {
+    const tr = el("tr", null, {"data-device": b.device, "class": "box-" + b.state});
+    const device = el("td");
+    device.appendChild(el("a", b.device, {"href": "/box/" + encodeURIComponent(b.device)}));
+    tr.appendChild(device);
+    tr.appendChild(el("td", b.state + (b.reverted ? " (reverted)" : ""), {"class": "state"}));
+    tr.appendChild(el("td", dash(b.old_version)));
+    tr.appendChild(el("td", dash(b.new_version)));
+    tr.appendChild(el("td", dash(b.serving), {"class": "serving"}));
+    tr.appendChild(el("td", dash(b.error)));
+    body.appendChild(tr);
+  }
+  table.appendChild(body);
+  return table;
+}
+
+function rolloutPage() {
+  const head = document.getElementById("rollout");
+  const id = head.dataset.rollout;
+  const csrf = document.body.dataset.csrf;
+  async function refresh() {
+    const answer = await fetch("/api/rollouts/" + encodeURIComponent(id), {credentials: "same-origin"});
+    if (!answer.ok) return;
+    const r = await answer.json();
+    const status = document.getElementById("rollout-status");
+    status.textContent = r.status;
+    status.className = "status-" + r.status;
+    for (const name of ["group", "bundle", "sha256"]) document.getElementById("r-" + name).textContent = dash(r.spec[name]);
+    document.getElementById("rollout-counts").textContent = counts(r.counts);
+    document.getElementById("rollout-driven").textContent = r.driven ? "by a running process" : "by no process now";
+    document.getElementById("rollout-abort").textContent = r.abort ? r.abort.reason : "-";
+    const waves = r.waves.map(waveTable);
+    document.getElementById("waves").replaceChildren(...(waves.length ? waves : [el("p", "not planned yet", {"class": "none"})]));
+    fill("outside", r.outside, (b) => b.device + ": " + b.state + (b.error ? " (" + b.error + ")" : ""));
+    document.getElementById("rollout-log").textContent = r.log.join("\n");
+    for (const button of document.querySelectorAll("button.rollout-action")) {
+      button.hidden = !r.actions.includes(button.dataset.action);
+    }
+  }
+  let pending = null;
+  const source = new EventSource("/live/rollouts/" + encodeURIComponent(id));
+  source.addEventListener("change", () => {
+    if (pending) return;
+    pending = setTimeout(() => { pending = null; refresh(); }, 200);
+  });
+  for (const button of document.querySelectorAll("button.rollout-action")) {
+    button.addEventListener("click", async () => {
+      const action = button.dataset.action;
+      if ((action === "cancel" || action === "revert") && !window.confirm(action + " rollout " + id + "?")) return;
+      const out = document.getElementById("rollout-answer");
+      out.textContent = action + ": asked";
+      delete out.dataset.state;
+      const answer = await fetch("/rollouts/" + encodeURIComponent(id) + "/" + action, {
+        method: "POST", credentials: "same-origin", headers: {"X-CSRF-Token": csrf}});
+      const data = await answer.json();
+      out.textContent = action + ": " + (data.ok ? "ok" : "refused") + (data.said || data.error ? " (" + (data.said || data.error) + ")" : "");
+      out.dataset.state = data.ok ? "ok" : "refused";
+      refresh();
+    });
+  }
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   const page = document.body.dataset.page;
   if (page === "fleet") fleetPage();
   if (page === "box") boxPage();
+  if (page === "rollout") rolloutPage();
 });

@@ -24,12 +24,16 @@ from agent.cli.demo import DEMO_BUNDLE  # noqa: E402
 from tests.conftest import MqttProbe, wait_for  # noqa: E402
 from tests.support.console_support import PASSWORD, AnsweringBox, users_file  # noqa: E402
 from tests.support.daemon_rig import start_daemon, stop_daemons, write_config  # noqa: E402
+from tests.support.shadow_support import candidate_bundle, serving_versions  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 PREFIX = "console-e2e"
 DEVICES = ("cam-north", "cam-south", "cam-gate")
 HOSTILE_ID = "<img src=x onerror=alert(1)>"
 LIVE_S = 5.0  # the acceptance bound for a change to show on an open page, without a reload
+CANDIDATES = {"v2": "1.1.0", "v3": "1.2.0"}  # bundle name in the boxes' store -> its version
+ROLLED = ("cam-north", "cam-south")  # group site-a: the rollouts' boxes
+ROLLOUT_S = 120  # a bound for a rollout of two real daemons on a loaded machine; never asserted as a duration
 
 pytestmark = pytest.mark.skipif(not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)),
                                 reason="needs Debian's chromium and chromium-driver (make chromium)")
@@ -54,10 +58,12 @@ def fleet(mosquitto, tmp_path_factory):
     for index, (image, _boxes, _ids) in enumerate(generate_scenes(7, 6, (480, 640))):
         cv2.imwrite(str(frames / ("f%02d.png" % index)), image)
     probe = MqttProbe(mosquitto, ["%s/#" % PREFIX])
-    procs = {}
+    procs, shas = {}, {}
     for device in DEVICES:
         home = root / device
         home.mkdir()
+        for name, version in CANDIDATES.items():  # what the rollouts deploy, in each box's incoming store
+            shas[name] = candidate_bundle(DEMO_BUNDLE, str(home / "state" / "bundles" / "incoming" / name), version)
         config = write_config(home, mosquitto, frames, loop=True, device_id=device,
                               mqtt={"host": mosquitto.host, "port": mosquitto.port, "prefix": PREFIX,
                                     "groups": ["site-a" if device != "cam-gate" else "site-b"],
@@ -68,7 +74,7 @@ def fleet(mosquitto, tmp_path_factory):
                            device_kind="javascript:alert(3)")
     try:
         assert wait_for(lambda: _online(probe) >= set(DEVICES), 120), [p.poll() for p in procs.values()]
-        yield {"broker": mosquitto, "procs": procs, "probe": probe, "root": root, "hostile": hostile}
+        yield {"broker": mosquitto, "procs": procs, "probe": probe, "root": root, "hostile": hostile, "shas": shas}
     finally:
         stop_daemons(list(procs.values()))
         hostile.close()
@@ -92,7 +98,7 @@ def console(fleet, tmp_path_factory):
     broker = fleet["broker"]
     proc = subprocess.Popen([sys.executable, "-m", "agent", "console", "--users", users, "--broker",
                              "mqtt://%s:%d" % (broker.host, broker.port), "--prefix", PREFIX, "--listen",
-                             "127.0.0.1:%d" % port, "--listen-s", "1"],
+                             "127.0.0.1:%d" % port, "--listen-s", "1", "--state-dir", str(folder / "rollouts")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = "http://127.0.0.1:%d" % port
 
@@ -265,3 +271,126 @@ def test_a_hostile_boxs_strings_are_shown_as_text_and_nothing_runs(fleet, consol
                                   ".length") == 0
     assert severe_logs(browser) == []
     screenshot(browser, "hostile-box")
+
+
+# --- rollouts from the page --------------------------------------------------------------------------------------
+
+def start_rollout(browser, url, bundle, sha, *, rollout_id, pause_after_canary=False):
+    """The form filled and reviewed, the plan checked on the confirmation page, then started; returns the
+    confirmation's waves as the page listed them."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(url + "/rollouts")
+    Select(browser.find_element(By.ID, "f-group")).select_by_value("site-a")
+    for field, value in (("f-bundle", bundle), ("f-sha256", sha), ("f-canary", "1"), ("f-waves", "1"),
+                         ("f-rollout-id", rollout_id)):
+        browser.find_element(By.ID, field).clear()
+        browser.find_element(By.ID, field).send_keys(value)
+    if pause_after_canary:
+        browser.find_element(By.ID, "f-pause-canary").click()
+    browser.find_element(By.ID, "review").click()
+    assert wait_for(lambda: browser.find_elements(By.ID, "confirm-start"), 10), browser.page_source[-2000:]
+    waves = [li.text for li in browser.find_elements(By.CSS_SELECTOR, "#plan-waves li")]
+    assert browser.find_element(By.ID, "c-sha256").text == sha
+    if rollout_id == "ro-page":
+        screenshot(browser, "rollout-confirm")
+    browser.find_element(By.ID, "confirm-start").click()
+    assert wait_for(lambda: browser.current_url.endswith("/rollouts/" + rollout_id), 10), browser.current_url
+    return waves
+
+
+def follow(browser, until, timeout=ROLLOUT_S):
+    """The rollout page's status as it changes, read every 0.1 s without a reload, until it reads ``until``."""
+    from selenium.webdriver.common.by import By
+
+    seen = []
+
+    def status():
+        text = browser.find_element(By.ID, "rollout-status").text
+        if not seen or seen[-1] != text:
+            seen.append(text)
+        return text == until
+
+    assert wait_for(status, timeout, interval=0.1), (seen, browser.find_element(By.ID, "rollout-log").text)
+    return seen
+
+
+def box_states(browser):
+    return dict(browser.execute_script(
+        "return Array.from(document.querySelectorAll('#waves tr[data-device]')).map(tr => [tr.dataset.device,"
+        " tr.querySelector('td.state').textContent]);"))
+
+
+def press(browser, action):
+    """An action button of the rollout page; cancel and revert ask to confirm, and the dialog is accepted."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.find_element(By.ID, "action-" + action).click()
+    if action in ("cancel", "revert"):
+        WebDriverWait(browser, 5).until(expected_conditions.alert_is_present())
+        browser.switch_to.alert.accept()
+    answer = browser.find_element(By.ID, "rollout-answer")
+    assert wait_for(lambda: answer.get_attribute("data-state"), 30), answer.text
+    assert answer.get_attribute("data-state") == "ok", answer.text
+
+
+def test_a_rollout_started_from_the_page_moves_every_box_live_and_revert_puts_them_back(fleet, console, browser):
+    from selenium.webdriver.common.by import By
+
+    probe, shas = fleet["probe"], fleet["shas"]
+    log_in(browser, console["url"], "olga")
+    waves = start_rollout(browser, console["url"], "incoming/v2", shas["v2"], rollout_id="ro-page")
+    assert waves == ["canary: 1 box(es): cam-north", "1 box(es): cam-south"], waves
+    browser.execute_script("window.stillTheSamePage = true")
+    seen = follow(browser, "completed")
+    print("rollout statuses shown live:", seen)
+    assert seen[0] in ("starting", "running") and "running" in seen, seen  # progress, not only the end
+    assert browser.execute_script("return window.stillTheSamePage === true")
+    assert box_states(browser) == dict.fromkeys(ROLLED, "confirmed")
+    assert browser.find_element(By.ID, "r-bundle").text == "incoming/v2"  # filled in live: the page came first
+    assert wait_for(lambda: {d: v for d, v in serving_versions(probe, PREFIX).items() if d in ROLLED} ==
+                    dict.fromkeys(ROLLED, "1.1.0"), 30), serving_versions(probe, PREFIX)  # each box's own word
+    screenshot(browser, "rollout")
+    assert browser.find_element(By.ID, "action-pause").get_attribute("hidden") is not None  # ended: no pause
+    press(browser, "revert")
+    follow(browser, "cancelled")
+    assert wait_for(lambda: box_states(browser) == dict.fromkeys(ROLLED, "confirmed (reverted)"), 30), \
+        box_states(browser)
+    assert wait_for(lambda: {d: v for d, v in serving_versions(probe, PREFIX).items() if d in ROLLED} ==
+                    dict.fromkeys(ROLLED, "1.0.0"), 30), serving_versions(probe, PREFIX)
+    assert severe_logs(browser) == []
+
+
+def test_a_paused_rollout_is_resumed_or_cancelled_from_the_page(fleet, console, browser):
+    probe, shas = fleet["probe"], fleet["shas"]
+    log_in(browser, console["url"], "olga")
+    start_rollout(browser, console["url"], "incoming/v3", shas["v3"], rollout_id="ro-cancel", pause_after_canary=True)
+    follow(browser, "paused")
+    assert box_states(browser) == {"cam-north": "confirmed", "cam-south": "planned"}
+    press(browser, "cancel")
+    follow(browser, "cancelled", 30)
+    assert box_states(browser) == {"cam-north": "confirmed", "cam-south": "not_started"}
+    assert wait_for(lambda: serving_versions(probe, PREFIX).get("cam-north") == "1.2.0", 30)
+    assert serving_versions(probe, PREFIX)["cam-south"] == "1.0.0"  # never sent the deploy
+    press(browser, "revert")
+    assert wait_for(lambda: box_states(browser).get("cam-north") == "confirmed (reverted)", ROLLOUT_S), \
+        box_states(browser)
+    assert wait_for(lambda: serving_versions(probe, PREFIX).get("cam-north") == "1.0.0", 30)
+
+    start_rollout(browser, console["url"], "incoming/v3", shas["v3"], rollout_id="ro-resume", pause_after_canary=True)
+    follow(browser, "paused")
+    press(browser, "resume")
+    follow(browser, "completed")
+    assert box_states(browser) == dict.fromkeys(ROLLED, "confirmed")
+    assert wait_for(lambda: {d: v for d, v in serving_versions(probe, PREFIX).items() if d in ROLLED} ==
+                    dict.fromkeys(ROLLED, "1.2.0"), 30), serving_versions(probe, PREFIX)
+    browser.get(console["url"] + "/rollouts")
+    listed = dict(browser.execute_script(
+        "return Array.from(document.querySelectorAll('#rollouts tr[data-rollout]')).map(tr => [tr.dataset.rollout,"
+        " tr.querySelector('td.status').textContent]);"))
+    assert listed == {"ro-page": "cancelled", "ro-cancel": "cancelled", "ro-resume": "completed"}, listed
+    screenshot(browser, "rollouts")
+    assert severe_logs(browser) == []
