@@ -3,6 +3,7 @@ as ``fleet rollout`` reads its options, the preview placed by the engine's own r
 steer a rollout, and one rollout command started for real by the console, on a real Mosquitto."""
 
 import json
+import os
 import time
 from dataclasses import replace
 
@@ -163,3 +164,21 @@ def test_a_started_rollout_runs_as_the_rollout_command_and_its_page_follows_it(r
     starts = [json.loads(line) for line in open(audit) if '"rollout start"' in line]
     assert [(s["user"], s["target"], s["result"]) for s in starts] == [("olga", "ro-t", "started"),
                                                                       ("olga", None, "refused")]
+
+
+def test_the_rollout_commands_get_the_consoles_broker_options_and_its_password_only_in_their_environment():
+    import argparse
+
+    from agent.cli.console import PASSWORD_ENV, add_arguments, rollout_desk
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--users", "u.json", "--broker", "mqtt://a:1883", "--broker", "mqtt://b:1883",
+                              "--username", "ops", "--password", "s3cret pass", "--tls-ca", "ca.pem", "--ttl", "30",
+                              "--state-dir", "/srv/rollouts", "--prefix", "site"])
+    desk = rollout_desk(args)
+    assert desk.link_args[:8] == ["--broker", "mqtt://a:1883", "--broker", "mqtt://b:1883", "--username", "ops",
+                                  "--password", "env:" + PASSWORD_ENV]
+    assert "s3cret pass" not in " ".join(desk.link_args) and desk.env == {PASSWORD_ENV: "s3cret pass"}
+    assert desk.link_args[8:] == ["--tls-ca", os.path.abspath("ca.pem"), "--ttl", "30.0"]
+    assert (desk.state_dir, desk.prefix) == ("/srv/rollouts", "site")
