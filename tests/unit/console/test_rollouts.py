@@ -164,6 +164,11 @@ def test_a_started_rollout_runs_as_the_rollout_command_and_its_page_follows_it(r
     starts = [json.loads(line) for line in open(audit) if '"rollout start"' in line]
     assert [(s["user"], s["target"], s["result"]) for s in starts] == [("olga", "ro-t", "started"),
                                                                       ("olga", None, "refused")]
+    client.post("/logout", data={"csrf": csrf})
+    csrf = login(client, "vic")
+    page = client.get("/rollouts/ro-t").text
+    assert "ABORT in wave 1" in page and "rollout-action" not in page  # a viewer sees it all, and no button
+    assert client.post("/rollouts/ro-t/revert", headers={"X-CSRF-Token": csrf}).status_code == 403
 
 
 def test_the_rollout_commands_get_the_consoles_broker_options_and_its_password_only_in_their_environment():
@@ -182,3 +187,28 @@ def test_the_rollout_commands_get_the_consoles_broker_options_and_its_password_o
     assert "s3cret pass" not in " ".join(desk.link_args) and desk.env == {PASSWORD_ENV: "s3cret pass"}
     assert desk.link_args[8:] == ["--tls-ca", os.path.abspath("ca.pem"), "--ttl", "30.0"]
     assert (desk.state_dir, desk.prefix) == ("/srv/rollouts", "site")
+
+
+def test_every_state_changing_endpoint_refuses_a_viewer_a_missing_csrf_token_and_no_session(rig):
+    """Every POST route of the app (a new one joins this test by being routed), with the path parameters of a
+    real box and a real rollout id: logged out 401, without or with a wrong CSRF token 403, a viewer 403."""
+    client, boxes, desk, _audit = rig
+    posts = sorted(route.path for route in client.app.routes if "POST" in (getattr(route, "methods", None) or ())
+                   and route.path not in ("/login", "/logout"))  # before a session; a viewer may log out
+    assert {"/box/{device}/command", "/rollouts/plan", "/rollouts/start", "/rollouts/{rollout}/{action}"} <= \
+        set(posts), posts
+    concrete = [p.replace("{device}", "cam-a1").replace("{rollout}", "ro-x").replace("{action}", "cancel")
+                for p in posts]
+    body = dict(FORM)
+    for path in concrete:
+        assert client.post(path, data=body).status_code == 401, path
+    csrf = login(client, "olga")
+    for path in concrete:
+        assert client.post(path, data=body).status_code == 403, path
+        assert client.post(path, data=dict(body, csrf="not-it"), headers={"X-CSRF-Token": "not-it"}).status_code \
+            == 403, path
+    client.post("/logout", data={"csrf": csrf})
+    csrf = login(client, "vic")
+    for path in concrete:
+        assert client.post(path, data=dict(body, csrf=csrf), headers={"X-CSRF-Token": csrf}).status_code == 403, path
+    assert desk.rollouts() == [] and all(box.received == [] for box in boxes)
