@@ -351,6 +351,8 @@ def test_a_rollout_started_from_the_page_moves_every_box_live_and_revert_puts_th
     assert browser.execute_script("return window.stillTheSamePage === true")
     assert box_states(browser) == dict.fromkeys(ROLLED, "confirmed")
     assert browser.find_element(By.ID, "r-bundle").text == "incoming/v2"  # filled in live: the page came first
+    assert HOSTILE_ID + ": not_targeted" in browser.find_element(By.ID, "outside").text  # the hostile box: text
+    assert browser.execute_script("return document.querySelectorAll('img, script:not([src])').length") == 0
     assert wait_for(lambda: {d: v for d, v in serving_versions(probe, PREFIX).items() if d in ROLLED} ==
                     dict.fromkeys(ROLLED, "1.1.0"), 30), serving_versions(probe, PREFIX)  # each box's own word
     screenshot(browser, "rollout")
