@@ -95,7 +95,7 @@ def box_detail(box: BoxView, watch: FleetWatch, now: float) -> Dict[str, Any]:
     return {"row": row(box, now), "reason": box.reason, "backend": box.backend, "broker": box.broker,
             "slots": {name: {"version": e.version, "state": str(e.state), "sha256": e.manifest_sha256}
                       for name, e in sorted(box.entries().items())},
-            "serving_slot": box.serving_slot, "last_rollback": box.last_rollback,
+            "serving_slot": box.serving_slot, "last_rollback": _rollback_text(box.last_rollback),
             "alerts": [_alert_text(a) for a in box.alerts], "shadow": box.shadow,
             "cameras": [dict(s, name=name) for name, s in sorted(box.sources.items())],
             "pictures": sorted(feed.snapshots), "refused_snapshot": feed.refused_snapshot,
@@ -512,6 +512,14 @@ def _result_line(result: Dict[str, Any]) -> Dict[str, Any]:
     return {"source": str(result.get("source")), "frame_id": result.get("frame_id"),
             "detections": [{"label": str(d.get("label")), "score": d.get("score"), "box": d.get("box")}
                            for d in detections[:50] if isinstance(d, dict)]}
+
+
+def _rollback_text(rejection: Any) -> Optional[str]:
+    """The slot table's last rollback as a line: which model went back, when and why (None: never)."""
+    if not isinstance(rejection, dict):
+        return None
+    return ("%s %s rolled back at %s: %s" % tuple(str(rejection.get(k) or "?") for k in (
+        "name", "version", "at", "reason")))[:300]
 
 
 def _sources_text(sources: Dict[str, Dict[str, Any]]) -> str:

@@ -92,6 +92,16 @@ function boxPage() {
       "box-backend": box.backend, "box-fps": r.fps === null ? null : r.fps.toFixed(1), "box-broker": box.broker};
     for (const [id, value] of Object.entries(fields)) document.getElementById(id).textContent = dash(value);
     fill("alerts", box.alerts, (a) => a);
+    document.getElementById("slot-rows").replaceChildren(...Object.keys(box.slots).sort().map((name) => {
+      const slot = box.slots[name];
+      const tr = el("tr");
+      tr.appendChild(el("td", name + (name === box.serving_slot ? " (serving)" : "")));
+      tr.appendChild(el("td", dash(slot.version)));
+      tr.appendChild(el("td", slot.state));
+      tr.appendChild(el("td", dash(slot.sha256), {"class": "sha"}));
+      return tr;
+    }));
+    document.getElementById("last-rollback").textContent = "Last rollback: " + (box.last_rollback || "none");
     fill("results", box.results, (x) => x.source + " frame " + x.frame_id + ": " +
       x.detections.map((d) => d.label + " " + (typeof d.score === "number" ? d.score.toFixed(2) : d.score)).join(", "));
     fill("command-log", box.commands, (c) => c.user + ": " + c.verb + " " + c.state + (c.error ? " (" + c.error + ")" : ""));

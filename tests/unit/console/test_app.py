@@ -222,3 +222,20 @@ def test_logout_ends_the_session_and_needs_its_csrf_token(rig):
     assert answer.status_code == 303 and answer.headers["location"] == "/login"
     assert client.get("/api/fleet").status_code == 401
     assert [line["action"] for line in audit_lines(audit)][-1] == "logout"
+
+
+def test_a_box_page_shows_its_slots_and_its_last_rollback(rig):
+    client, boxes, console, _audit = rig
+    slots = {"serving": "a", "slots": {
+        "a": {"name": "demo", "version": "1.0.0", "manifest_sha256": "a" * 64, "state": "confirmed"},
+        "b": {"name": "demo", "version": "1.1.0", "manifest_sha256": "b" * 64, "state": "standby"}},
+        "last_rollback": {"name": "demo", "version": "1.1.0", "manifest_sha256": "b" * 64,
+                          "reason": "<b>golden</b> failed", "at": "2026-12-04T10:00:00Z"}}
+    boxes[0].publish_status("online", slots=slots)
+    assert wait_for(lambda: console.watch.view.boxes["cam-a1"].slots is not None, 10)
+    login(client, "vic")
+    detail = client.get("/api/box/cam-a1").json()
+    assert detail["slots"]["b"] == {"version": "1.1.0", "state": "standby", "sha256": "b" * 64}
+    assert detail["last_rollback"] == "demo 1.1.0 rolled back at 2026-12-04T10:00:00Z: <b>golden</b> failed"
+    page = client.get("/box/cam-a1").text
+    assert "a (serving)" in page and "&lt;b&gt;golden&lt;/b&gt; failed" in page and "<b>golden" not in page
