@@ -110,9 +110,10 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
 def _serve(args: argparse.Namespace, accounts, link, host: str, port: int, err: TextIO) -> int:
     import uvicorn
 
-    from agent.console.app import Console, make_app
+    from agent.console.app import make_app
     from agent.console.audit import AuditLog
     from agent.console.watch import FleetWatch
+    from agent.console.web import Console
     from agent.protocol.envelope import CommandEnvelope
 
     envelope = CommandEnvelope.from_file(args.ttl, args.command_key)

@@ -13,9 +13,10 @@ pytest.importorskip("httpx", reason="Starlette's TestClient needs httpx (the dev
 from starlette.testclient import TestClient  # noqa: E402
 
 from agent.console.accounts import Accounts  # noqa: E402
-from agent.console.app import CSP, Console, make_app  # noqa: E402
+from agent.console.app import make_app  # noqa: E402
 from agent.console.audit import AuditLog  # noqa: E402
 from agent.console.sessions import LOGIN_FAILURES  # noqa: E402
+from agent.console.web import CSP, Console  # noqa: E402
 from tests.conftest import wait_for  # noqa: E402
 from tests.support.console_support import PASSWORD, AnsweringBox, users_file, watch_on  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The console's rollouts (agent/console/rollouts.py, the /rollouts routes of agent/console/app.py): the form read
+"""The console's rollouts (agent/console/rollouts.py, the routes of agent/console/rollout_pages.py): the form read
 as ``fleet rollout`` reads its options, the preview placed by the engine's own rule, who may plan, start and
 steer a rollout, and one rollout command started for real by the console, on a real Mosquitto."""
 
@@ -15,9 +15,10 @@ pytest.importorskip("httpx", reason="Starlette's TestClient needs httpx (the dev
 from starlette.testclient import TestClient  # noqa: E402
 
 from agent.console.accounts import Accounts  # noqa: E402
-from agent.console.app import Console, make_app  # noqa: E402
+from agent.console.app import make_app  # noqa: E402
 from agent.console.audit import AuditLog  # noqa: E402
 from agent.console.rollouts import RolloutDesk, preview, spec_from_form  # noqa: E402
+from agent.console.web import Console  # noqa: E402
 from agent.fleet.link import Message  # noqa: E402
 from agent.fleet.plan import RolloutError  # noqa: E402
 from agent.fleet.status import FleetView  # noqa: E402
