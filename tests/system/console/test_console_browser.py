@@ -24,6 +24,7 @@ from agent.cli.demo import DEMO_BUNDLE  # noqa: E402
 from tests.conftest import MqttProbe, wait_for  # noqa: E402
 from tests.support.console_support import PASSWORD, AnsweringBox, users_file  # noqa: E402
 from tests.support.daemon_rig import start_daemon, stop_daemons, write_config  # noqa: E402
+from tests.support.lifecycle_support import NOISE_PROOF_FACTOR  # noqa: E402
 from tests.support.shadow_support import candidate_bundle, serving_versions  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -64,7 +65,9 @@ def fleet(mosquitto, tmp_path_factory):
         home.mkdir()
         for name, version in CANDIDATES.items():  # what the rollouts deploy, in each box's incoming store
             shas[name] = candidate_bundle(DEMO_BUNDLE, str(home / "state" / "bundles" / "incoming" / name), version)
-        config = write_config(home, mosquitto, frames, loop=True, device_id=device,
+        # The box's latency rule is not under test: a loaded machine must not roll a rollout's canary back
+        model = {"bundle": DEMO_BUNDLE, "observation_s": 0, "latency_regression": NOISE_PROOF_FACTOR}
+        config = write_config(home, mosquitto, frames, loop=True, device_id=device, model=model,
                               mqtt={"host": mosquitto.host, "port": mosquitto.port, "prefix": PREFIX,
                                     "groups": ["site-a" if device != "cam-gate" else "site-b"],
                                     "reconnect_min_s": 0.1, "reconnect_max_s": 1.0},
