@@ -11,18 +11,22 @@ function el(tag, text, attrs) {
 
 function dash(value) { return value === null || value === undefined || value === "" ? "-" : value; }
 
+// A burst of changes is drawn once, 300 ms after its first: the changes that arrive meanwhile are merged into
+// it (their boxes added; null, "any box", wins), so a box page never misses its box's change for another's.
 function live(version, onChange) {
   let pending = null;
-  let source = null;
-  function open(v) {
-    source = new EventSource("/live?v=" + encodeURIComponent(v));
-    source.addEventListener("change", (event) => {
-      const change = JSON.parse(event.data);
-      if (pending) return;
-      pending = setTimeout(() => { pending = null; onChange(change); }, 300);
-    });
-  }
-  open(version);
+  const source = new EventSource("/live?v=" + encodeURIComponent(version));
+  source.addEventListener("change", (event) => {
+    const change = JSON.parse(event.data);
+    if (pending) {
+      pending.version = change.version;
+      pending.devices = pending.devices === null || change.devices === null ? null
+        : pending.devices.concat(change.devices);
+      return;
+    }
+    pending = change;
+    setTimeout(() => { const burst = pending; pending = null; onChange(burst); }, 300);
+  });
 }
 
 function fleetRow(r) {
