@@ -15,7 +15,7 @@ from agent.fleet.report import EXIT_COMPLETED
 from tests.conftest import wait_for
 from tests.support.camera_rig import Camera, require_rig
 from tests.support.fleet_boxes import random_prefix
-from tests.support.shadow_support import gated_bundles, gated_daemons, gated_rollout, serving_versions
+from tests.support.shadow_support import gated_bundles, gated_daemons, gated_rollout, outcomes, serving_versions
 
 pytestmark = [
     pytest.mark.camera_rig,
@@ -50,7 +50,7 @@ def rig_fleet(tmp_path_factory, request):
 def test_the_demo_int8_is_promoted_on_three_boxes_by_its_agreement_on_their_cameras(rig_fleet, capsys):
     code, report, err = gated_rollout(rig_fleet, "int8", capsys)
     boxes = {b["device"]: b for b in report["boxes"]}
-    assert code == EXIT_COMPLETED and report["status"] == "completed", (err, boxes)
+    assert code == EXIT_COMPLETED and report["status"] == "completed", outcomes(err, boxes)
     for device in DEVICES:
         shadow = boxes[device]["shadow"]
         print(device, "on its RTSP camera: score-aware F1", shadow["f1"], "strict", shadow["strict_f1"], "on",

@@ -30,7 +30,14 @@ from tests.conftest import REPO_ROOT, wait_for
 from tests.support.fleet_boxes import random_prefix
 from tests.support.fleet_support import box_fleet, sim_rollout_args  # noqa: F401 - box_fleet is a fixture
 from tests.support.golden_damage import damaged_bundle, scales_x4
-from tests.support.shadow_support import candidate_bundle, gated_bundles, gated_daemons, gated_rollout, serving_versions
+from tests.support.shadow_support import (
+    candidate_bundle,
+    gated_bundles,
+    gated_daemons,
+    gated_rollout,
+    outcomes,
+    serving_versions,
+)
 
 pytestmark = [pytest.mark.fleet_rig,
               pytest.mark.skipif(not os.path.exists(os.path.join(DEMO_BUNDLE, "manifest.json")),
@@ -123,7 +130,7 @@ def test_a_broken_candidate_is_caught_in_the_canary_and_no_box_serves_it(gated_f
 def test_a_healthy_int8_candidate_is_promoted_on_every_box(gated_fleet, capsys):
     code, report, err = gated_rollout(gated_fleet, "int8", capsys)
     boxes = {b["device"]: b for b in report["boxes"]}
-    assert code == EXIT_COMPLETED and report["status"] == "completed", (err, boxes)
+    assert code == EXIT_COMPLETED and report["status"] == "completed", outcomes(err, boxes)
     for device in DEVICES:
         shadow = boxes[device]["shadow"]
         assert boxes[device]["outcome"] == "confirmed" and shadow["verdict"] == "agrees", boxes[device]
@@ -147,7 +154,7 @@ def test_a_healthy_int8_of_a_weakly_trained_yolov8_is_promoted_on_score_aware_ag
     is lower than the score-aware one that the gate judges by (both printed), and every box is promoted."""
     code, report, err = gated_rollout(yolo_fleet, "int8", capsys, "--shadow-frames", "30")
     boxes = {b["device"]: b for b in report["boxes"]}
-    assert code == EXIT_COMPLETED and report["status"] == "completed", (err, boxes)
+    assert code == EXIT_COMPLETED and report["status"] == "completed", outcomes(err, boxes)
     for device in YOLO_DEVICES:
         shadow = boxes[device]["shadow"]
         print("yolov8t %s: score-aware F1 %s, strict F1 %s on %s frames, %s detections" % (
