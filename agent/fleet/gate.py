@@ -9,8 +9,12 @@ fails: an idle camera must not vouch for a candidate). Its score-aware F1 agains
 ``--min-agreement`` the box goes on to the deploy; below it the box ends ``disagreement``, its report's figures
 and worst labels in the error, and the candidate is discarded there (``shadow-stop`` with ``discard``). A box
 that answers ``unknown_verb`` runs an agent without shadow runs: it ends ``no_shadow`` and is never deployed. A
-failed shadow command ends ``failed``; no final report by ``--shadow-timeout`` ends ``timed_out``. Each of these
-is a failure for the abort rules, so a bad candidate stops the rollout in its canary, before any box serves it.
+failed shadow command ends ``failed``. ``--shadow-timeout`` bounds two waits, because the box's run has its own
+clock: the box answers its command once the candidate is loaded and the run started, and ends the run itself at
+``max_s`` (the same value) from then. So until that answer the bound counts from the send; from it, the bound
+plus REPORT_GRACE_S, so the box's own final report (one that ran out of time with too few frames included) is
+what decides. No final report by then ends ``timed_out``. Each of these is a failure for the abort rules, so a
+bad candidate stops the rollout in its canary, before any box serves it.
 """
 
 from typing import Any, Callable, Dict, List, Optional
@@ -26,6 +30,7 @@ from agent.protocol.verbs import SHADOW, SHADOW_STOP
 AGREES, DISAGREES = "agrees", "disagrees"
 UNKNOWN_VERB = "unknown_verb"
 WORST_LABELS = 3  # labels named in a disagreement's error, the worst first
+REPORT_GRACE_S = 30.0  # after a started run's max_s, for its final report to reach the operator
 
 Send = Callable[[str, str, Any, str], None]  # (device, verb, request, request id)
 Judged = Callable[[str], None]  # a box's gate ended (in the state): report it, check the abort rules
@@ -64,11 +69,15 @@ class ShadowGate:
                 break
             self.send(device, SHADOW, self._request(), state.boxes[device].shadow["request_id"])
             deadline[device] = self.intake.monotonic() + self.spec.shadow_timeout
-        waiting = list(deadline)
+        waiting, started = list(deadline), set()
         while waiting and state.status == RolloutStatus.RUNNING:
             self.intake.pump(state)
             for device in list(waiting):
-                if self._judge(state, device, deadline[device]):
+                if device not in started and self._run_started(state, device):
+                    started.add(device)  # the box ends its run at max_s from now: its own report decides
+                    deadline[device] = max(deadline[device], self.intake.monotonic() + self.spec.shadow_timeout +
+                                           REPORT_GRACE_S)
+                if self._judge(state, device, deadline[device], device in started):
                     waiting.remove(device)
                     if state.boxes[device].phase == Phase.DONE:
                         judged(device)
@@ -83,7 +92,12 @@ class ShadowGate:
                              sample=self.spec.shadow_sample or DEFAULT_SHADOW_SAMPLE,
                              frames=self.spec.shadow_frames or 1, max_s=self.spec.shadow_timeout)
 
-    def _judge(self, state: RolloutState, device: str, deadline: float) -> bool:
+    def _run_started(self, state: RolloutState, device: str) -> bool:
+        """The box answered its shadow command: the candidate is loaded and its run's own clock started."""
+        ack = self.intake.acks.get((device, (state.boxes[device].shadow or {}).get("request_id", "")))
+        return ack is not None and ack.state == SUCCEEDED
+
+    def _judge(self, state: RolloutState, device: str, deadline: float, started: bool) -> bool:
         """True once the box's gate ended: agreed (left for the deploy) or finished with its outcome."""
         record = dict(state.boxes[device].shadow or {})
         ack = self.intake.acks.get((device, record["request_id"]))
@@ -99,9 +113,13 @@ class ShadowGate:
         if report is not None:
             return self._verdict(state, device, record, report)
         if self.intake.monotonic() >= deadline:
-            self._stop(state, device, discard=True)
-            return self._finish(state, device, record, Outcome.TIMED_OUT, "no final shadow report within "
-                                "--shadow-timeout %.0f s" % self.spec.shadow_timeout)
+            self._stop(state, device, discard=True, record=record)
+            if started:
+                why = "its run started, but sent no final report within --shadow-timeout %.0f s + %.0f s" % (
+                    self.spec.shadow_timeout, REPORT_GRACE_S)
+            else:
+                why = "no answer to the shadow command within --shadow-timeout %.0f s" % self.spec.shadow_timeout
+            return self._finish(state, device, record, Outcome.TIMED_OUT, why)
         return False
 
     def _final_report(self, device: str, started: bool) -> Optional[Dict[str, Any]]:
@@ -127,12 +145,12 @@ class ShadowGate:
                       detections=agreement.get("reference_detections"), warning=agreement.get("warning"),
                       candidate_errors=report.get("candidate_errors"))
         if report.get("state") != "finished" or not isinstance(f1, (int, float)):
-            self._stop(state, device, discard=True)
+            self._stop(state, device, discard=True, record=record)
             return self._finish(state, device, record, Outcome.FAILED, "shadow run %s: %s" % (
                 report.get("state"), one_line(str(report.get("reason")))))
         if not isinstance(record["frames"], int) or record["frames"] < (self.spec.shadow_frames or 1):
             # a run that ended on its time limit compared too little to vouch for the candidate (0 frames: F1 1.0)
-            self._stop(state, device, discard=True)
+            self._stop(state, device, discard=True, record=record)
             return self._finish(state, device, record, Outcome.FAILED, "the shadow run compared %s of %d "
                                 "frame(s) (%s): too few to judge" % (record["frames"], self.spec.shadow_frames or 1,
                                                                     one_line(str(report.get("reason")))))
@@ -144,7 +162,7 @@ class ShadowGate:
             return True
         worst = sorted(((c.get("f1", 1.0), label) for label, c in (agreement.get("per_label") or {}).items()
                         if isinstance(c, dict)))[:WORST_LABELS]
-        self._stop(state, device, discard=True)
+        self._stop(state, device, discard=True, record=record)
         return self._finish(state, device, record, Outcome.DISAGREEMENT, "score-aware F1 %.3f below "
                             "--min-agreement %.3f (strict %s; interval %s; %s frame(s), %s detection(s)); worst "
                             "labels: %s" % (f1, self.spec.agreement_bound, strict.get("f1"), aware.get("f1_interval"),
@@ -156,9 +174,12 @@ class ShadowGate:
         record["verdict"] = DISAGREES if outcome == Outcome.DISAGREEMENT else outcome.value
         return self.intake.finish(state, device, outcome, error, shadow=record)
 
-    def _stop(self, state: RolloutState, device: str, discard: bool) -> None:
-        """End the box's run (and with ``discard`` delete its candidate): nothing of a refused candidate stays."""
-        record = dict(state.boxes[device].shadow or {})
+    def _stop(self, state: RolloutState, device: str, discard: bool,
+              record: Optional[Dict[str, Any]] = None) -> None:
+        """End the box's run (and with ``discard`` delete its candidate): nothing of a refused candidate stays.
+        ``record``: the shadow record the caller goes on to finish with, given the stop's request id too (else the
+        box's answer to the stop would read as another's)."""
+        record = record if record is not None else dict(state.boxes[device].shadow or {})
         record["stop_id"] = request_id(self.rollout_id, device, SHADOW_STOP)
         state.set(device, shadow=record)
         self.send(device, SHADOW_STOP, ShadowStopRequest(discard=discard), record["stop_id"])

@@ -56,6 +56,10 @@ FAULTS = (
     # issue 39: gated rollouts
     "disagree",          # its shadow run of any candidate measures score-aware F1 params["f1"] (default 0.40)
     "no_shadow",         # an agent from before shadow runs: answers the shadow verb unknown_verb
+    "slow_shadow",       # answers its shadow command params["load_s"] (1.0) late (the candidate loading), and its
+                         # run, which needs params["run_s"] (60) for its frames, ends at the command's max_s from then
+                         # with a share of them compared, as the real run does (agent/pipeline/shadow.py)
+    "mute_shadow",       # never answers its shadow command (the command was lost on the way)
 )
 AGREEING_F1 = 0.985  # the shadow report of a box without the disagree fault
 # Statuses no reader parses (SimBox.make_unreadable): its body inside a JSON list; its body with a field nested
@@ -268,6 +272,10 @@ class SimBox:
             self._deploy(rid, body)
         elif verb == "rollback":
             self._rollback(rid)
+        elif verb == "shadow" and self.fault == "mute_shadow":
+            pass  # lost on the way: never answered
+        elif verb == "shadow" and self.fault == "slow_shadow":
+            self.fleet.later(self.params.get("load_s", 1.0), lambda: self._shadow(rid, body))
         elif verb == "shadow" and self.fault != "no_shadow":
             self._shadow(rid, body)
         elif verb == "shadow-stop" and self.fault != "no_shadow":
@@ -286,17 +294,22 @@ class SimBox:
         frames = int(body.get("frames", 200))
         self.ack(rid, "shadow", "succeeded", result={"state": "running", "frames": frames})
         f1 = self.params.get("f1", 0.40) if self.fault == "disagree" else AGREEING_F1
+        length, reason = self.fleet.shadow_s, "compared %d frames" % frames
+        if self.fault == "slow_shadow":
+            max_s = float(body.get("max_s", 900))
+            length, frames = max_s, int(frames * max_s / self.params.get("run_s", 60.0))
+            reason = "max_s (%g s) reached after %d frames" % (max_s, frames)
 
         def report() -> None:
             figures = {"tp": 0, "fp": 0, "fn": 0, "precision": f1, "recall": f1, "f1": f1, "f1_interval": [f1, f1]}
             self.send(self.topic("shadow"), {
-                "state": "finished", "reason": "compared %d frames" % frames, "candidate": dict(bundle),
+                "state": "finished", "reason": reason, "candidate": dict(bundle),
                 "reference": self.serving(), "frames_compared": frames, "dropped_busy": 0, "candidate_errors": 0,
                 "agreement": {"frames": frames, "reference_detections": 4 * frames, "strict": figures,
                               "score_aware": figures, "per_label": {"circle": figures}}}, retain=True)
             self.shadow_reported_at = time.monotonic()
 
-        self.fleet.later(self.fleet.shadow_s, report)
+        self.fleet.later(length, report)
 
     def _deploy(self, rid: str, body: Dict[str, Any]) -> None:
         if self._busy:

@@ -186,8 +186,9 @@ def test_an_old_agent_and_a_disagreeing_box_are_never_deployed_the_others_are(bo
     assert fleet.box("box-02").deploys == 0 and fleet.box("box-04").deploys == 0
     for device in ("box-00", "box-01", "box-03", "box-05"):
         assert boxes[device]["outcome"] == "confirmed" and boxes[device]["shadow"]["verdict"] == "agrees"
-    # the disagreeing box was told to discard its candidate
+    # the disagreeing box was told to discard its candidate; its answer to that is its own: no anomaly
     assert ("shadow-stop", True) in [(verb, body.get("discard")) for verb, body in fleet.box("box-04").commands]
+    assert all(b["anomalies"] == [] for b in boxes.values()), boxes
 
 
 def test_a_canary_that_disagrees_aborts_before_any_deploy(box_fleet, tmp_path, capsys):
@@ -196,6 +197,27 @@ def test_a_canary_that_disagrees_aborts_before_any_deploy(box_fleet, tmp_path, c
     assert code == EXIT_ABORTED and "the canary failed (box-00 disagreement)" in err, err
     assert sum(box.deploys for box in fleet.boxes) == 0
     assert [d for d, b in boxes.items() if b["shadow"]] == ["box-00"]  # the others were not even shadowed
+
+
+def test_a_run_that_ran_out_of_time_is_judged_by_its_own_report_and_a_lost_command_times_out(
+        box_fleet, tmp_path, capsys):
+    """--shadow-timeout 3: box-01 answers its shadow command 1 s late (its candidate loading) and its run, too slow
+    for 50 frames, ends at the command's max_s from then with 7 compared: its own report decides (failed, too few
+    frames), not the operator's clock. box-02's command is lost: timed_out once the bound passed unanswered."""
+    fleet = box_fleet(3, faults={1: ("slow_shadow", {"load_s": 1.0, "run_s": 20.0}),
+                                 2: ("mute_shadow", None)}).start()
+    code, boxes, err = _sim_rollout(fleet, tmp_path, capsys, "--waves", "1", "--shadow-timeout", "3")
+    assert code == EXIT_PARTIAL, err
+    assert boxes["box-00"]["outcome"] == "confirmed", boxes["box-00"]
+    slow = boxes["box-01"]
+    assert slow["outcome"] == "failed" and slow["shadow"]["frames"] == 7, slow
+    assert "compared 7 of 50 frame(s) (max_s (3 s) reached after 7 frames): too few to judge" in slow["error"], slow
+    lost = boxes["box-02"]
+    assert lost["outcome"] == "timed_out" and "no answer to the shadow command within --shadow-timeout 3 s" in \
+        lost["error"], lost
+    assert fleet.box("box-01").deploys == 0 and fleet.box("box-02").deploys == 0
+    # the boxes' answers to the shadow-stop sent on each refusal are their own: no anomaly
+    assert all(b["anomalies"] == [] for b in boxes.values()), boxes
 
 
 def test_a_rerun_reads_the_verdicts_it_recorded_and_shadows_no_box_twice(box_fleet, tmp_path, capsys):
