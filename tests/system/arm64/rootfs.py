@@ -10,6 +10,7 @@ machine's own, :func:`tests.system.systemd.container.debian_mirror`); each run w
 """
 
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -132,13 +133,16 @@ class BoxRoot:
             raise Unavailable("no ip (iproute2) or unshare (util-linux) to isolate the root's network")
         self.tree, self.work, self.share = tree, work, share
         self.layers: List[str] = []
-        self.count = 0
+        self.numbers = itertools.count(1)  # next() is atomic: runs start from several threads
+
+    def add_layer(self, layer: str) -> None:
+        """A layer made before (its files under ``layer/data``) under the next runs, as a kept run's would be."""
+        self.layers.append(layer)
 
     def run(self, argv: List[str], cpu: str = DEFAULT_CPU, keep: Optional[str] = None, timeout: float = 900,
             env: Optional[dict] = None) -> "subprocess.CompletedProcess[str]":
         """``argv`` in the root; with ``keep`` its writable layer is kept (named so) under the next runs."""
-        self.count += 1
-        upper = os.path.join(self.work, keep or "run-%d" % self.count)
+        upper = os.path.join(self.work, keep or "run-%d" % next(self.numbers))
         for sub in ("data", "work", "root"):
             os.makedirs(os.path.join(upper, sub), exist_ok=True)
         lower = ":".join([os.path.join(layer, "data") for layer in reversed(self.layers)] + [self.tree])

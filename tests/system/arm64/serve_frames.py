@@ -60,14 +60,15 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()
 
-    import onnxruntime
+    from importlib.metadata import version  # not onnxruntime itself: the daemon imports it, a second costs 1 s emulated
+
     import paho.mqtt.client as mqtt
 
     from agent.devtools.broker import EmbeddedBroker
 
     frames = sorted(n for n in os.listdir(args.frames) if n.endswith(".png"))
     os.makedirs(args.work, exist_ok=True)
-    report = {"cpu": cpu_features(), "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
+    report = {"cpu": cpu_features(), "onnxruntime": version("onnxruntime"), "python": platform.python_version(),
               "precision": args.precision, "frames": len(frames), "results": {}}
     started = time.monotonic()
     with EmbeddedBroker() as broker:
