@@ -109,6 +109,9 @@ class OutboxConfig:
     replay_rate_hz: float = setting(200.0, gt=0, le=100000, doc="replay rate after a reconnect")
 
 
+SHADOW_NICE = 19  # the lowest priority a thread can ask for without privileges (a shadow run's default)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     bundle: str = setting(doc="bundle directory served at first start (later: the confirmed slot)")
@@ -122,6 +125,9 @@ class ModelConfig:
     latency_regression: float = setting(2.0, gt=1, le=1e6, doc="roll back when pending p50 latency exceeds this "
                                         "factor")
     max_error_rate: float = setting(0.05, ge=0, le=1, doc="roll back when pending inference errors exceed this")
+    shadow_nice: int = setting(SHADOW_NICE, ge=0, le=19, doc="CPU priority (nice) of a shadow run's candidate "
+                               "thread: 19 takes only what serving and everything else leave; lower takes more of "
+                               "a busy CPU, at their expense")
     public_key: Optional[str] = setting(None, doc="Ed25519 public key (hex or PEM file): deploys must be signed")
 
 

@@ -362,7 +362,7 @@ class ModelManager:
             progress("loading %s beside %s (warm-up and golden self-test)" % (bundle.label, reference.label))
             run = ShadowRun(lambda: self._load(bundle), reference, _bundle_identity(bundle),
                             list(bundle.manifest.labels), request.sample, request.frames, request.max_s,
-                            self._shadow_report)
+                            self._shadow_report, nice=self.config.model.shadow_nice)
             try:
                 run.start()
             except RuntimeError as exc:  # the runtime refused the model

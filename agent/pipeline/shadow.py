@@ -24,12 +24,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from agent.config.daemon_config import SHADOW_NICE
 from agent.pipeline.agreement import SCORE_MARGIN, AgreementMeter
 from agent.pipeline.model import LoadedModel
 
 log = logging.getLogger(__name__)
 
-SHADOW_NICE = 19  # the lowest priority a thread can ask for without privileges
 PROGRESS_EVERY_S = 2.0  # a running report this often (retained: the latest replaces the one before)
 POLL_S = 0.1  # how often the candidate's thread looks at its deadline and stop request while no frame waits
 MAX_ERRORS = 10  # candidate calls that raised before the run ends as failed (a model that cannot run is a verdict)

@@ -197,3 +197,23 @@ def test_a_shadow_while_a_deploy_runs_is_refused_busy_and_changes_nothing(demo):
         finally:
             release.set()
             deploy.join(60)
+
+
+def test_the_candidates_priority_is_the_configured_one(tmp_path):
+    """model.shadow_nice reaches the run (its thread lowers itself to it); the default is the lowest, 19."""
+    from agent.cli.demo import DEMO_BUNDLE
+    from agent.config.daemon_config import SHADOW_NICE
+
+    base = str(tmp_path / "demo-1.0.0")
+    candidate_bundle(DEMO_BUNDLE, base, "1.0.0", serve="float")
+    for settings, expected in (({}, SHADOW_NICE), ({"shadow_nice": 7}, 7)):
+        h = Harness(tmp_path / str(expected), base, backend="onnxruntime", **settings)
+        h.manager.start()
+        try:
+            sha = candidate_bundle(DEMO_BUNDLE, h.incoming("int8-1.1.0"), "1.1.0")
+            h.manager.shadow(shadow_request(bundle="incoming/int8-1.1.0", sha256=sha, frames=5), no_progress)
+            run = h.manager.shadow_tap()
+            assert run is not None and run.nice == expected and run.priority_problem is None  # lowered so
+        finally:
+            h.manager.close()
+    assert SHADOW_NICE == 19
