@@ -323,8 +323,12 @@ class LoadedModel:
 
 def load_model(bundle: Bundle, device: DeviceConfig, backend: str, max_batch: int = 1,
                require_golden: bool = True, on_phase: Optional[Callable[[str], None]] = None,
-               precision: str = "auto") -> LoadedModel:
+               precision: str = "auto", warm_up: bool = True) -> LoadedModel:
     """Load, warm up and self-test; raises BundleError (naming the golden cases) if the self-test fails.
+
+    ``warm_up=False`` leaves out the warm-up calls: the self-test's outputs are the same (onnxruntime's kernels
+    keep nothing from one call to the next); only the first inferences' latency differs. For judging a bundle,
+    never for serving one.
 
     ``on_phase(name)`` is called as each step begins (``load``, ``warm-up``, ``golden check``): at start-up the
     daemon turns it into systemd's EXTEND_TIMEOUT_USEC, so a slow box gets time per step, and a step that hangs
@@ -335,8 +339,9 @@ def load_model(bundle: Bundle, device: DeviceConfig, backend: str, max_batch: in
     model = LoadedModel(bundle, device, backend, max_batch, precision=precision)
     model.load()
     try:
-        phase("warm-up")
-        model.warm_up()
+        if warm_up:
+            phase("warm-up")
+            model.warm_up()
         phase("golden check")
         report = model.golden_check()
         if require_golden and not report.passed:

@@ -137,37 +137,19 @@ def golden_report(root: str, precision: str = "int8", graph_optimization: str = 
     from agent.bundle.manifest import BundleError
     from agent.bundle.verify import verify_bundle
     from agent.config.device_config import load_device_config
-    from agent.pipeline.model import LoadedModel, load_model
+    from agent.pipeline.model import load_model
 
     device = load_device_config("cpu-dev")
     device = dataclasses.replace(device, onnxruntime=dataclasses.replace(
         device.onnxruntime, graph_optimization=graph_optimization))
     try:
-        if not warm_up:
-            return _golden_without_warm_up(LoadedModel(verify_bundle(root), device, "onnxruntime",
-                                                       precision=precision))
-        model = load_model(verify_bundle(root), device, "onnxruntime", precision=precision)
+        model = load_model(verify_bundle(root), device, "onnxruntime", precision=precision, warm_up=warm_up)
     except BundleError as exc:
         return False, str(exc)
     try:
         return True, model.golden_check().summary()
     finally:
         model.close()
-
-
-def _golden_without_warm_up(model: Any) -> Tuple[bool, str]:
-    """load_model's steps less the warm-up: load, then the golden self-test, refused as load_model refuses."""
-    from agent.bundle.manifest import BundleError
-    from agent.config.schema import FieldError
-
-    model.load()
-    try:
-        report = model.golden_check()
-    finally:
-        model.close()
-    if not report.passed:
-        return False, str(BundleError([FieldError("golden", f) for f in report.failures], model.bundle.root))
-    return True, report.summary()
 
 
 def check(out: str, precision: str = "int8", graph_optimization: str = "all", intact: bool = True,

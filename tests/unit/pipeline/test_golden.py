@@ -135,6 +135,27 @@ def test_the_demo_int8_model_passes_on_either_kernel_path(ort_runtime, graph_opt
 
 
 @needs_demo
+def test_the_self_test_reads_the_same_without_the_warm_up(ort_runtime):
+    """load_model(warm_up=False), which judges damaged copies in the aarch64 lane: no warm-up step, and the golden
+    report the same to the digit as after one (the kernels keep nothing from call to call)."""
+    from agent.bundle.verify import verify_bundle
+    from agent.config.device_config import load_device_config
+    from agent.pipeline.model import load_model
+
+    summaries = {}
+    for warm_up in (True, False):
+        phases = []
+        model = load_model(verify_bundle(DEMO_BUNDLE), load_device_config("cpu-dev"), "onnxruntime",
+                           precision="int8", on_phase=phases.append, warm_up=warm_up)
+        try:
+            summaries[warm_up] = model.golden_check().summary()
+        finally:
+            model.close()
+        assert phases == (["load", "warm-up", "golden check"] if warm_up else ["load", "golden check"])
+    assert summaries[True] == summaries[False], summaries
+
+
+@needs_demo
 @pytest.mark.parametrize("damage", ["scales-x4", "last-scale-x4", "weights-pm2", "weights-flipped"])
 def test_a_damaged_int8_model_is_refused_on_either_kernel_path(ort_runtime, tmp_path, damage):
     pytest.importorskip("onnx", reason="needs onnx to damage the model")
