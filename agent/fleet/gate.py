@@ -113,7 +113,7 @@ class ShadowGate:
         if report is not None:
             return self._verdict(state, device, record, report)
         if self.intake.monotonic() >= deadline:
-            self._stop(state, device, discard=True, record=record)
+            self._stop(state, device, discard=True)
             if started:
                 why = "its run started, but sent no final report within --shadow-timeout %.0f s + %.0f s" % (
                     self.spec.shadow_timeout, REPORT_GRACE_S)
@@ -145,12 +145,12 @@ class ShadowGate:
                       detections=agreement.get("reference_detections"), warning=agreement.get("warning"),
                       candidate_errors=report.get("candidate_errors"))
         if report.get("state") != "finished" or not isinstance(f1, (int, float)):
-            self._stop(state, device, discard=True, record=record)
+            self._stop(state, device, discard=True)
             return self._finish(state, device, record, Outcome.FAILED, "shadow run %s: %s" % (
                 report.get("state"), one_line(str(report.get("reason")))))
         if not isinstance(record["frames"], int) or record["frames"] < (self.spec.shadow_frames or 1):
             # a run that ended on its time limit compared too little to vouch for the candidate (0 frames: F1 1.0)
-            self._stop(state, device, discard=True, record=record)
+            self._stop(state, device, discard=True)
             return self._finish(state, device, record, Outcome.FAILED, "the shadow run compared %s of %d "
                                 "frame(s) (%s): too few to judge" % (record["frames"], self.spec.shadow_frames or 1,
                                                                     one_line(str(report.get("reason")))))
@@ -162,7 +162,7 @@ class ShadowGate:
             return True
         worst = sorted(((c.get("f1", 1.0), label) for label, c in (agreement.get("per_label") or {}).items()
                         if isinstance(c, dict)))[:WORST_LABELS]
-        self._stop(state, device, discard=True, record=record)
+        self._stop(state, device, discard=True)
         return self._finish(state, device, record, Outcome.DISAGREEMENT, "score-aware F1 %.3f below "
                             "--min-agreement %.3f (strict %s; interval %s; %s frame(s), %s detection(s)); worst "
                             "labels: %s" % (f1, self.spec.agreement_bound, strict.get("f1"), aware.get("f1_interval"),
@@ -171,15 +171,15 @@ class ShadowGate:
 
     def _finish(self, state: RolloutState, device: str, record: Dict[str, Any], outcome: Outcome,
                 error: str) -> bool:
+        """End the box with ``record`` (the caller's copy, read before it stopped the run) over the fields written
+        meanwhile: the stop's request id stays, so the box's answer to the stop reads as its own."""
+        record = dict(state.boxes[device].shadow or {}, **record)
         record["verdict"] = DISAGREES if outcome == Outcome.DISAGREEMENT else outcome.value
         return self.intake.finish(state, device, outcome, error, shadow=record)
 
-    def _stop(self, state: RolloutState, device: str, discard: bool,
-              record: Optional[Dict[str, Any]] = None) -> None:
-        """End the box's run (and with ``discard`` delete its candidate): nothing of a refused candidate stays.
-        ``record``: the shadow record the caller goes on to finish with, given the stop's request id too (else the
-        box's answer to the stop would read as another's)."""
-        record = record if record is not None else dict(state.boxes[device].shadow or {})
+    def _stop(self, state: RolloutState, device: str, discard: bool) -> None:
+        """End the box's run (and with ``discard`` delete its candidate): nothing of a refused candidate stays."""
+        record = dict(state.boxes[device].shadow or {})
         record["stop_id"] = request_id(self.rollout_id, device, SHADOW_STOP)
         state.set(device, shadow=record)
         self.send(device, SHADOW_STOP, ShadowStopRequest(discard=discard), record["stop_id"])
