@@ -36,6 +36,7 @@ PREFIX = "atlas-edge/e2e"
 SECRET = "box-mqtt-Secret-7Hq"  # the box's own broker password: a credential and an environment variable
 PASSWORD = "Pa/ss@w0rd"  # a camera password written raw, with '/' and '@'
 ANSWER_S = 60.0  # a deadline for polls on a loaded machine, not a speed claim
+POLL_S = 0.5  # between status commands sent as polls: 2 a second, under the daemon's default rate_per_s 10
 WINDOW_S = 3.0  # how long a refused change is watched for a connection it must not make
 
 
@@ -190,7 +191,9 @@ def test_input_options_that_make_ffmpeg_connect_are_refused_with_the_default_pol
             web_status = ack["result"]["sources"]["web"]
             return web_status if (web_status["last_error"] or {}).get("cause") == "refused" else None
 
-        assert wait_for(web_refused, timeout=ANSWER_S), "the web source never reported its refused connection"
+        # Each poll is a command: polled back to back, a refusal slow to come spent the daemon's token bucket.
+        assert wait_for(web_refused, timeout=ANSWER_S, interval=POLL_S), \
+            "the web source never reported its refused connection"
         # In the project's words, not FFmpeg's text with hosts and ports (a port-scan oracle).
         assert web_refused()["last_error"]["message"] == "connection refused"
         assert not wait_for(lambda: attacker.received, timeout=WINDOW_S), "the box connected through the proxy"
