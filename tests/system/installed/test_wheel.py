@@ -156,3 +156,12 @@ def test_validate_bundle_verify_ctl_and_fleet_run_from_the_wheel(tmp_path):
         assert helped.returncode == 0 and "usage: atlas-edge" in helped.stdout, helped.stderr
     bench = atlas_edge("bench", "--quick", cwd=str(tmp_path))
     assert bench.returncode == 2 and "runs from a source checkout" in bench.stderr
+
+
+def test_wheelhouse_from_the_wheel_names_the_options_for_the_pins_and_creates_nothing(tmp_path):
+    """Installed, there is no checkout to read constraints/ from: a clear error, not a guess in site-packages."""
+    out = tmp_path / "wheelhouse"
+    done = atlas_edge("wheelhouse", "--python", "3.9", "--platform", "aarch64", "--out", str(out), cwd=str(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "wheelhouse: no checkout here: pass --constraints (and --wheel or --source)" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
